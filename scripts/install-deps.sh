@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs every system package Shoal needs to build, test and serve (Debian 12).
+# Idempotent: only missing packages are installed; safe to run again.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake ninja-build pkg-config git ca-certificates curl
+  nats-server libnats-dev
+  libmsgpack-cxx-dev
+  libboost-dev
+  libtorch-dev libopenblas0-openmp python3-torch python3-numpy
+  nlohmann-json3-dev
+  libcli11-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  wrk
+  wamerican
+  nodejs
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+# Debian's nodejs ships npm separately; other nodejs builds bundle it.
+if ! command -v npm >/dev/null 2>&1; then missing+=(npm); fi
+
+# libtorch needs the OpenMP OpenBLAS; the pthread variant oversubscribes cores.
+conflicting=()
+if dpkg-query -W -f='${Status}' libopenblas0-pthread 2>/dev/null | grep -q "install ok installed"; then
+  conflicting+=(libopenblas0-pthread)
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install-deps: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+if [ ${#conflicting[@]} -gt 0 ]; then
+  echo "install-deps: removing ${conflicting[*]} (slow with libtorch)"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get remove -y -qq "${conflicting[@]}"
+fi
+echo "install-deps: system packages ready"

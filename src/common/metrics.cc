@@ -1,0 +1,143 @@
+#include "common/metrics.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+namespace shoal {
+namespace {
+
+void AtomicAdd(std::atomic<double>& a, double v) {
+  double cur = a.load(std::memory_order_relaxed);
+  while (!a.compare_exchange_weak(cur, cur + v, std::memory_order_relaxed)) {
+  }
+}
+
+std::string Escape(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') out.push_back('\\');
+    if (c == '\n') { out += "\\n"; continue; }
+    out.push_back(c);
+  }
+  return out;
+}
+
+std::string RenderLabels(const Labels& labels) {
+  if (labels.empty()) return {};
+  std::string s = "{";
+  for (size_t i = 0; i < labels.size(); ++i) {
+    if (i) s += ',';
+    s += labels[i].first + "=\"" + Escape(labels[i].second) + "\"";
+  }
+  return s + "}";
+}
+
+std::string Num(double v) {
+  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+// Adds one label to an already rendered label set.
+std::string WithLabel(const std::string& rendered, const std::string& k, const std::string& v) {
+  std::string extra = k + "=\"" + v + "\"";
+  if (rendered.empty()) return "{" + extra + "}";
+  return rendered.substr(0, rendered.size() - 1) + "," + extra + "}";
+}
+
+}  // namespace
+
+void Gauge::Add(double v) { AtomicAdd(value_, v); }
+
+Histogram::Histogram(std::vector<double> upper_bounds) : bounds_(std::move(upper_bounds)) {
+  std::sort(bounds_.begin(), bounds_.end());
+  buckets_ = std::make_unique<std::atomic<int64_t>[]>(bounds_.size() + 1);
+  for (size_t i = 0; i <= bounds_.size(); ++i) buckets_[i] = 0;
+}
+
+void Histogram::Observe(double v) {
+  size_t i = std::lower_bound(bounds_.begin(), bounds_.end(), v) - bounds_.begin();
+  buckets_[i].fetch_add(1, std::memory_order_relaxed);
+  count_.fetch_add(1, std::memory_order_relaxed);
+  AtomicAdd(sum_, v);
+}
+
+std::vector<double> LatencyBuckets() {
+  return {0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30};
+}
+
+std::vector<double> SizeBuckets() {
+  std::vector<double> b;
+  for (double v = 1; v <= 1024; v *= 2) b.push_back(v);
+  return b;
+}
+
+MetricsRegistry::Family& MetricsRegistry::FamilyFor(const std::string& name, const char* type,
+                                                    const std::string& help) {
+  auto& f = families_[name];
+  if (f.type.empty()) {
+    f.type = type;
+    f.help = help;
+  }
+  return f;
+}
+
+Counter* MetricsRegistry::GetCounter(const std::string& name, const std::string& help,
+                                     const Labels& labels) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& slot = FamilyFor(name, "counter", help).counters[RenderLabels(labels)];
+  if (!slot) slot = std::make_unique<Counter>();
+  return slot.get();
+}
+
+Gauge* MetricsRegistry::GetGauge(const std::string& name, const std::string& help,
+                                 const Labels& labels) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& slot = FamilyFor(name, "gauge", help).gauges[RenderLabels(labels)];
+  if (!slot) slot = std::make_unique<Gauge>();
+  return slot.get();
+}
+
+Histogram* MetricsRegistry::GetHistogram(const std::string& name, const std::string& help,
+                                         const Labels& labels, std::vector<double> bounds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& slot = FamilyFor(name, "histogram", help).histograms[RenderLabels(labels)];
+  if (!slot) slot = std::make_unique<Histogram>(std::move(bounds));
+  return slot.get();
+}
+
+void MetricsRegistry::AddRefresher(std::function<void()> fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  refreshers_.push_back(std::move(fn));
+}
+
+std::string MetricsRegistry::Render() const {
+  std::vector<std::function<void()>> refreshers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    refreshers = refreshers_;
+  }
+  for (auto& r : refreshers) r();  // outside the lock: refreshers may call Get*
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out;
+  for (const auto& [name, f] : families_) {
+    out += "# HELP " + name + " " + f.help + "\n# TYPE " + name + " " + f.type + "\n";
+    for (const auto& [l, c] : f.counters) out += name + l + " " + std::to_string(c->Value()) + "\n";
+    for (const auto& [l, g] : f.gauges) out += name + l + " " + Num(g->Value()) + "\n";
+    for (const auto& [l, h] : f.histograms) {
+      int64_t cum = 0;
+      for (size_t i = 0; i <= h->bounds().size(); ++i) {
+        cum += h->BucketCount(i);
+        std::string le = i < h->bounds().size() ? Num(h->bounds()[i]) : "+Inf";
+        out += name + "_bucket" + WithLabel(l, "le", le) + " " + std::to_string(cum) + "\n";
+      }
+      out += name + "_sum" + l + " " + Num(h->Sum()) + "\n";
+      out += name + "_count" + l + " " + std::to_string(h->Count()) + "\n";
+    }
+  }
+  return out;
+}
+
+}  // namespace shoal

@@ -1,0 +1,42 @@
+#include "common/metrics.h"
+
+#include <gtest/gtest.h>
+
+namespace shoal {
+namespace {
+
+TEST(Metrics, RendersPrometheusText) {
+  MetricsRegistry reg;
+  reg.GetCounter("shoal_requests_total", "Requests.", {{"route", "/v1/embeddings"}, {"code", "200"}})->Inc(3);
+  reg.GetGauge("shoal_queue_depth", "Depth.")->Set(7);
+  auto* h = reg.GetHistogram("shoal_latency_seconds", "Latency.", {{"route", "x"}}, {0.1, 1});
+  h->Observe(0.05);
+  h->Observe(0.5);
+  h->Observe(5);
+  std::string text = reg.Render();
+  EXPECT_NE(text.find("# TYPE shoal_requests_total counter"), std::string::npos);
+  EXPECT_NE(text.find("shoal_requests_total{route=\"/v1/embeddings\",code=\"200\"} 3"), std::string::npos);
+  EXPECT_NE(text.find("shoal_queue_depth 7"), std::string::npos);
+  EXPECT_NE(text.find("shoal_latency_seconds_bucket{route=\"x\",le=\"0.10000000000000001\"} 1"), std::string::npos);
+  EXPECT_NE(text.find("shoal_latency_seconds_bucket{route=\"x\",le=\"+Inf\"} 3"), std::string::npos);
+  EXPECT_NE(text.find("shoal_latency_seconds_count{route=\"x\"} 3"), std::string::npos);
+}
+
+TEST(Metrics, SameNameAndLabelsGiveTheSameSeries) {
+  MetricsRegistry reg;
+  auto* a = reg.GetCounter("c", "h", {{"k", "v"}});
+  auto* b = reg.GetCounter("c", "h", {{"k", "v"}});
+  auto* other = reg.GetCounter("c", "h", {{"k", "w"}});
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, other);
+}
+
+TEST(Metrics, RefreshersRunBeforeRender) {
+  MetricsRegistry reg;
+  auto* g = reg.GetGauge("g", "h");
+  reg.AddRefresher([g] { g->Set(42); });
+  EXPECT_NE(reg.Render().find("g 42"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace shoal

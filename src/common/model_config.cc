@@ -1,0 +1,125 @@
+#include "common/model_config.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace shoal {
+namespace {
+
+using nlohmann::json;
+
+template <typename T>
+void Get(const json& j, const char* key, T& out) {
+  if (auto it = j.find(key); it != j.end() && !it->is_null()) out = it->get<T>();
+}
+
+}  // namespace
+
+Status ModelConfig::Validate() const {
+  if (name.empty()) return InvalidArgument("model config: name is empty");
+  if (task != "embed") return InvalidArgument("model " + name + ": unsupported task '" + task + "'");
+  if (runtime != "torchscript" && runtime != "null")
+    return InvalidArgument("model " + name + ": unknown runtime '" + runtime + "'");
+  if (max_seq_len < 3 || max_seq_len > 8192)
+    return InvalidArgument("model " + name + ": max_seq_len must be in [3, 8192]");
+  if (dim < 0) return InvalidArgument("model " + name + ": dim must be >= 0");
+  if (pooling != "mean" && pooling != "cls")
+    return InvalidArgument("model " + name + ": pooling must be 'mean' or 'cls'");
+  if (tokenizer.type != "wordpiece")
+    return InvalidArgument("model " + name + ": unsupported tokenizer '" + tokenizer.type + "'");
+  if (batching.max_batch_size < 1) return InvalidArgument("model " + name + ": max_batch_size must be >= 1");
+  if (batching.max_batch_tokens < max_seq_len)
+    return InvalidArgument("model " + name + ": max_batch_tokens must be >= max_seq_len");
+  if (batching.max_wait_us < 0) return InvalidArgument("model " + name + ": max_wait_us must be >= 0");
+  if (intra_op_threads < 0) return InvalidArgument("model " + name + ": intra_op_threads must be >= 0");
+  return Status::Ok();
+}
+
+Result<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& dir) {
+  ModelConfig c;
+  c.dir = dir;
+  try {
+    json j = json::parse(json_text);
+    if (!j.is_object()) return InvalidArgument("model config must be a JSON object");
+    Get(j, "name", c.name);
+    Get(j, "task", c.task);
+    Get(j, "runtime", c.runtime);
+    Get(j, "model_file", c.model_file);
+    Get(j, "max_seq_len", c.max_seq_len);
+    Get(j, "dim", c.dim);
+    Get(j, "pooling", c.pooling);
+    Get(j, "normalize", c.normalize);
+    Get(j, "intra_op_threads", c.intra_op_threads);
+    if (auto t = j.find("tokenizer"); t != j.end() && t->is_object()) {
+      Get(*t, "type", c.tokenizer.type);
+      Get(*t, "vocab_file", c.tokenizer.vocab_file);
+      Get(*t, "lowercase", c.tokenizer.lowercase);
+      c.tokenizer.strip_accents = c.tokenizer.lowercase;  // BERT's default
+      Get(*t, "strip_accents", c.tokenizer.strip_accents);
+      Get(*t, "tokenize_chinese_chars", c.tokenizer.tokenize_chinese_chars);
+    }
+    if (auto b = j.find("batching"); b != j.end() && b->is_object()) {
+      Get(*b, "max_batch_tokens", c.batching.max_batch_tokens);
+      Get(*b, "max_batch_size", c.batching.max_batch_size);
+      Get(*b, "max_wait_us", c.batching.max_wait_us);
+    }
+  } catch (const std::exception& e) {
+    return InvalidArgument(std::string("model config: ") + e.what());
+  }
+  RETURN_IF_ERROR(c.Validate());
+  return c;
+}
+
+Result<ModelConfig> LoadModelConfig(const std::string& dir) {
+  const std::string path = dir + "/shoal.json";
+  std::ifstream in(path);
+  if (!in) return NotFound("cannot read " + path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto abs = std::filesystem::absolute(dir).lexically_normal().string();
+  if (!abs.empty() && abs.back() == '/') abs.pop_back();
+  auto r = ParseModelConfig(ss.str(), abs);
+  if (!r.ok()) return Status(r.status().code(), path + ": " + r.status().message());
+  return r;
+}
+
+Result<std::vector<ModelConfig>> LoadModelRepository(const std::string& repo_dir) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(repo_dir, ec))
+    return NotFound("model repository " + repo_dir + " is not a directory");
+  std::vector<std::string> dirs;
+  for (const auto& entry : std::filesystem::directory_iterator(repo_dir, ec)) {
+    if (entry.is_directory() && std::filesystem::exists(entry.path() / "shoal.json"))
+      dirs.push_back(entry.path().string());
+  }
+  std::sort(dirs.begin(), dirs.end());
+  std::vector<ModelConfig> out;
+  for (const auto& d : dirs) {
+    ASSIGN_OR_RETURN(auto c, LoadModelConfig(d));
+    for (const auto& o : out)
+      if (o.name == c.name) return InvalidArgument("duplicate model name '" + c.name + "' in " + repo_dir);
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+std::string ModelConfigToJson(const ModelConfig& c) {
+  json j = {{"name", c.name},
+            {"task", c.task},
+            {"runtime", c.runtime},
+            {"max_seq_len", c.max_seq_len},
+            {"dim", c.dim},
+            {"pooling", c.pooling},
+            {"normalize", c.normalize},
+            {"batching",
+             {{"max_batch_tokens", c.batching.max_batch_tokens},
+              {"max_batch_size", c.batching.max_batch_size},
+              {"max_wait_us", c.batching.max_wait_us}}}};
+  return j.dump();
+}
+
+}  // namespace shoal

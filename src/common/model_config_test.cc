@@ -1,0 +1,64 @@
+#include "common/model_config.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+namespace shoal {
+namespace {
+
+TEST(ModelConfig, ParsesAllFields) {
+  auto c = ParseModelConfig(R"({"name":"m","task":"embed","runtime":"null","max_seq_len":128,
+    "dim":64,"pooling":"cls","normalize":false,"intra_op_threads":2,
+    "tokenizer":{"lowercase":false},
+    "batching":{"max_batch_tokens":4096,"max_batch_size":16,"max_wait_us":500}})", "/models/m");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->name, "m");
+  EXPECT_EQ(c->runtime, "null");
+  EXPECT_EQ(c->max_seq_len, 128);
+  EXPECT_EQ(c->pooling, "cls");
+  EXPECT_FALSE(c->normalize);
+  EXPECT_FALSE(c->tokenizer.lowercase);
+  EXPECT_FALSE(c->tokenizer.strip_accents);  // follows lowercase unless given
+  EXPECT_EQ(c->batching.max_batch_tokens, 4096);
+  EXPECT_EQ(c->batching.max_wait_us, 500);
+  EXPECT_EQ(c->ModelPath(), "/models/m/model.pt");
+  EXPECT_EQ(c->VocabPath(), "/models/m/vocab.txt");
+}
+
+TEST(ModelConfig, RejectsBadValues) {
+  EXPECT_EQ(ParseModelConfig("{", "/d").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseModelConfig("[]", "/d").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseModelConfig(R"({"task":"embed"})", "/d").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseModelConfig(R"({"name":"m","pooling":"max"})", "/d").status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseModelConfig(R"({"name":"m","runtime":"onnx"})", "/d").status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseModelConfig(R"({"name":"m","max_seq_len":"long"})", "/d").status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseModelConfig(R"({"name":"m","batching":{"max_batch_tokens":10}})", "/d").status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(ModelConfig, LoadsARepositoryAndRejectsDuplicates) {
+  auto root = std::filesystem::temp_directory_path() / ("shoal_repo_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root / "a");
+  std::filesystem::create_directories(root / "b");
+  std::filesystem::create_directories(root / "not-a-model");
+  std::ofstream(root / "a" / "shoal.json") << R"({"name":"alpha","runtime":"null"})";
+  std::ofstream(root / "b" / "shoal.json") << R"({"name":"beta","runtime":"null"})";
+  auto repo = LoadModelRepository(root.string());
+  ASSERT_TRUE(repo.ok()) << repo.status().ToString();
+  ASSERT_EQ(repo->size(), 2u);
+  EXPECT_EQ((*repo)[0].name, "alpha");
+  EXPECT_EQ((*repo)[1].dir, (root / "b").string());
+  std::ofstream(root / "b" / "shoal.json") << R"({"name":"alpha","runtime":"null"})";
+  EXPECT_EQ(LoadModelRepository(root.string()).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(LoadModelRepository((root / "missing").string()).status().code(), StatusCode::kNotFound);
+  std::filesystem::remove_all(root);
+}
+
+}  // namespace
+}  // namespace shoal

@@ -1,0 +1,367 @@
+#include "queue/nats_client.h"
+
+#include <cstring>
+
+#include <nats/nats.h>
+
+namespace shoal {
+
+void NatsDeleter::operator()(natsConnection* p) const {
+  natsConnection_Close(p);
+  natsConnection_Destroy(p);
+}
+void NatsDeleter::operator()(natsMsg* p) const { natsMsg_Destroy(p); }
+void NatsDeleter::operator()(natsSubscription* p) const {
+  natsSubscription_Unsubscribe(p);
+  natsSubscription_Destroy(p);
+}
+void NatsDeleter::operator()(jsCtx* p) const { jsCtx_Destroy(p); }
+void NatsDeleter::operator()(kvStore* p) const { kvStore_Destroy(p); }
+
+Status FromNats(int s, const std::string& what, int js_err) {
+  if (s == NATS_OK) return Status::Ok();
+  std::string msg = what + ": " + natsStatus_GetText(static_cast<natsStatus>(s));
+  if (const char* last = nats_GetLastError(nullptr); last && *last && std::strstr(msg.c_str(), last) == nullptr)
+    msg += std::string(" (") + last + ")";
+  if (js_err) msg += " [js " + std::to_string(js_err) + "]";
+  switch (s) {
+    case NATS_TIMEOUT: return DeadlineExceeded(msg);
+    case NATS_NOT_FOUND: return NotFound(msg);
+    case NATS_INVALID_ARG: return InvalidArgument(msg);
+    case NATS_NO_SERVER:
+    case NATS_CONNECTION_CLOSED:
+    case NATS_CONNECTION_DISCONNECTED:
+    case NATS_NO_RESPONDERS:
+    case NATS_IO_ERROR:
+    case NATS_STALE_CONNECTION:
+      return Unavailable(msg);
+    default: return Internal(msg);
+  }
+}
+
+Status NatsOptions::Validate() const {
+  if (url.empty()) return InvalidArgument("nats url is empty");
+  if (connect_timeout_ms <= 0) return InvalidArgument("connect_timeout_ms must be > 0");
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& o) {
+  RETURN_IF_ERROR(o.Validate());
+  natsOptions* opts = nullptr;
+  natsStatus s = natsOptions_Create(&opts);
+  if (s != NATS_OK) return FromNats(s, "nats options");
+  std::unique_ptr<natsOptions, void (*)(natsOptions*)> guard(opts, natsOptions_Destroy);
+  natsOptions_SetURL(opts, o.url.c_str());
+  natsOptions_SetName(opts, o.name.c_str());
+  natsOptions_SetTimeout(opts, o.connect_timeout_ms);
+  natsOptions_SetSendAsap(opts, o.send_asap);
+  if (o.retry_forever) {
+    natsOptions_SetMaxReconnect(opts, -1);
+    natsOptions_SetReconnectWait(opts, 250);
+  }
+  // Replies for many requests arrive on one subscription: don't drop them
+  // as a slow consumer.
+  natsOptions_SetMaxPendingMsgs(opts, 1 << 20);
+
+  natsConnection* nc = nullptr;
+  s = natsConnection_Connect(&nc, opts);
+  if (s != NATS_OK) return FromNats(s, "connect to " + o.url);
+  auto client = std::unique_ptr<NatsClient>(new NatsClient());
+  client->options_ = o;
+  client->conn_.reset(nc);
+
+  jsOptions jo;
+  jsOptions_Init(&jo);
+  jo.Wait = o.js_api_timeout_ms;
+  jsCtx* js = nullptr;
+  s = natsConnection_JetStream(&js, nc, &jo);
+  if (s != NATS_OK) return FromNats(s, "jetstream context");
+  client->js_.reset(js);
+  return client;
+}
+
+NatsClient::~NatsClient() {
+  js_.reset();
+  conn_.reset();
+}
+
+bool NatsClient::IsConnected() const {
+  return natsConnection_Status(conn_.get()) == NATS_CONN_STATUS_CONNECTED;
+}
+
+Status NatsClient::PublishMsg(natsMsg* msg) {
+  return FromNats(natsConnection_PublishMsg(conn_.get(), msg), "publish");
+}
+
+Status NatsClient::Publish(std::string_view subject, std::string_view data) {
+  std::string subj(subject);
+  return FromNats(natsConnection_Publish(conn_.get(), subj.c_str(), data.data(),
+                                         static_cast<int>(data.size())),
+                  "publish " + subj);
+}
+
+Result<NatsSubscriptionPtr> NatsClient::Subscribe(const std::string& subject, NatsMsgHandler handler,
+                                                  void* closure) {
+  natsSubscription* sub = nullptr;
+  natsStatus s = natsConnection_Subscribe(&sub, conn_.get(), subject.c_str(), handler, closure);
+  if (s != NATS_OK) return FromNats(s, "subscribe " + subject);
+  natsSubscription_SetPendingLimits(sub, -1, -1);
+  return NatsSubscriptionPtr(sub);
+}
+
+Status NatsClient::Flush(int64_t timeout_ms) {
+  return FromNats(natsConnection_FlushTimeout(conn_.get(), timeout_ms), "flush");
+}
+
+std::string NatsClient::NewInbox() {
+  natsInbox* inbox = nullptr;
+  natsInbox_Create(&inbox);
+  std::string out = inbox ? inbox : "";
+  natsInbox_Destroy(inbox);
+  return out;
+}
+
+// ----- Work stream ------------------------------------------------------------
+
+Status WorkStreamOptions::Validate() const {
+  if (name.empty()) return InvalidArgument("stream name is empty");
+  if (replicas < 1 || replicas > 5) return InvalidArgument("stream replicas must be in [1, 5]");
+  if (max_msgs < 1) return InvalidArgument("stream max_msgs must be >= 1");
+  if (max_bytes < 1024) return InvalidArgument("stream max_bytes must be >= 1024");
+  return Status::Ok();
+}
+
+namespace {
+
+Status EnsureStream(NatsClient& client, jsStreamConfig& cfg, bool owner) {
+  jsStreamInfo* si = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  natsStatus s = js_GetStreamInfo(&si, client.js(), cfg.Name, nullptr, &jerr);
+  if (s == NATS_OK) {
+    jsStreamInfo_Destroy(si);
+    if (!owner) return Status::Ok();
+    s = js_UpdateStream(&si, client.js(), &cfg, nullptr, &jerr);
+    if (s == NATS_OK) {
+      jsStreamInfo_Destroy(si);
+      return Status::Ok();
+    }
+    // Some fields (storage, retention) cannot change on a live stream.
+    return FromNats(s, std::string("update stream ") + cfg.Name, jerr);
+  }
+  if (s != NATS_NOT_FOUND) return FromNats(s, std::string("stream info ") + cfg.Name, jerr);
+  if (!owner) return NotFound(std::string("stream ") + cfg.Name + " does not exist (no owner created it yet)");
+  s = js_AddStream(&si, client.js(), &cfg, nullptr, &jerr);
+  if (s == NATS_OK) jsStreamInfo_Destroy(si);
+  // Another owner may have won the race: that's fine.
+  if (s != NATS_OK && jerr == JSStreamNameExistErr) return Status::Ok();
+  return FromNats(s, std::string("add stream ") + cfg.Name, jerr);
+}
+
+}  // namespace
+
+Status EnsureWorkStream(NatsClient& client, const WorkStreamOptions& o) {
+  RETURN_IF_ERROR(o.Validate());
+  jsStreamConfig cfg;
+  jsStreamConfig_Init(&cfg);
+  const char* subjects[] = {o.subjects.c_str()};
+  cfg.Name = o.name.c_str();
+  cfg.Description = "Shoal work queue";
+  cfg.Subjects = subjects;
+  cfg.SubjectsLen = 1;
+  cfg.Retention = js_WorkQueuePolicy;
+  cfg.Storage = o.file_storage ? js_FileStorage : js_MemoryStorage;
+  cfg.Replicas = o.replicas;
+  cfg.MaxMsgs = o.max_msgs;
+  cfg.MaxBytes = o.max_bytes;
+  cfg.MaxMsgSize = o.max_msg_bytes;
+  cfg.Discard = js_DiscardNew;  // a full queue refuses new work: explicit 429
+  cfg.Duplicates = o.duplicate_window_ms * int64_t{1000000};
+  RETURN_IF_ERROR(EnsureStream(client, cfg, o.owner));
+
+  // Dead letters: the server's MaxDeliver advisory for each work consumer.
+  std::string dlq_name = o.name + "_DLQ";
+  std::string dlq_subject = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES." + o.name + ".*";
+  const char* dlq_subjects[] = {dlq_subject.c_str()};
+  jsStreamConfig dlq;
+  jsStreamConfig_Init(&dlq);
+  dlq.Name = dlq_name.c_str();
+  dlq.Description = "Shoal work that exceeded MaxDeliver (advisories)";
+  dlq.Subjects = dlq_subjects;
+  dlq.SubjectsLen = 1;
+  dlq.Storage = cfg.Storage;
+  dlq.Replicas = o.replicas;
+  dlq.MaxMsgs = 100000;
+  dlq.Discard = js_DiscardOld;
+  return EnsureStream(client, dlq, o.owner);
+}
+
+Result<StreamState> GetStreamState(NatsClient& client, const std::string& stream) {
+  jsStreamInfo* si = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  natsStatus s = js_GetStreamInfo(&si, client.js(), stream.c_str(), nullptr, &jerr);
+  if (s != NATS_OK) return FromNats(s, "stream info " + stream, jerr);
+  StreamState st{si->State.Msgs, si->State.Bytes, si->State.Consumers};
+  jsStreamInfo_Destroy(si);
+  return st;
+}
+
+// ----- Deliveries ---------------------------------------------------------------
+
+std::string_view Delivery::Data() const {
+  return {natsMsg_GetData(msg_.get()), static_cast<size_t>(natsMsg_GetDataLength(msg_.get()))};
+}
+
+std::string_view Delivery::Header(const char* name) const {
+  const char* v = nullptr;
+  if (natsMsgHeader_Get(msg_.get(), name, &v) != NATS_OK || v == nullptr) return {};
+  return v;
+}
+
+uint64_t Delivery::NumDelivered() const {
+  jsMsgMetaData* meta = nullptr;
+  if (natsMsg_GetMetaData(&meta, msg_.get()) != NATS_OK) return 1;
+  uint64_t n = meta->NumDelivered;
+  jsMsgMetaData_Destroy(meta);
+  return n;
+}
+
+uint64_t Delivery::StreamSeq() const { return natsMsg_GetSequence(msg_.get()); }
+
+Status Delivery::Ack() { return FromNats(natsMsg_Ack(msg_.get(), nullptr), "ack"); }
+Status Delivery::Term() { return FromNats(natsMsg_Term(msg_.get(), nullptr), "term"); }
+Status Delivery::Nak(int64_t delay_ms) {
+  if (delay_ms > 0) return FromNats(natsMsg_NakWithDelay(msg_.get(), delay_ms, nullptr), "nak");
+  return FromNats(natsMsg_Nak(msg_.get(), nullptr), "nak");
+}
+Status Delivery::InProgress() { return FromNats(natsMsg_InProgress(msg_.get(), nullptr), "in-progress"); }
+
+// ----- Pull consumer -----------------------------------------------------------
+
+Status ConsumerOptions::Validate() const {
+  if (ack_wait_ms < 100) return InvalidArgument("ack_wait_ms must be >= 100");
+  if (max_deliver < 1) return InvalidArgument("max_deliver must be >= 1");
+  if (max_ack_pending < 1) return InvalidArgument("max_ack_pending must be >= 1");
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<PullConsumer>> PullConsumer::Create(NatsClient& client, const std::string& stream,
+                                                           const std::string& subject,
+                                                           const std::string& durable,
+                                                           const ConsumerOptions& o) {
+  RETURN_IF_ERROR(o.Validate());
+  jsConsumerConfig cc;
+  jsConsumerConfig_Init(&cc);
+  cc.Durable = durable.c_str();
+  cc.Name = durable.c_str();
+  cc.FilterSubject = subject.c_str();
+  cc.AckPolicy = js_AckExplicit;
+  cc.AckWait = o.ack_wait_ms * int64_t{1000000};
+  cc.MaxDeliver = o.max_deliver;
+  cc.MaxAckPending = o.max_ack_pending;
+  cc.DeliverPolicy = js_DeliverAll;
+  jsConsumerInfo* ci = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  natsStatus s = js_AddConsumer(&ci, client.js(), stream.c_str(), &cc, nullptr, &jerr);
+  if (s != NATS_OK && jerr == JSConsumerNameExistErr) {
+    s = js_UpdateConsumer(&ci, client.js(), stream.c_str(), &cc, nullptr, &jerr);
+  }
+  if (s != NATS_OK) {
+    // Existing consumer with a config we can't update: bind to it anyway.
+    jsErrCode jerr2 = static_cast<jsErrCode>(0);
+    s = js_GetConsumerInfo(&ci, client.js(), stream.c_str(), durable.c_str(), nullptr, &jerr2);
+    if (s != NATS_OK) return FromNats(s, "add consumer " + durable, jerr);
+  }
+  jsConsumerInfo_Destroy(ci);
+
+  jsSubOptions so;
+  jsSubOptions_Init(&so);
+  so.Stream = stream.c_str();
+  so.Consumer = durable.c_str();
+  natsSubscription* sub = nullptr;
+  s = js_PullSubscribe(&sub, client.js(), subject.c_str(), durable.c_str(), nullptr, &so, &jerr);
+  if (s != NATS_OK) return FromNats(s, "pull subscribe " + subject, jerr);
+  auto pc = std::unique_ptr<PullConsumer>(new PullConsumer());
+  pc->sub_.reset(sub);
+  return pc;
+}
+
+Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait_ms) {
+  natsMsgList list{};
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  natsStatus s = natsSubscription_Fetch(&list, sub_.get(), max_msgs < 1 ? 1 : max_msgs,
+                                        max_wait_ms < 1 ? 1 : max_wait_ms, &jerr);
+  std::vector<Delivery> out;
+  if (s == NATS_TIMEOUT) return out;
+  if (s != NATS_OK) return FromNats(s, "fetch", jerr);
+  out.reserve(list.Count);
+  for (int i = 0; i < list.Count; ++i) {
+    out.emplace_back(list.Msgs[i]);
+    list.Msgs[i] = nullptr;  // ownership moved
+  }
+  natsMsgList_Destroy(&list);
+  return out;
+}
+
+Result<uint64_t> PullConsumer::NumPending() {
+  jsConsumerInfo* ci = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  natsStatus s = natsSubscription_GetConsumerInfo(&ci, sub_.get(), nullptr, &jerr);
+  if (s != NATS_OK) return FromNats(s, "consumer info", jerr);
+  uint64_t n = ci->NumPending;
+  jsConsumerInfo_Destroy(ci);
+  return n;
+}
+
+// ----- KV -------------------------------------------------------------------------
+
+Result<std::unique_ptr<KvBucket>> KvBucket::Open(NatsClient& client, const std::string& bucket,
+                                                 int64_t ttl_ms) {
+  kvStore* kv = nullptr;
+  natsStatus s = js_KeyValue(&kv, client.js(), bucket.c_str());
+  if (s == NATS_NOT_FOUND) {
+    kvConfig cfg;
+    kvConfig_Init(&cfg);
+    cfg.Bucket = bucket.c_str();
+    cfg.History = 1;
+    cfg.TTL = ttl_ms * int64_t{1000000};
+    cfg.StorageType = js_FileStorage;
+    s = js_CreateKeyValue(&kv, client.js(), &cfg);
+    if (s != NATS_OK) s = js_KeyValue(&kv, client.js(), bucket.c_str());  // lost a race
+  }
+  if (s != NATS_OK) return FromNats(s, "kv bucket " + bucket);
+  auto b = std::unique_ptr<KvBucket>(new KvBucket());
+  b->kv_.reset(kv);
+  return b;
+}
+
+Status KvBucket::Put(const std::string& key, std::string_view value) {
+  uint64_t rev = 0;
+  return FromNats(kvStore_Put(&rev, kv_.get(), key.c_str(), value.data(), static_cast<int>(value.size())),
+                  "kv put " + key);
+}
+
+Result<std::string> KvBucket::Get(const std::string& key) {
+  kvEntry* e = nullptr;
+  natsStatus s = kvStore_Get(&e, kv_.get(), key.c_str());
+  if (s != NATS_OK) return FromNats(s, "kv get " + key);
+  std::string v(static_cast<const char*>(kvEntry_Value(e)), kvEntry_ValueLen(e));
+  kvEntry_Destroy(e);
+  return v;
+}
+
+Status KvBucket::Delete(const std::string& key) {
+  return FromNats(kvStore_Delete(kv_.get(), key.c_str()), "kv delete " + key);
+}
+
+Result<std::vector<std::string>> KvBucket::Keys() {
+  kvKeysList list{};
+  natsStatus s = kvStore_Keys(&list, kv_.get(), nullptr);
+  std::vector<std::string> out;
+  if (s == NATS_NOT_FOUND) return out;  // no keys
+  if (s != NATS_OK) return FromNats(s, "kv keys");
+  for (int i = 0; i < list.Count; ++i) out.emplace_back(list.Keys[i]);
+  kvKeysList_Destroy(&list);
+  return out;
+}
+
+}  // namespace shoal

@@ -1,0 +1,183 @@
+// NATS and JetStream access for Shoal: RAII over nats.c handles, the work
+// stream's set-up, pull consumers (the worker's QueueClient), messages with
+// ack/nak/term, and KV buckets for the registry and the model catalog.
+// Nothing here knows about models or HTTP.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+
+// nats.c types, kept opaque here so users of this header need no nats.h.
+typedef struct __natsConnection natsConnection;
+typedef struct __natsMsg natsMsg;
+typedef struct __natsSubscription natsSubscription;
+typedef struct __jsCtx jsCtx;
+typedef struct __kvStore kvStore;
+
+namespace shoal {
+
+struct NatsDeleter {
+  void operator()(natsConnection* p) const;
+  void operator()(natsMsg* p) const;
+  void operator()(natsSubscription* p) const;
+  void operator()(jsCtx* p) const;
+  void operator()(kvStore* p) const;
+};
+using NatsConnectionPtr = std::unique_ptr<natsConnection, NatsDeleter>;
+using NatsMsgPtr = std::unique_ptr<natsMsg, NatsDeleter>;
+using NatsSubscriptionPtr = std::unique_ptr<natsSubscription, NatsDeleter>;
+using JsCtxPtr = std::unique_ptr<jsCtx, NatsDeleter>;
+using KvStorePtr = std::unique_ptr<kvStore, NatsDeleter>;
+
+struct NatsOptions {
+  std::string url = "nats://127.0.0.1:4222";
+  std::string name = "shoal";
+  // Flush every publish at once: replies and acks must not sit in a buffer.
+  bool send_asap = true;
+  int64_t connect_timeout_ms = 2000;
+  int64_t js_api_timeout_ms = 5000;
+  // Keep reconnecting forever (a NATS restart must not kill gateways/workers).
+  bool retry_forever = true;
+  Status Validate() const;
+};
+
+// Message handler for core-NATS subscriptions: runs on nats.c's delivery
+// thread and takes ownership of the message.
+using NatsMsgHandler = void (*)(natsConnection*, natsSubscription*, natsMsg*, void*);
+
+// One connection plus its JetStream context. Thread-safe (nats.c is).
+class NatsClient {
+ public:
+  static Result<std::unique_ptr<NatsClient>> Connect(const NatsOptions& options);
+  ~NatsClient();
+
+  natsConnection* conn() const { return conn_.get(); }
+  jsCtx* js() const { return js_.get(); }
+  bool IsConnected() const;
+  const NatsOptions& options() const { return options_; }
+
+  // Core-NATS publish of a prepared message (headers allowed). Non-blocking.
+  Status PublishMsg(natsMsg* msg);
+  Status Publish(std::string_view subject, std::string_view data);
+  // Asynchronous subscription; `handler` owns each message it gets.
+  Result<NatsSubscriptionPtr> Subscribe(const std::string& subject, NatsMsgHandler handler,
+                                        void* closure);
+  Status Flush(int64_t timeout_ms);
+  // A fresh unique inbox subject.
+  std::string NewInbox();
+
+ private:
+  NatsClient() = default;
+  NatsOptions options_;
+  NatsConnectionPtr conn_;
+  JsCtxPtr js_;
+};
+
+// Converts a nats.c status (and optional JetStream error code) to a Status.
+Status FromNats(int nats_status, const std::string& what, int js_err = 0);
+
+// ----- The work stream -------------------------------------------------------
+
+struct WorkStreamOptions {
+  std::string name = "SHOAL_WORK";
+  std::string subjects = "shoal.work.>";
+  int replicas = 1;
+  bool file_storage = true;
+  int64_t max_msgs = 100000;
+  int64_t max_bytes = int64_t{1} << 30;
+  int32_t max_msg_bytes = 8 << 20;
+  int64_t duplicate_window_ms = 120000;
+  // The owner creates the stream or updates its config; others verify.
+  bool owner = true;
+  Status Validate() const;
+};
+
+// Creates (owner) or checks the work stream plus its dead-letter stream,
+// which captures MaxDeliver advisories of the work consumers.
+Status EnsureWorkStream(NatsClient& client, const WorkStreamOptions& options);
+
+struct StreamState {
+  uint64_t msgs = 0;
+  uint64_t bytes = 0;
+  int64_t consumers = 0;
+};
+Result<StreamState> GetStreamState(NatsClient& client, const std::string& stream);
+
+// ----- Pull consumers and deliveries ----------------------------------------
+
+// One message delivered by a pull consumer. Exactly one of Ack/Term/Nak
+// should be called; InProgress any number of times before. Thread-safe to
+// call from another thread than the fetcher, once fetched.
+class Delivery {
+ public:
+  explicit Delivery(natsMsg* msg) : msg_(msg) {}
+  std::string_view Data() const;
+  // Header value or empty.
+  std::string_view Header(const char* name) const;
+  // Times this message has been delivered (1 on first delivery).
+  uint64_t NumDelivered() const;
+  uint64_t StreamSeq() const;
+  Status Ack();          // done; asynchronous (no round trip)
+  Status Term();         // done for good; never redeliver (bad input)
+  Status Nak(int64_t delay_ms = 0);  // redeliver (after delay)
+  Status InProgress();   // extend the ack deadline
+ private:
+  NatsMsgPtr msg_;
+};
+
+struct ConsumerOptions {
+  int64_t ack_wait_ms = 30000;
+  int max_deliver = 5;
+  int max_ack_pending = 10000;
+  Status Validate() const;
+};
+
+// A durable pull consumer on one subject, shared by every process that
+// serves it (competing consumers). Fetch is not thread-safe: one fetcher
+// thread per PullConsumer (nats.c forbids concurrent fetches).
+class PullConsumer {
+ public:
+  // Creates the durable consumer if missing (updating ack_wait/max_deliver
+  // if it exists) and binds a pull subscription to it.
+  static Result<std::unique_ptr<PullConsumer>> Create(NatsClient& client, const std::string& stream,
+                                                      const std::string& subject,
+                                                      const std::string& durable,
+                                                      const ConsumerOptions& options);
+  // Returns up to max_msgs messages; blocks up to max_wait_ms if none are
+  // available, but returns as soon as some are. Timeout: an empty vector.
+  Result<std::vector<Delivery>> Fetch(int max_msgs, int64_t max_wait_ms);
+  // Messages waiting for this consumer (not yet delivered), from the server.
+  Result<uint64_t> NumPending();
+
+ private:
+  PullConsumer() = default;
+  NatsSubscriptionPtr sub_;
+};
+
+// ----- KV buckets -------------------------------------------------------------
+
+class KvBucket {
+ public:
+  // Binds to the bucket, creating it when missing. ttl_ms 0: keep forever.
+  static Result<std::unique_ptr<KvBucket>> Open(NatsClient& client, const std::string& bucket,
+                                                int64_t ttl_ms);
+  Status Put(const std::string& key, std::string_view value);
+  // NotFound when absent.
+  Result<std::string> Get(const std::string& key);
+  Status Delete(const std::string& key);
+  // All live keys (may be empty).
+  Result<std::vector<std::string>> Keys();
+
+ private:
+  KvBucket() = default;
+  KvStorePtr kv_;
+};
+
+}  // namespace shoal

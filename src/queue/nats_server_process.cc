@@ -1,0 +1,132 @@
+#include "queue/nats_server_process.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace shoal {
+
+Status NatsServerOptions::Validate() const {
+  if (data_dir.empty()) return InvalidArgument("nats-server data_dir is required");
+  if (port < 0 || port > 65535) return InvalidArgument("nats-server port out of range");
+  return Status::Ok();
+}
+
+Result<int> PickFreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return Internal("socket() failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    ::close(fd);
+    return Unavailable("bind() to a free port failed");
+  }
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return static_cast<int>(ntohs(addr.sin_port));
+}
+
+bool PortAcceptsConnections(const std::string& host, int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, host == "localhost" ? "127.0.0.1" : host.c_str(), &addr.sin_addr);
+  bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  ::close(fd);
+  return ok;
+}
+
+Result<std::unique_ptr<NatsServerProcess>> NatsServerProcess::Start(const NatsServerOptions& o) {
+  RETURN_IF_ERROR(o.Validate());
+  std::error_code ec;
+  std::filesystem::create_directories(o.data_dir, ec);
+  if (ec) return Internal("cannot create " + o.data_dir + ": " + ec.message());
+  auto proc = std::unique_ptr<NatsServerProcess>(new NatsServerProcess());
+  proc->options_ = o;
+  proc->port_ = o.port;
+  if (proc->port_ == 0) {
+    ASSIGN_OR_RETURN(proc->port_, PickFreePort());
+  }
+  std::string log = o.log_file.empty() ? o.data_dir + "/nats-server.log" : o.log_file;
+  std::string port = std::to_string(proc->port_);
+  std::vector<std::string> args = {o.binary, "-js", "-sd", o.data_dir, "-a", o.host,
+                                   "-p", port, "-l", log};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  posix_spawn_file_actions_addopen(&fa, STDERR_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  // Its own process group: a Ctrl-C aimed at us is forwarded by us, in order.
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&attr, 0);
+  pid_t pid = -1;
+  int rc = posix_spawnp(&pid, o.binary.c_str(), &fa, &attr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0) {
+    return Unavailable("cannot start " + o.binary + " (is the nats-server package installed? "
+                       "run scripts/install-deps.sh): " + std::strerror(rc));
+  }
+  proc->pid_ = pid;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(o.ready_timeout_ms);
+  while (std::chrono::steady_clock::now() < deadline) {
+    int wstatus = 0;
+    if (::waitpid(pid, &wstatus, WNOHANG) == pid) {
+      proc->pid_ = -1;
+      return Unavailable("nats-server exited during start-up; see " + log);
+    }
+    if (PortAcceptsConnections(o.host, proc->port_)) return proc;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  proc->Stop();
+  return Unavailable("nats-server did not accept connections within " +
+                     std::to_string(o.ready_timeout_ms) + " ms; see " + log);
+}
+
+std::string NatsServerProcess::url() const {
+  return "nats://" + options_.host + ":" + std::to_string(port_);
+}
+
+void NatsServerProcess::Stop() {
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGTERM);
+  for (int i = 0; i < 250; ++i) {  // 5 s grace: it flushes its file store
+    int wstatus = 0;
+    if (::waitpid(pid_, &wstatus, WNOHANG) == pid_) {
+      pid_ = -1;
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ::kill(pid_, SIGKILL);
+  ::waitpid(pid_, nullptr, 0);
+  pid_ = -1;
+}
+
+NatsServerProcess::~NatsServerProcess() { Stop(); }
+
+}  // namespace shoal

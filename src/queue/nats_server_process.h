@@ -1,0 +1,49 @@
+// NatsServerProcess: runs a private `nats-server -js` child process on
+// loopback, for `shoal serve` and for test fixtures. The destructor stops it
+// (SIGTERM, then SIGKILL after a grace period) and reaps it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+
+namespace shoal {
+
+struct NatsServerOptions {
+  std::string binary = "nats-server";
+  std::string host = "127.0.0.1";
+  int port = 0;                 // 0: pick a free port
+  std::string data_dir;         // JetStream store; required
+  std::string log_file;         // empty: <data_dir>/nats-server.log
+  int64_t ready_timeout_ms = 10000;
+  Status Validate() const;
+};
+
+class NatsServerProcess {
+ public:
+  // Starts the server and blocks until it accepts TCP connections.
+  static Result<std::unique_ptr<NatsServerProcess>> Start(const NatsServerOptions& options);
+  ~NatsServerProcess();
+
+  int port() const { return port_; }
+  pid_t pid() const { return pid_; }
+  std::string url() const;
+  // Stops the server; idempotent.
+  void Stop();
+
+ private:
+  NatsServerProcess() = default;
+  NatsServerOptions options_;
+  int port_ = 0;
+  pid_t pid_ = -1;
+};
+
+// A TCP port on 127.0.0.1 that was free a moment ago.
+Result<int> PickFreePort();
+// True when host:port accepts a TCP connection.
+bool PortAcceptsConnections(const std::string& host, int port);
+
+}  // namespace shoal

@@ -1,0 +1,51 @@
+// Runtime: executes one model on one device. The worker owns one Runtime per
+// loaded model and calls it from a single executor thread, so adapters need
+// not be thread-safe. Adapters: "torchscript" (libtorch in-process) and
+// "null" (no model; measures Shoal's own overhead). Later: out-of-process.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/model_config.h"
+#include "common/status.h"
+
+namespace shoal {
+
+// A padded, row-major batch of token ids ready for the model.
+struct TokenBatch {
+  int rows = 0;
+  int seq_len = 0;                     // longest row; every row padded to it
+  std::vector<int64_t> input_ids;      // rows * seq_len
+  std::vector<int64_t> attention_mask; // rows * seq_len, 1 = real token
+};
+
+// Row-major float32 embeddings, one row per input row.
+struct Embeddings {
+  int rows = 0;
+  int dim = 0;
+  std::vector<float> data;  // rows * dim
+};
+
+class Runtime {
+ public:
+  virtual ~Runtime() = default;
+  // Loads the model's artifacts. Blocks (may take seconds). Call once.
+  virtual Status Load(const ModelConfig& config) = 0;
+  // Runs one batch; blocks for the duration of the forward pass. Pooling and
+  // normalisation follow the config given to Load(). Never throws.
+  virtual Result<Embeddings> Run(const TokenBatch& batch) = 0;
+  // Releases the model. Safe to call twice.
+  virtual void Unload() = 0;
+  // Resident memory attributed to this model, measured at load time.
+  virtual int64_t MemoryBytes() const = 0;
+  // Embedding width, known after Load().
+  virtual int Dim() const = 0;
+};
+
+// Makes an unloaded runtime for config.runtime ("torchscript" | "null").
+Result<std::unique_ptr<Runtime>> CreateRuntime(const std::string& kind);
+
+}  // namespace shoal

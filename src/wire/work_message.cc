@@ -1,0 +1,266 @@
+#include "wire/work_message.h"
+
+#include <cstring>
+
+#include <msgpack.hpp>
+
+namespace shoal::wire {
+namespace {
+
+using Packer = msgpack::packer<msgpack::sbuffer>;
+
+void PackStr(Packer& pk, std::string_view s) {
+  pk.pack_str(static_cast<uint32_t>(s.size()));
+  pk.pack_str_body(s.data(), static_cast<uint32_t>(s.size()));
+}
+
+std::string_view KeyOf(const msgpack::object& o) {
+  if (o.type != msgpack::type::STR) return {};
+  return {o.via.str.ptr, o.via.str.size};
+}
+
+Status ExpectType(const msgpack::object& o, msgpack::type::object_type t, const char* what) {
+  if (o.type != t) return InvalidArgument(std::string("wire: field '") + what + "' has the wrong type");
+  return Status::Ok();
+}
+
+Result<std::string> AsString(const msgpack::object& o, const char* what) {
+  if (o.type == msgpack::type::STR) return std::string(o.via.str.ptr, o.via.str.size);
+  if (o.type == msgpack::type::BIN) return std::string(o.via.bin.ptr, o.via.bin.size);
+  return InvalidArgument(std::string("wire: field '") + what + "' must be a string");
+}
+
+Result<int64_t> AsInt(const msgpack::object& o, const char* what) {
+  if (o.type == msgpack::type::POSITIVE_INTEGER) {
+    if (o.via.u64 > static_cast<uint64_t>(INT64_MAX)) return InvalidArgument(std::string("wire: '") + what + "' out of range");
+    return static_cast<int64_t>(o.via.u64);
+  }
+  if (o.type == msgpack::type::NEGATIVE_INTEGER) return o.via.i64;
+  return InvalidArgument(std::string("wire: field '") + what + "' must be an integer");
+}
+
+Result<msgpack::object_handle> Unpack(std::string_view data) {
+  try {
+    return msgpack::unpack(data.data(), data.size());
+  } catch (const std::exception& e) {
+    return InvalidArgument(std::string("wire: malformed MessagePack: ") + e.what());
+  }
+}
+
+}  // namespace
+
+std::string EncodeWorkBody(const WorkBody& b) {
+  msgpack::sbuffer buf(256);
+  Packer pk(buf);
+  pk.pack_map(4);
+  PackStr(pk, "task");
+  PackStr(pk, b.task);
+  PackStr(pk, "model");
+  PackStr(pk, b.model);
+  PackStr(pk, "inputs");
+  if (!b.texts.empty()) {
+    pk.pack_array(static_cast<uint32_t>(b.texts.size()));
+    for (const auto& t : b.texts) PackStr(pk, t);
+  } else {
+    pk.pack_array(static_cast<uint32_t>(b.token_ids.size()));
+    for (const auto& row : b.token_ids) {
+      pk.pack_array(static_cast<uint32_t>(row.size()));
+      for (int32_t id : row) pk.pack_int32(id);
+    }
+  }
+  PackStr(pk, "params");
+  pk.pack_map(1);
+  PackStr(pk, "truncate");
+  b.truncate ? pk.pack_true() : pk.pack_false();
+  return std::string(buf.data(), buf.size());
+}
+
+Result<WorkBody> DecodeWorkBody(std::string_view data) {
+  ASSIGN_OR_RETURN(auto handle, Unpack(data));
+  const msgpack::object& root = handle.get();
+  RETURN_IF_ERROR(ExpectType(root, msgpack::type::MAP, "body"));
+  WorkBody b;
+  bool have_inputs = false;
+  try {
+    for (uint32_t i = 0; i < root.via.map.size; ++i) {
+      const auto& kv = root.via.map.ptr[i];
+      auto key = KeyOf(kv.key);
+      if (key == "task") {
+        ASSIGN_OR_RETURN(b.task, AsString(kv.val, "task"));
+      } else if (key == "model") {
+        ASSIGN_OR_RETURN(b.model, AsString(kv.val, "model"));
+      } else if (key == "inputs") {
+        RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::ARRAY, "inputs"));
+        have_inputs = true;
+        const auto& arr = kv.val.via.array;
+        for (uint32_t j = 0; j < arr.size; ++j) {
+          const auto& item = arr.ptr[j];
+          if (item.type == msgpack::type::STR) {
+            if (!b.token_ids.empty()) return InvalidArgument("wire: inputs mix strings and token arrays");
+            b.texts.emplace_back(item.via.str.ptr, item.via.str.size);
+          } else if (item.type == msgpack::type::ARRAY) {
+            if (!b.texts.empty()) return InvalidArgument("wire: inputs mix strings and token arrays");
+            std::vector<int32_t> row;
+            row.reserve(item.via.array.size);
+            for (uint32_t k = 0; k < item.via.array.size; ++k) {
+              ASSIGN_OR_RETURN(int64_t id, AsInt(item.via.array.ptr[k], "inputs[][]"));
+              if (id < 0 || id > INT32_MAX) return InvalidArgument("wire: token id out of range");
+              row.push_back(static_cast<int32_t>(id));
+            }
+            b.token_ids.push_back(std::move(row));
+          } else {
+            return InvalidArgument("wire: each input must be a string or an array of token ids");
+          }
+        }
+      } else if (key == "params") {
+        if (kv.val.type != msgpack::type::MAP) continue;
+        for (uint32_t j = 0; j < kv.val.via.map.size; ++j) {
+          const auto& p = kv.val.via.map.ptr[j];
+          if (KeyOf(p.key) == "truncate" && p.val.type == msgpack::type::BOOLEAN) b.truncate = p.val.via.boolean;
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    return InvalidArgument(std::string("wire: ") + e.what());
+  }
+  if (b.model.empty()) return InvalidArgument("wire: body has no model");
+  if (!have_inputs) return InvalidArgument("wire: body has no inputs");
+  return b;
+}
+
+std::string EncodeWorkReply(const WorkReply& r) {
+  msgpack::sbuffer buf(256 + r.embeddings.size() * sizeof(float));
+  Packer pk(buf);
+  const bool ok = r.status.ok();
+  pk.pack_map(ok ? 8 : 4);
+  PackStr(pk, "id");
+  PackStr(pk, r.request_id);
+  PackStr(pk, "chunk");
+  pk.pack_int32(r.chunk_index);
+  PackStr(pk, "worker");
+  PackStr(pk, r.worker_id);
+  if (!ok) {
+    PackStr(pk, "error");
+    pk.pack_map(3);
+    PackStr(pk, "code");
+    PackStr(pk, StatusCodeName(r.status.code()));
+    PackStr(pk, "message");
+    PackStr(pk, r.status.message());
+    PackStr(pk, "reason");
+    PackStr(pk, r.status.reason());
+    return std::string(buf.data(), buf.size());
+  }
+  PackStr(pk, "rows");
+  pk.pack_int32(r.rows);
+  PackStr(pk, "dim");
+  pk.pack_int32(r.dim);
+  // float32 little-endian, as the bytes lie in memory on every supported host.
+  PackStr(pk, "embeddings");
+  const uint32_t nbytes = static_cast<uint32_t>(r.embeddings.size() * sizeof(float));
+  pk.pack_bin(nbytes);
+  pk.pack_bin_body(reinterpret_cast<const char*>(r.embeddings.data()), nbytes);
+  PackStr(pk, "tokens");
+  pk.pack_array(static_cast<uint32_t>(r.token_counts.size()));
+  for (int32_t t : r.token_counts) pk.pack_int32(t);
+  PackStr(pk, "truncated");
+  r.truncated_any ? pk.pack_true() : pk.pack_false();
+  return std::string(buf.data(), buf.size());
+}
+
+Result<WorkReply> DecodeWorkReply(std::string_view data) {
+  ASSIGN_OR_RETURN(auto handle, Unpack(data));
+  const msgpack::object& root = handle.get();
+  RETURN_IF_ERROR(ExpectType(root, msgpack::type::MAP, "reply"));
+  WorkReply r;
+  for (uint32_t i = 0; i < root.via.map.size; ++i) {
+    const auto& kv = root.via.map.ptr[i];
+    auto key = KeyOf(kv.key);
+    if (key == "id") {
+      ASSIGN_OR_RETURN(r.request_id, AsString(kv.val, "id"));
+    } else if (key == "chunk") {
+      ASSIGN_OR_RETURN(int64_t c, AsInt(kv.val, "chunk"));
+      r.chunk_index = static_cast<int>(c);
+    } else if (key == "worker") {
+      ASSIGN_OR_RETURN(r.worker_id, AsString(kv.val, "worker"));
+    } else if (key == "rows") {
+      ASSIGN_OR_RETURN(int64_t v, AsInt(kv.val, "rows"));
+      r.rows = static_cast<int>(v);
+    } else if (key == "dim") {
+      ASSIGN_OR_RETURN(int64_t v, AsInt(kv.val, "dim"));
+      r.dim = static_cast<int>(v);
+    } else if (key == "embeddings") {
+      RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::BIN, "embeddings"));
+      if (kv.val.via.bin.size % sizeof(float) != 0) return InvalidArgument("wire: embeddings size not a multiple of 4");
+      r.embeddings.resize(kv.val.via.bin.size / sizeof(float));
+      std::memcpy(r.embeddings.data(), kv.val.via.bin.ptr, kv.val.via.bin.size);
+    } else if (key == "tokens") {
+      RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::ARRAY, "tokens"));
+      for (uint32_t j = 0; j < kv.val.via.array.size; ++j) {
+        ASSIGN_OR_RETURN(int64_t t, AsInt(kv.val.via.array.ptr[j], "tokens[]"));
+        r.token_counts.push_back(static_cast<int32_t>(t));
+      }
+    } else if (key == "truncated") {
+      if (kv.val.type == msgpack::type::BOOLEAN) r.truncated_any = kv.val.via.boolean;
+    } else if (key == "error") {
+      RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::MAP, "error"));
+      std::string code, message, reason;
+      for (uint32_t j = 0; j < kv.val.via.map.size; ++j) {
+        const auto& e = kv.val.via.map.ptr[j];
+        auto k = KeyOf(e.key);
+        if (k == "code") { ASSIGN_OR_RETURN(code, AsString(e.val, "error.code")); }
+        else if (k == "message") { ASSIGN_OR_RETURN(message, AsString(e.val, "error.message")); }
+        else if (k == "reason") { ASSIGN_OR_RETURN(reason, AsString(e.val, "error.reason")); }
+      }
+      StatusCode sc = ParseStatusCode(code);
+      if (sc == StatusCode::kOk) sc = StatusCode::kInternal;
+      r.status = Status(sc, message, reason);
+    }
+  }
+  if (r.request_id.empty()) return InvalidArgument("wire: reply has no id");
+  if (r.status.ok() && static_cast<size_t>(r.rows) * r.dim != r.embeddings.size())
+    return InvalidArgument("wire: reply embeddings do not match rows x dim");
+  return r;
+}
+
+std::string ModelToToken(std::string_view model) {
+  static const char* kHex = "0123456789ABCDEF";
+  std::string out;
+  out.reserve(model.size());
+  for (unsigned char c : model) {
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out.push_back('~');
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    }
+  }
+  return out;
+}
+
+Result<std::string> TokenToModel(std::string_view token) {
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string out;
+  for (size_t i = 0; i < token.size(); ++i) {
+    if (token[i] != '~') {
+      out.push_back(token[i]);
+      continue;
+    }
+    if (i + 2 >= token.size())
+      return InvalidArgument("bad subject token escape");
+    int hi = hex(token[i + 1]), lo = hex(token[i + 2]);
+    if (hi < 0 || lo < 0) return InvalidArgument("bad subject token escape");
+    out.push_back(static_cast<char>(hi * 16 + lo));
+    i += 2;
+  }
+  return out;
+}
+
+std::string WorkSubject(std::string_view model) { return kWorkSubjectPrefix + ModelToToken(model); }
+std::string ConsumerName(std::string_view model) { return "shoal_" + ModelToToken(model); }
+
+}  // namespace shoal::wire

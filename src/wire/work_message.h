@@ -1,0 +1,76 @@
+// The wire contract between gateway and worker: one JetStream message per
+// chunk of a client request (MessagePack body + NATS headers), one core-NATS
+// reply per chunk. Binary stays binary: embeddings travel as raw float32.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace shoal::wire {
+
+// Header names on work messages.
+inline constexpr const char* kHdrRequestId = "Shoal-Request-Id";
+inline constexpr const char* kHdrChunk = "Shoal-Chunk";             // "index/count"
+inline constexpr const char* kHdrDeadline = "Shoal-Deadline-Ms";    // absolute, Unix ms
+inline constexpr const char* kHdrTokenEstimate = "Shoal-Token-Estimate";
+inline constexpr const char* kHdrReplyTo = "Shoal-Reply-To";
+inline constexpr const char* kHdrPayloadRef = "Shoal-Payload-Ref";
+inline constexpr const char* kHdrMsgId = "Nats-Msg-Id";             // JetStream de-duplication
+
+inline constexpr const char* kStreamName = "SHOAL_WORK";
+inline constexpr const char* kWorkSubjectPrefix = "shoal.work.";
+
+// Body of a work message: {task, model, inputs, params}.
+struct WorkBody {
+  std::string task = "embed";
+  std::string model;
+  // Exactly one of texts / token_ids is non-empty.
+  std::vector<std::string> texts;
+  std::vector<std::vector<int32_t>> token_ids;
+  bool truncate = false;  // params.truncate
+
+  size_t size() const { return texts.empty() ? token_ids.size() : texts.size(); }
+};
+
+// The headers of a work message, parsed.
+struct WorkHeaders {
+  std::string request_id;
+  int chunk_index = 0;
+  int chunk_count = 1;
+  int64_t deadline_unix_ms = 0;  // 0: none
+  int64_t token_estimate = 0;
+  std::string reply_to;
+  std::string payload_ref;
+};
+
+std::string EncodeWorkBody(const WorkBody& body);
+Result<WorkBody> DecodeWorkBody(std::string_view data);
+
+// One reply per chunk, to the gateway's inbox.
+struct WorkReply {
+  std::string request_id;
+  int chunk_index = 0;
+  Status status;  // non-OK: the chunk failed with this error
+  int rows = 0;
+  int dim = 0;
+  std::vector<float> embeddings;        // rows * dim
+  std::vector<int32_t> token_counts;    // real tokens per row, for usage
+  bool truncated_any = false;
+  std::string worker_id;
+};
+
+std::string EncodeWorkReply(const WorkReply& reply);
+Result<WorkReply> DecodeWorkReply(std::string_view data);
+
+// Model names map reversibly onto one NATS subject token / consumer name:
+// [A-Za-z0-9_-] stay as they are, every other byte becomes "~XX" (hex).
+std::string ModelToToken(std::string_view model);
+Result<std::string> TokenToModel(std::string_view token);
+std::string WorkSubject(std::string_view model);   // shoal.work.<token>
+std::string ConsumerName(std::string_view model);  // shoal_<token>
+
+}  // namespace shoal::wire

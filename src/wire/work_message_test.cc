@@ -1,0 +1,104 @@
+#include "wire/work_message.h"
+
+#include <gtest/gtest.h>
+
+namespace shoal::wire {
+namespace {
+
+TEST(WorkBody, RoundTripsTexts) {
+  WorkBody b;
+  b.model = "minilm-l6";
+  b.texts = {"hello", "", "caf\xc3\xa9"};
+  b.truncate = true;
+  auto d = DecodeWorkBody(EncodeWorkBody(b));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->model, "minilm-l6");
+  EXPECT_EQ(d->task, "embed");
+  EXPECT_EQ(d->texts, b.texts);
+  EXPECT_TRUE(d->token_ids.empty());
+  EXPECT_TRUE(d->truncate);
+}
+
+TEST(WorkBody, RoundTripsTokenIds) {
+  WorkBody b;
+  b.model = "m";
+  b.token_ids = {{101, 7592, 102}, {101, 102}};
+  auto d = DecodeWorkBody(EncodeWorkBody(b));
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->token_ids, b.token_ids);
+  EXPECT_FALSE(d->truncate);
+}
+
+TEST(WorkBody, RejectsGarbage) {
+  auto d = DecodeWorkBody(std::string("\xc1\xff\x00garbage", 10));
+  EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeWorkBody("").status().code(), StatusCode::kInvalidArgument);
+  // A valid MessagePack value that is not a map.
+  EXPECT_EQ(DecodeWorkBody("\x93\x01\x02\x03").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(WorkBody, RejectsMissingModel) {
+  WorkBody b;
+  b.texts = {"x"};
+  EXPECT_EQ(DecodeWorkBody(EncodeWorkBody(b)).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(WorkReply, RoundTripsEmbeddingsAsBinary) {
+  WorkReply r;
+  r.request_id = "abc";
+  r.chunk_index = 3;
+  r.rows = 2;
+  r.dim = 3;
+  r.embeddings = {0.5f, -1.0f, 3.25f, 1e-7f, 0.0f, -0.0f};
+  r.token_counts = {4, 7};
+  r.worker_id = "w1";
+  std::string bytes = EncodeWorkReply(r);
+  // 6 floats travel as 24 raw bytes, not as 6 MessagePack floats.
+  EXPECT_NE(bytes.find(std::string(reinterpret_cast<const char*>(r.embeddings.data()), 24)), std::string::npos);
+  auto d = DecodeWorkReply(bytes);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_TRUE(d->status.ok());
+  EXPECT_EQ(d->request_id, "abc");
+  EXPECT_EQ(d->chunk_index, 3);
+  EXPECT_EQ(d->embeddings, r.embeddings);
+  EXPECT_EQ(d->token_counts, r.token_counts);
+  EXPECT_EQ(d->worker_id, "w1");
+}
+
+TEST(WorkReply, CarriesErrors) {
+  WorkReply r;
+  r.request_id = "abc";
+  r.status = Unprocessable("input 0 has 300 tokens, limit 256", "input_too_long");
+  auto d = DecodeWorkReply(EncodeWorkReply(r));
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->status.code(), StatusCode::kUnprocessable);
+  EXPECT_EQ(d->status.reason(), "input_too_long");
+  EXPECT_EQ(d->status.message(), "input 0 has 300 tokens, limit 256");
+}
+
+TEST(WorkReply, RejectsMismatchedShape) {
+  WorkReply r;
+  r.request_id = "x";
+  r.rows = 2;
+  r.dim = 2;
+  r.embeddings = {1, 2, 3};
+  EXPECT_EQ(DecodeWorkReply(EncodeWorkReply(r)).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(SubjectToken, IsReversibleAndSafe) {
+  for (std::string name : {"minilm-l6", "org/model.v2", "a b*c>d", "x~y", "ümlaut", "UPPER_lower-09"}) {
+    std::string token = ModelToToken(name);
+    EXPECT_EQ(token.find_first_of(". *>\t"), std::string::npos) << token;
+    auto back = TokenToModel(token);
+    ASSERT_TRUE(back.ok());
+    EXPECT_EQ(*back, name);
+  }
+  EXPECT_EQ(ModelToToken("minilm-l6"), "minilm-l6");
+  EXPECT_EQ(WorkSubject("a.b"), "shoal.work.a~2Eb");
+  EXPECT_EQ(ConsumerName("a.b"), "shoal_a~2Eb");
+  EXPECT_FALSE(TokenToModel("bad~Z").ok());
+  EXPECT_FALSE(TokenToModel("bad~4").ok());
+}
+
+}  // namespace
+}  // namespace shoal::wire
