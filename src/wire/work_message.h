@@ -22,6 +22,8 @@ inline constexpr const char* kHdrPayloadRef = "Shoal-Payload-Ref";
 inline constexpr const char* kHdrMsgId = "Nats-Msg-Id";             // JetStream de-duplication
 
 inline constexpr const char* kStreamName = "SHOAL_WORK";
+inline constexpr const char* kWorkersBucket = "SHOAL_WORKERS";  // heartbeats, TTL
+inline constexpr const char* kModelsBucket = "SHOAL_MODELS";    // model catalog
 inline constexpr const char* kWorkSubjectPrefix = "shoal.work.";
 
 // Body of a work message: {task, model, inputs, params}.

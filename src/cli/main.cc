@@ -1,0 +1,309 @@
+// The `shoal` binary: serve (embedded default), gateway, worker. The only
+// place that reads flags and environment variables; every option has both
+// (--flag and SHOAL_FLAG), declared together below.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "common/log.h"
+#include "common/metrics.h"
+#include "gateway/gateway.h"
+#include "gateway/http_server.h"
+#include "queue/nats_client.h"
+#include "queue/nats_server_process.h"
+#include "worker/worker.h"
+
+namespace shoal {
+namespace {
+
+// Adds an option with its environment variable in one place.
+template <typename T>
+CLI::Option* Opt(CLI::App* app, const std::string& flag, T& value, const std::string& env, const std::string& help) {
+  return app->add_option(flag, value, help)->envname(env)->capture_default_str();
+}
+CLI::Option* Flag(CLI::App* app, const std::string& flag, bool& value, const std::string& env, const std::string& help) {
+  return app->add_flag(flag, value, help)->envname(env)->capture_default_str();
+}
+
+struct CommonFlags {
+  std::string nats_url = "nats://127.0.0.1:4222";
+  std::string log_level = "info";
+};
+
+void AddCommon(CLI::App* app, CommonFlags& c, bool with_url) {
+  if (with_url) Opt(app, "--nats-url", c.nats_url, "SHOAL_NATS_URL", "NATS server URL(s), comma-separated");
+  Opt(app, "--log-level", c.log_level, "SHOAL_LOG_LEVEL", "debug | info | warn | error");
+}
+
+struct StreamFlags {
+  int64_t max_msgs = 100000;
+  int64_t max_bytes = int64_t{1} << 30;
+  int replicas = 1;
+  bool memory = false;
+};
+
+void AddStream(CLI::App* app, StreamFlags& s) {
+  Opt(app, "--queue-max-msgs", s.max_msgs, "SHOAL_QUEUE_MAX_MSGS", "Work queue bound in messages (full: 429)");
+  Opt(app, "--queue-max-bytes", s.max_bytes, "SHOAL_QUEUE_MAX_BYTES", "Work queue bound in bytes (full: 429)");
+  Opt(app, "--stream-replicas", s.replicas, "SHOAL_STREAM_REPLICAS", "Stream replicas (3 in a NATS cluster)");
+  Flag(app, "--queue-memory", s.memory, "SHOAL_QUEUE_MEMORY", "Keep the queue in memory instead of on disk");
+}
+
+void ApplyStream(const StreamFlags& f, WorkStreamOptions* s) {
+  s->max_msgs = f.max_msgs;
+  s->max_bytes = f.max_bytes;
+  s->replicas = f.replicas;
+  s->file_storage = !f.memory;
+}
+
+void AddGateway(CLI::App* app, GatewayOptions& g) {
+  Opt(app, "--host", g.http.host, "SHOAL_HOST", "HTTP listen address");
+  Opt(app, "--port", g.http.port, "SHOAL_PORT", "HTTP port (0: pick a free one)");
+  Opt(app, "--http-threads", g.http.threads, "SHOAL_HTTP_THREADS", "HTTP I/O threads");
+  Opt(app, "--max-body-bytes", g.http.max_body_bytes, "SHOAL_MAX_BODY_BYTES", "Largest request body (over: 413)");
+  Opt(app, "--chunk-size", g.dispatcher.chunk_size, "SHOAL_CHUNK_SIZE", "Inputs per queue message");
+  Opt(app, "--max-inputs", g.router.max_inputs, "SHOAL_MAX_INPUTS", "Inputs per request (over: 400)");
+  Opt(app, "--request-timeout-ms", g.router.default_timeout_ms, "SHOAL_REQUEST_TIMEOUT_MS",
+      "Deadline of a request without a Shoal-Timeout-Ms header (then: 504)");
+  Opt(app, "--gateway-id", g.dispatcher.gateway_id, "SHOAL_GATEWAY_ID", "Gateway id (default: random)");
+}
+
+struct WorkerFlags {
+  WorkerOptions options;
+  std::string models_csv;
+  int metrics_port = -1;
+};
+
+void AddWorker(CLI::App* app, WorkerFlags& w) {
+  Opt(app, "--models-dir", w.options.model_repository, "SHOAL_MODELS_DIR", "Model repository directory");
+  Opt(app, "--models", w.models_csv, "SHOAL_MODELS", "Comma-separated model names to serve (default: all)");
+  Opt(app, "--threads", w.options.intra_op_threads, "SHOAL_THREADS", "Intra-op threads per forward pass (0: model config / all cores)");
+  Opt(app, "--runtime", w.options.runtime_override, "SHOAL_RUNTIME", "Override every model's runtime (null: no model, overhead only)");
+  Opt(app, "--worker-id", w.options.worker_id, "SHOAL_WORKER_ID", "Worker id (default: host-pid-random)");
+  Opt(app, "--ack-wait-ms", w.options.consumer.ack_wait_ms, "SHOAL_ACK_WAIT_MS", "Redeliver work unacked this long (crashed worker)");
+  Opt(app, "--max-deliver", w.options.consumer.max_deliver, "SHOAL_MAX_DELIVER", "Deliveries before work goes to the dead-letter stream");
+  Opt(app, "--heartbeat-ms", w.options.heartbeat_interval_ms, "SHOAL_HEARTBEAT_MS", "Registry heartbeat interval");
+  Opt(app, "--heartbeat-ttl-ms", w.options.heartbeat_ttl_ms, "SHOAL_HEARTBEAT_TTL_MS", "Registry entry lifetime without heartbeat");
+}
+
+std::vector<std::string> SplitCsv(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    size_t end = s.find(',', start);
+    if (end == std::string::npos) end = s.size();
+    std::string item = s.substr(start, end - start);
+    if (!item.empty()) out.push_back(item);
+    start = end + 1;
+  }
+  return out;
+}
+
+// Blocks SIGINT/SIGTERM in every thread (call before starting any), then
+// WaitForSignal() receives them synchronously.
+void BlockSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+int WaitForSignal() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  int sig = 0;
+  sigwait(&set, &sig);
+  return sig;
+}
+
+int Fail(const Status& s) {
+  LOG_ERROR("shoal", s.ToString());
+  return 1;
+}
+
+Result<std::unique_ptr<NatsClient>> ConnectNats(const std::string& url, const std::string& name) {
+  NatsOptions o;
+  o.url = url;
+  o.name = name;
+  return NatsClient::Connect(o);
+}
+
+// Serves the worker's metrics on their own port when asked (a gateway in
+// the same process already serves them).
+Result<std::unique_ptr<HttpServer>> WorkerMetricsServer(int port, MetricsRegistry* metrics) {
+  HttpServerOptions o;
+  o.host = "0.0.0.0";
+  o.port = port;
+  o.threads = 1;
+  return HttpServer::Create(o, [metrics](HttpRequest&& req, HttpResponder respond) {
+    HttpResponse r;
+    if (req.path == "/metrics") {
+      r.content_type = "text/plain; version=0.0.4";
+      r.body = metrics->Render();
+    } else if (req.path == "/healthz") {
+      r.body = "{\"status\":\"ok\"}";
+    } else {
+      r.status = 404;
+      r.body = "{\"error\":{\"message\":\"not found\",\"type\":\"invalid_request_error\",\"code\":\"route_not_found\"}}";
+    }
+    respond(std::move(r));
+  });
+}
+
+std::string DefaultModelsDir() {
+  // Next to the binary's source tree when run from a build dir, else ./models.
+  if (const char* v = std::getenv("SHOAL_MODELS_DIR"); v && *v) return v;
+  std::error_code ec;
+  auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  for (auto p = exe.parent_path(); !ec && p.has_parent_path() && p != p.parent_path(); p = p.parent_path()) {
+    if (std::filesystem::exists(p / "models" / "minilm-l6" / "shoal.json")) return (p / "models").string();
+  }
+  return "models";
+}
+
+}  // namespace
+}  // namespace shoal
+
+int main(int argc, char** argv) {
+  using namespace shoal;
+  CLI::App app{"Shoal: a pull-based serving cluster for fleets of small models"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "shoal 0.1.0");
+
+  // --- serve ---------------------------------------------------------------
+  CLI::App* serve = app.add_subcommand("serve", "Run everything on this machine: a private nats-server -js, a gateway and a worker");
+  CommonFlags serve_common;
+  GatewayOptions serve_gw;
+  serve_gw.http.port = 8080;
+  WorkerFlags serve_wk;
+  serve_wk.options.model_repository = DefaultModelsDir();
+  StreamFlags serve_stream;
+  std::string data_dir = ".shoal";
+  int nats_port = 0;
+  AddCommon(serve, serve_common, false);
+  AddGateway(serve, serve_gw);
+  AddWorker(serve, serve_wk);
+  AddStream(serve, serve_stream);
+  Opt(serve, "--data-dir", data_dir, "SHOAL_DATA_DIR", "Where the private nats-server keeps the queue");
+  Opt(serve, "--nats-port", nats_port, "SHOAL_NATS_PORT", "Port of the private nats-server (0: a free one)");
+
+  // --- gateway ---------------------------------------------------------------
+  CLI::App* gateway = app.add_subcommand("gateway", "Run an HTTP gateway against a NATS cluster");
+  CommonFlags gw_common;
+  GatewayOptions gw;
+  gw.http.host = "0.0.0.0";
+  gw.http.port = 8080;
+  AddCommon(gateway, gw_common, true);
+  AddGateway(gateway, gw);
+
+  // --- worker ----------------------------------------------------------------
+  CLI::App* worker = app.add_subcommand("worker", "Run a worker that pulls work from a NATS cluster");
+  CommonFlags wk_common;
+  WorkerFlags wk;
+  wk.options.model_repository = DefaultModelsDir();
+  StreamFlags wk_stream;
+  AddCommon(worker, wk_common, true);
+  AddWorker(worker, wk);
+  AddStream(worker, wk_stream);
+  Opt(worker, "--metrics-port", wk.metrics_port, "SHOAL_METRICS_PORT", "Serve /metrics on this port (-1: off)");
+
+  CLI11_PARSE(app, argc, argv);
+  BlockSignals();
+
+  auto set_level = [](const std::string& text) {
+    LogLevel level;
+    if (!ParseLogLevel(text, &level)) return false;
+    SetLogLevel(level);
+    return true;
+  };
+
+  if (serve->parsed()) {
+    if (!set_level(serve_common.log_level)) return Fail(InvalidArgument("bad --log-level"));
+    NatsServerOptions ns;
+    ns.port = nats_port;
+    ns.data_dir = std::filesystem::absolute(data_dir).string() + "/jetstream";
+    auto server = NatsServerProcess::Start(ns);
+    if (!server.ok()) return Fail(server.status());
+    LOG_INFO("serve", "nats-server -js on " << (*server)->url() << ", data in " << ns.data_dir);
+    auto client = ConnectNats((*server)->url(), "shoal-serve");
+    if (!client.ok()) return Fail(client.status());
+    MetricsRegistry metrics;
+    serve_wk.options.models = SplitCsv(serve_wk.models_csv);
+    ApplyStream(serve_stream, &serve_wk.options.stream);
+    auto w = Worker::Create(serve_wk.options, client->get(), &metrics);
+    if (!w.ok()) return Fail(w.status());
+    auto g = Gateway::Create(serve_gw, client->get(), &metrics);
+    if (!g.ok()) return Fail(g.status());
+    const auto models = (*w)->ModelNames();
+    const std::string url = "http://" + (serve_gw.http.host == "0.0.0.0" ? std::string("127.0.0.1") : serve_gw.http.host) +
+                            ":" + std::to_string((*g)->port());
+    std::printf("Shoal is serving %zu model(s) at %s\n", models.size(), url.c_str());
+    std::printf("Try:\n  curl -s %s/v1/embeddings -H 'Content-Type: application/json' \\\n"
+                "    -d '{\"model\":\"%s\",\"input\":\"Shoal serves small models.\"}'\n",
+                url.c_str(), models.empty() ? "minilm-l6" : models.front().c_str());
+    std::printf("Press Ctrl-C to stop.\n");
+    std::fflush(stdout);
+    int sig = WaitForSignal();
+    LOG_INFO("serve", "signal " << sig << ": shutting down");
+    (*g)->Stop();
+    (*w)->Stop();
+    g->reset();
+    w->reset();
+    client->reset();
+    (*server)->Stop();
+    LOG_INFO("serve", "stopped");
+    return 0;
+  }
+
+  if (gateway->parsed()) {
+    if (!set_level(gw_common.log_level)) return Fail(InvalidArgument("bad --log-level"));
+    auto client = ConnectNats(gw_common.nats_url, "shoal-gateway");
+    if (!client.ok()) return Fail(client.status());
+    MetricsRegistry metrics;
+    auto g = Gateway::Create(gw, client->get(), &metrics);
+    if (!g.ok()) return Fail(g.status());
+    LOG_INFO("gateway", "listening on " << gw.http.host << ":" << (*g)->port() << ", NATS " << gw_common.nats_url);
+    std::printf("shoal gateway listening on port %d\n", (*g)->port());
+    std::fflush(stdout);
+    int sig = WaitForSignal();
+    LOG_INFO("gateway", "signal " << sig << ": shutting down");
+    (*g)->Stop();
+    return 0;
+  }
+
+  if (worker->parsed()) {
+    if (!set_level(wk_common.log_level)) return Fail(InvalidArgument("bad --log-level"));
+    auto client = ConnectNats(wk_common.nats_url, "shoal-worker");
+    if (!client.ok()) return Fail(client.status());
+    MetricsRegistry metrics;
+    wk.options.models = SplitCsv(wk.models_csv);
+    ApplyStream(wk_stream, &wk.options.stream);
+    auto w = Worker::Create(wk.options, client->get(), &metrics);
+    if (!w.ok()) return Fail(w.status());
+    std::unique_ptr<HttpServer> metrics_server;
+    if (wk.metrics_port >= 0) {
+      auto m = WorkerMetricsServer(wk.metrics_port, &metrics);
+      if (!m.ok()) return Fail(m.status());
+      metrics_server = std::move(m).value();
+      LOG_INFO("worker", "metrics on port " << metrics_server->port());
+    }
+    std::printf("shoal worker %s ready\n", (*w)->id().c_str());
+    std::fflush(stdout);
+    int sig = WaitForSignal();
+    LOG_INFO("worker", "signal " << sig << ": shutting down");
+    (*w)->Stop();
+    return 0;
+  }
+  return 0;
+}

@@ -1,0 +1,287 @@
+#include "gateway/dispatcher.h"
+
+#include <random>
+
+#include <nats/nats.h>
+
+#include "common/log.h"
+#include "wire/work_message.h"
+
+namespace shoal {
+
+struct Dispatcher::Pending {
+  EmbedCallback done;
+  int chunk_count = 0;
+  int received = 0;
+  int64_t deadline_unix_ms = 0;
+  std::vector<bool> have;
+  std::vector<wire::WorkReply> parts;
+};
+
+Status DispatcherOptions::Validate() const {
+  if (chunk_size < 1 || chunk_size > 4096) return InvalidArgument("chunk_size must be in [1, 4096]");
+  if (retry_after_s < 0) return InvalidArgument("retry_after_s must be >= 0");
+  return Status::Ok();
+}
+
+namespace {
+
+std::string RandomId() {
+  std::random_device rd;
+  std::mt19937_64 gen((static_cast<uint64_t>(rd()) << 32) ^ rd());
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(gen()));
+  return buf;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Dispatcher>> Dispatcher::Create(const DispatcherOptions& options, NatsClient* client,
+                                                       MetricsRegistry* metrics, const Clock* clock) {
+  RETURN_IF_ERROR(options.Validate());
+  auto d = std::unique_ptr<Dispatcher>(new Dispatcher());
+  d->options_ = options;
+  d->client_ = client;
+  d->clock_ = clock ? clock : SystemClock::Get();
+  d->id_ = options.gateway_id.empty() ? RandomId() : wire::ModelToToken(options.gateway_id);
+  d->reply_subject_ = "_SHOAL.gw." + d->id_ + ".r";
+  d->ack_prefix_ = "_SHOAL.gw." + d->id_ + ".a.";
+  d->published_ = metrics->GetCounter("shoal_gateway_chunks_published_total", "Work messages published.");
+  d->duplicates_ = metrics->GetCounter("shoal_gateway_duplicate_replies_total",
+                                       "Replies dropped as duplicates (redelivered work).");
+  d->queue_full_ = metrics->GetCounter("shoal_gateway_queue_full_total", "Requests refused: queue full.");
+  d->timeouts_ = metrics->GetCounter("shoal_gateway_deadline_exceeded_total", "Requests that hit their deadline.");
+  d->chunks_per_request_ = metrics->GetHistogram("shoal_gateway_chunks_per_request",
+                                                 "Queue messages per client request.", {}, SizeBuckets());
+  ASSIGN_OR_RETURN(d->sub_, client->Subscribe("_SHOAL.gw." + d->id_ + ".>", &Dispatcher::OnMessage, d.get()));
+  RETURN_IF_ERROR(client->Flush(2000));
+  d->timer_ = std::thread([p = d.get()] { p->TimerLoop(); });
+  return d;
+}
+
+Dispatcher::~Dispatcher() {
+  Stop();
+  sub_.reset();  // unsubscribes; no callback runs after this
+}
+
+void Dispatcher::Stop() {
+  std::vector<std::string> ids;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return;
+    stop_ = true;
+    for (auto& [id, p] : pending_) ids.push_back(id);
+  }
+  timer_cv_.notify_all();
+  if (timer_.joinable()) timer_.join();
+  for (auto& id : ids) Complete(id, Unavailable("gateway is shutting down"));
+}
+
+size_t Dispatcher::InFlight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_.size();
+}
+
+void Dispatcher::SubmitEmbed(EmbedJob job, EmbedCallback done) {
+  const size_t n = job.size();
+  if (n == 0) {
+    done(InvalidArgument("no inputs"));
+    return;
+  }
+  if (job.deadline_unix_ms <= 0) job.deadline_unix_ms = clock_->NowUnixMs() + 30000;
+  const int chunk = options_.chunk_size;
+  const int chunks = static_cast<int>((n + chunk - 1) / chunk);
+  const std::string id = id_ + "-" + std::to_string(seq_.fetch_add(1));
+  auto p = std::make_shared<Pending>();
+  p->done = std::move(done);
+  p->chunk_count = chunks;
+  p->deadline_unix_ms = job.deadline_unix_ms;
+  p->have.assign(chunks, false);
+  p->parts.resize(chunks);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (stop_) {
+      lock.unlock();
+      p->done(Unavailable("gateway is shutting down"));
+      return;
+    }
+    pending_.emplace(id, p);
+    deadlines_.emplace(job.deadline_unix_ms, id);
+  }
+  timer_cv_.notify_one();
+  chunks_per_request_->Observe(chunks);
+
+  const std::string subject = wire::WorkSubject(job.model);
+  const std::string deadline = std::to_string(job.deadline_unix_ms);
+  for (int c = 0; c < chunks; ++c) {
+    wire::WorkBody body;
+    body.model = job.model;
+    body.truncate = job.truncate;
+    const size_t begin = static_cast<size_t>(c) * chunk, end = std::min(n, begin + chunk);
+    int64_t estimate = 0;
+    if (!job.texts.empty()) {
+      for (size_t i = begin; i < end; ++i) {
+        estimate += static_cast<int64_t>(job.texts[i].size() / 4 + 2);
+        body.texts.push_back(std::move(job.texts[i]));
+      }
+    } else {
+      for (size_t i = begin; i < end; ++i) {
+        estimate += static_cast<int64_t>(job.token_ids[i].size() + 2);
+        body.token_ids.push_back(std::move(job.token_ids[i]));
+      }
+    }
+    std::string data = wire::EncodeWorkBody(body);
+    std::string chunk_id = std::to_string(c) + "/" + std::to_string(chunks);
+    std::string ack_subject = ack_prefix_ + id + "." + std::to_string(c);
+    natsMsg* raw = nullptr;
+    natsStatus s = natsMsg_Create(&raw, subject.c_str(), ack_subject.c_str(), data.data(),
+                                  static_cast<int>(data.size()));
+    if (s != NATS_OK) {
+      Complete(id, Internal("cannot build work message"));
+      return;
+    }
+    NatsMsgPtr msg(raw);
+    natsMsgHeader_Set(raw, wire::kHdrRequestId, id.c_str());
+    natsMsgHeader_Set(raw, wire::kHdrChunk, chunk_id.c_str());
+    natsMsgHeader_Set(raw, wire::kHdrDeadline, deadline.c_str());
+    natsMsgHeader_Set(raw, wire::kHdrTokenEstimate, std::to_string(estimate).c_str());
+    natsMsgHeader_Set(raw, wire::kHdrReplyTo, reply_subject_.c_str());
+    natsMsgHeader_Set(raw, wire::kHdrMsgId, (id + "." + std::to_string(c)).c_str());
+    Status ps = client_->PublishMsg(raw);
+    if (!ps.ok()) {
+      Complete(id, Unavailable("cannot publish work: " + ps.message(), "queue_unavailable"));
+      return;
+    }
+    published_->Inc();
+  }
+}
+
+void Dispatcher::OnMessage(natsConnection*, natsSubscription*, natsMsg* raw, void* closure) {
+  NatsMsgPtr msg(raw);
+  auto* self = static_cast<Dispatcher*>(closure);
+  std::string_view subject = natsMsg_GetSubject(raw);
+  std::string_view data(natsMsg_GetData(raw), static_cast<size_t>(natsMsg_GetDataLength(raw)));
+  LOG_DEBUG("gateway", "message on " << subject << " (" << data.size() << " bytes)");
+  if (subject == self->reply_subject_) {
+    self->HandleReply(data);
+  } else if (subject.substr(0, self->ack_prefix_.size()) == self->ack_prefix_) {
+    self->HandlePubAck(subject.substr(self->ack_prefix_.size()), raw);
+  }
+}
+
+void Dispatcher::HandlePubAck(std::string_view tail, natsMsg* msg) {
+  // tail: <request id>.<chunk>
+  auto dot = tail.rfind('.');
+  if (dot == std::string_view::npos) return;
+  std::string id(tail.substr(0, dot));
+  if (natsMsg_IsNoResponders(msg)) {
+    Complete(id, Unavailable("the work queue (stream SHOAL_WORK) is not available", "queue_unavailable"));
+    return;
+  }
+  std::string_view data(natsMsg_GetData(msg), static_cast<size_t>(natsMsg_GetDataLength(msg)));
+  if (data.find("\"error\"") == std::string_view::npos) return;  // stored
+  if (data.find("maximum messages") != std::string_view::npos ||
+      data.find("maximum bytes") != std::string_view::npos ||
+      data.find("resource limits") != std::string_view::npos ||
+      data.find("insufficient resources") != std::string_view::npos) {
+    queue_full_->Inc();
+    Complete(id, ResourceExhausted("the work queue is full; retry later", "queue_full"));
+    return;
+  }
+  LOG_WARN("gateway", "publish refused: " << data);
+  Complete(id, Unavailable("the work queue refused the request: " + std::string(data), "queue_unavailable"));
+}
+
+void Dispatcher::HandleReply(std::string_view data) {
+  auto reply = wire::DecodeWorkReply(data);
+  if (!reply.ok()) {
+    LOG_WARN("gateway", "undecodable reply: " << reply.status().message());
+    return;
+  }
+  const std::string id = reply->request_id;  // reply is moved from below
+  std::shared_ptr<Pending> p;
+  bool complete = false;
+  Status error;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(id);
+    if (it == pending_.end()) {
+      duplicates_->Inc();  // late, redelivered, or for a request already failed
+      return;
+    }
+    p = it->second;
+    const int c = reply->chunk_index;
+    if (c < 0 || c >= p->chunk_count || p->have[c]) {
+      duplicates_->Inc();
+      return;
+    }
+    if (!reply->status.ok()) {
+      error = reply->status;
+    } else {
+      p->have[c] = true;
+      p->parts[c] = std::move(reply).value();
+      complete = ++p->received == p->chunk_count;
+    }
+  }
+  if (!error.ok()) {
+    Complete(id, error);
+    return;
+  }
+  if (!complete) return;
+  // All chunks here; only this thread can reach this point for the request.
+  EmbedResult r;
+  for (auto& part : p->parts) {
+    if (r.dim == 0) r.dim = part.dim;
+    if (part.dim != r.dim) {
+      Complete(id, Internal("workers returned different embedding widths"));
+      return;
+    }
+    r.rows += part.rows;
+    for (int32_t t : part.token_counts) r.prompt_tokens += t;
+    r.truncated_any = r.truncated_any || part.truncated_any;
+  }
+  r.data.reserve(static_cast<size_t>(r.rows) * r.dim);
+  for (auto& part : p->parts) r.data.insert(r.data.end(), part.embeddings.begin(), part.embeddings.end());
+  Complete(id, std::move(r));
+}
+
+void Dispatcher::Complete(const std::string& id, Result<EmbedResult> result) {
+  std::shared_ptr<Pending> p;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(id);
+    if (it == pending_.end()) return;  // already completed
+    p = std::move(it->second);
+    pending_.erase(it);
+    auto range = deadlines_.equal_range(p->deadline_unix_ms);
+    for (auto d = range.first; d != range.second; ++d)
+      if (d->second == id) {
+        deadlines_.erase(d);
+        break;
+      }
+  }
+  p->done(std::move(result));
+}
+
+void Dispatcher::TimerLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    if (deadlines_.empty()) {
+      timer_cv_.wait(lock);
+      continue;
+    }
+    const int64_t now = clock_->NowUnixMs();
+    const int64_t first = deadlines_.begin()->first;
+    if (first > now) {
+      timer_cv_.wait_for(lock, std::chrono::milliseconds(std::min<int64_t>(first - now, 1000)));
+      continue;
+    }
+    std::string id = deadlines_.begin()->second;
+    lock.unlock();
+    timeouts_->Inc();
+    Complete(id, DeadlineExceeded("the request did not complete before its deadline", "deadline_exceeded"));
+    lock.lock();
+  }
+}
+
+}  // namespace shoal

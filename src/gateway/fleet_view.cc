@@ -1,0 +1,108 @@
+#include "gateway/fleet_view.h"
+
+#include <nlohmann/json.hpp>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "wire/work_message.h"
+
+namespace shoal {
+
+Result<std::unique_ptr<FleetView>> FleetView::Create(const FleetViewOptions& options, NatsClient* client,
+                                                     MetricsRegistry* metrics) {
+  auto f = std::unique_ptr<FleetView>(new FleetView());
+  f->options_ = options;
+  f->client_ = client;
+  f->snapshot_ = std::make_shared<FleetSnapshot>();
+  f->Refresh();
+  auto* depth = metrics->GetGauge("shoal_queue_depth", "Messages waiting in the work stream.");
+  auto* workers = metrics->GetGauge("shoal_workers_alive", "Workers with a live heartbeat.");
+  metrics->AddRefresher([p = f.get(), depth, workers] {
+    auto s = p->Snapshot();
+    depth->Set(static_cast<double>(s->queue_depth));
+    workers->Set(static_cast<double>(s->worker_json.size()));
+  });
+  f->thread_ = std::thread([p = f.get()] { p->Loop(); });
+  return f;
+}
+
+FleetView::~FleetView() { Stop(); }
+
+void FleetView::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+std::shared_ptr<const FleetSnapshot> FleetView::Snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return snapshot_;
+}
+
+void FleetView::Refresh() {
+  std::lock_guard<std::mutex> guard(refresh_mu_);
+  auto s = std::make_shared<FleetSnapshot>();
+  s->nats_connected = client_->IsConnected();
+  if (s->nats_connected) {
+    auto st = GetStreamState(*client_, options_.stream);
+    s->stream_ok = st.ok();
+    if (st.ok()) s->queue_depth = st->msgs;
+    // Buckets appear when the first worker starts; bind lazily.
+    if (!workers_kv_) {
+      auto kv = KvBucket::Open(*client_, wire::kWorkersBucket, 6000);
+      if (kv.ok()) workers_kv_ = std::move(kv).value();
+    }
+    if (!models_kv_) {
+      auto kv = KvBucket::Open(*client_, wire::kModelsBucket, 0);
+      if (kv.ok()) models_kv_ = std::move(kv).value();
+    }
+    if (workers_kv_) {
+      auto keys = workers_kv_->Keys();
+      if (keys.ok())
+        for (const auto& k : *keys) {
+          auto v = workers_kv_->Get(k);
+          if (v.ok()) s->worker_json.push_back(std::move(v).value());
+        }
+    }
+    if (models_kv_) {
+      auto keys = models_kv_->Keys();
+      if (keys.ok())
+        for (const auto& k : *keys) {
+          auto v = models_kv_->Get(k);
+          if (!v.ok()) continue;
+          try {
+            auto j = nlohmann::json::parse(*v);
+            CatalogModel m;
+            m.name = j.value("name", "");
+            m.task = j.value("task", "embed");
+            m.dim = j.value("dim", 0);
+            m.max_seq_len = j.value("max_seq_len", 0);
+            m.normalize = j.value("normalize", true);
+            m.config_json = *v;
+            if (!m.name.empty()) s->models[m.name] = std::move(m);
+          } catch (const std::exception& e) {
+            LOG_WARN("gateway", "bad catalog entry " << k << ": " << e.what());
+          }
+        }
+    }
+  }
+  s->refreshed_unix_ms = SystemClock::Get()->NowUnixMs();
+  std::lock_guard<std::mutex> lock(mu_);
+  snapshot_ = std::move(s);
+}
+
+void FleetView::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    cv_.wait_for(lock, std::chrono::milliseconds(options_.refresh_interval_ms));
+    if (stop_) break;
+    lock.unlock();
+    Refresh();
+    lock.lock();
+  }
+}
+
+}  // namespace shoal

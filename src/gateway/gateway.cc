@@ -1,0 +1,35 @@
+#include "gateway/gateway.h"
+
+namespace shoal {
+
+Status GatewayOptions::Validate() const {
+  RETURN_IF_ERROR(http.Validate());
+  RETURN_IF_ERROR(dispatcher.Validate());
+  return router.Validate();
+}
+
+Result<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& options, NatsClient* client,
+                                                 MetricsRegistry* metrics) {
+  RETURN_IF_ERROR(options.Validate());
+  auto g = std::unique_ptr<Gateway>(new Gateway());
+  ASSIGN_OR_RETURN(g->dispatcher_, Dispatcher::Create(options.dispatcher, client, metrics));
+  ASSIGN_OR_RETURN(g->fleet_, FleetView::Create(options.fleet, client, metrics));
+  FleetView* fleet = g->fleet_.get();
+  g->router_ = std::make_unique<Router>(options.router, g->dispatcher_.get(),
+                                        [fleet] { return fleet->Snapshot(); }, metrics);
+  Router* router = g->router_.get();
+  ASSIGN_OR_RETURN(g->http_, HttpServer::Create(options.http, [router](HttpRequest&& req, HttpResponder respond) {
+                     router->Handle(std::move(req), std::move(respond));
+                   }));
+  return g;
+}
+
+Gateway::~Gateway() { Stop(); }
+
+void Gateway::Stop() {
+  if (http_) http_->Stop();
+  if (dispatcher_) dispatcher_->Stop();
+  if (fleet_) fleet_->Stop();
+}
+
+}  // namespace shoal

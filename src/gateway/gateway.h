@@ -1,0 +1,44 @@
+// Gateway: the `shoal gateway` process minus flag parsing. Wires the HTTP
+// server to the Router, the Router to the Dispatcher (queue) and FleetView
+// (cluster state). Stateless: run as many as you like against one NATS.
+#pragma once
+
+#include <memory>
+
+#include "common/metrics.h"
+#include "common/status.h"
+#include "gateway/dispatcher.h"
+#include "gateway/fleet_view.h"
+#include "gateway/http_server.h"
+#include "gateway/routes.h"
+#include "queue/nats_client.h"
+
+namespace shoal {
+
+struct GatewayOptions {
+  HttpServerOptions http;
+  DispatcherOptions dispatcher;
+  RouterOptions router;
+  FleetViewOptions fleet;
+  Status Validate() const;
+};
+
+class Gateway {
+ public:
+  // `client` and `metrics` must outlive the gateway. Binds the port.
+  static Result<std::unique_ptr<Gateway>> Create(const GatewayOptions& options, NatsClient* client,
+                                                 MetricsRegistry* metrics);
+  ~Gateway();
+  int port() const { return http_->port(); }
+  // Stops accepting, fails in-flight requests with 503, stops threads.
+  void Stop();
+
+ private:
+  Gateway() = default;
+  std::unique_ptr<Dispatcher> dispatcher_;
+  std::unique_ptr<FleetView> fleet_;
+  std::unique_ptr<Router> router_;
+  std::unique_ptr<HttpServer> http_;
+};
+
+}  // namespace shoal

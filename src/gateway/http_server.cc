@@ -1,0 +1,578 @@
+#include "gateway/http_server.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+
+namespace shoal {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = net::ip::tcp;
+using beast::error_code;
+
+namespace {
+
+// After an error response the server stops reading the request; closing
+// with unread bytes in the socket would send RST and could destroy the
+// response before the client reads it. So it half-closes and drains for up
+// to this long first.
+constexpr int64_t kLingerMs = 2000;
+constexpr int64_t kAcceptRetryMs = 50;
+
+// The OpenAI error shape the rest of the gateway answers with.
+std::string ErrorBody(const Status& status) {
+  nlohmann::ordered_json j;
+  j["error"] = {{"message", status.message()},
+                {"type", ErrorTypeFor(status.code())},
+                {"code", status.ReasonOrDefault()}};
+  // Messages may quote client bytes or exception text: never throw on bad
+  // UTF-8.
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+HttpResponse ErrorResponse(const Status& status) {
+  HttpResponse r;
+  r.status = HttpStatusFor(status.code());
+  r.body = ErrorBody(status);
+  return r;
+}
+
+HttpResponse InternalError(std::string message) {
+  return ErrorResponse(Internal(std::move(message)));
+}
+
+void ToLower(std::string& s) {
+  for (char& c : s)
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+}
+
+// Closed by Stop() before the io_context goes away. Responders hold it so a
+// call from a foreign thread never touches a dead io_context.
+struct Gate {
+  std::mutex mu;
+  bool open = true;  // guarded by mu
+};
+
+}  // namespace
+
+class HttpServer::Impl {
+ public:
+  class Connection;
+  class Reply;
+
+  Impl(const HttpServerOptions& options, HttpHandler handler)
+      : options_(options),
+        handler_(std::move(handler)),
+        gate_(std::make_shared<Gate>()),
+        ioc_(options.threads),
+        acceptor_(net::make_strand(ioc_)),
+        accept_retry_(acceptor_.get_executor()) {}
+
+  Status Listen();
+  void Start();
+  void Stop();
+  int port() const { return port_; }
+
+  const HttpServerOptions& options() const { return options_; }
+  const HttpHandler& handler() const { return handler_; }
+  const std::shared_ptr<Gate>& gate() const { return gate_; }
+  void Remove(Connection* c);
+
+ private:
+  void Accept();
+  void OnAccept(error_code ec, tcp::socket socket);
+
+  const HttpServerOptions options_;
+  const HttpHandler handler_;
+  const std::shared_ptr<Gate> gate_;
+  // Destroyed after everything that uses it; its destructor also frees
+  // connections still referenced by handlers queued on it.
+  net::io_context ioc_;
+  tcp::acceptor acceptor_;
+  net::steady_timer accept_retry_;
+  int port_ = 0;
+
+  std::mutex mu_;
+  // Live connections, so Stop() can close them; a connection removes itself
+  // when it closes.
+  std::unordered_map<Connection*, std::shared_ptr<Connection>> connections_;  // guarded by mu_
+
+  std::mutex stop_mu_;
+  bool stopped_ = false;  // guarded by stop_mu_
+  std::optional<net::executor_work_guard<net::io_context::executor_type>> work_;
+  std::vector<std::thread> threads_;
+};
+
+// One accepted socket. All of its state is touched only on its strand (the
+// socket's executor), except by Stop() after the io threads are joined.
+class HttpServer::Impl::Connection
+    : public std::enable_shared_from_this<Connection> {
+ public:
+  Connection(Impl& server, tcp::socket socket)
+      : server_(server), stream_(std::move(socket)),
+        executor_(stream_.get_executor()) {}
+
+  void Start() {
+    net::dispatch(stream_.get_executor(),
+                  beast::bind_front_handler(&Connection::NextRequest,
+                                            shared_from_this()));
+  }
+
+  // Runs on the strand, posted by Reply.
+  void Respond(HttpResponse response);
+
+  // The connection's strand. Safe from any thread.
+  const net::any_io_executor& executor() const { return executor_; }
+
+  // Only from Stop(), with no io thread running.
+  void CloseNow() {
+    error_code ec;
+    stream_.socket().close(ec);
+  }
+
+ private:
+  void NextRequest();
+  void ReadMore();
+  void OnRead(error_code ec, size_t bytes);
+  void Parse();
+  void Dispatch();
+  void OnContinueWritten(error_code ec, size_t);
+  void OnWritten(error_code ec, size_t);
+  void FailRequest(int http_status, const Status& status);
+  void Linger();
+  void OnLinger(error_code ec, size_t);
+  void Close();
+
+  Impl& server_;
+  beast::tcp_stream stream_;
+  const net::any_io_executor executor_;
+  beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+  http::response<http::string_body> response_;
+  unsigned version_ = 11;
+  bool keep_alive_ = true;
+  bool in_request_ = false;  // bytes of the current request have arrived
+  bool continue_checked_ = false;
+  bool closing_ = false;     // the connection closes after this response
+  bool closed_ = false;
+  char drain_[4096];
+};
+
+// Set on an io thread while it runs the handler for one request: a response
+// given before the handler returns is handed back here instead of being
+// posted, which saves a lock and a trip through the strand's queue.
+struct InlineReply {
+  const HttpServer::Impl::Reply* reply = nullptr;
+  std::optional<HttpResponse>* response = nullptr;
+};
+thread_local InlineReply t_inline;
+
+// State shared by the copies of one HttpResponder.
+class HttpServer::Impl::Reply {
+ public:
+  Reply(std::weak_ptr<Connection> connection, std::shared_ptr<Gate> gate)
+      : connection_(std::move(connection)), gate_(std::move(gate)) {}
+
+  ~Reply() {
+    if (!done_.load(std::memory_order_acquire))
+      Deliver(InternalError("the request was dropped without a response"));
+  }
+
+  void Send(HttpResponse response) {
+    if (done_.exchange(true, std::memory_order_acq_rel)) return;
+    Deliver(std::move(response));
+  }
+
+ private:
+  void Deliver(HttpResponse response) {
+    if (t_inline.reply == this) {
+      *t_inline.response = std::move(response);
+      return;
+    }
+    std::lock_guard<std::mutex> lock(gate_->mu);
+    if (!gate_->open) return;
+    std::shared_ptr<Connection> c = connection_.lock();
+    if (!c) return;
+    const net::any_io_executor& ex = c->executor();
+    net::post(ex, [c = std::move(c), r = std::move(response)]() mutable {
+      c->Respond(std::move(r));
+    });
+  }
+
+  const std::weak_ptr<Connection> connection_;
+  const std::shared_ptr<Gate> gate_;
+  std::atomic<bool> done_{false};
+};
+
+void HttpServer::Impl::Connection::NextRequest() {
+  parser_.emplace();
+  parser_->body_limit(static_cast<std::uint64_t>(server_.options().max_body_bytes));
+  parser_->eager(true);
+  in_request_ = false;
+  continue_checked_ = false;
+  // A pipelining client may already have sent the next request.
+  if (buffer_.size() > 0) {
+    in_request_ = true;
+    Parse();
+  } else {
+    ReadMore();
+  }
+}
+
+void HttpServer::Impl::Connection::ReadMore() {
+  const auto& o = server_.options();
+  stream_.expires_after(std::chrono::milliseconds(
+      in_request_ ? o.read_timeout_ms : o.idle_timeout_ms));
+  stream_.async_read_some(
+      buffer_.prepare(beast::read_size(buffer_, 65536)),
+      beast::bind_front_handler(&Connection::OnRead, shared_from_this()));
+}
+
+void HttpServer::Impl::Connection::OnRead(error_code ec, size_t bytes) {
+  buffer_.commit(bytes);
+  if (ec == net::error::eof && in_request_) {
+    // The request may be delimited by the end of the stream.
+    parser_->put_eof(ec);
+    if (!ec && parser_->is_done()) {
+      closing_ = true;
+      return Dispatch();
+    }
+    if (ec == http::error::partial_message) return Close();
+  }
+  // Timeouts, resets, and a clean close between requests: nobody to answer.
+  if (ec) return Close();
+  in_request_ = true;
+  Parse();
+}
+
+void HttpServer::Impl::Connection::Parse() {
+  for (;;) {
+    error_code ec;
+    size_t used = parser_->put(buffer_.data(), ec);
+    buffer_.consume(used);
+    if (ec == http::error::body_limit) {
+      return FailRequest(413, Status(StatusCode::kPayloadTooLarge,
+                                     "request body exceeds " +
+                                         std::to_string(server_.options().max_body_bytes) +
+                                         " bytes"));
+    }
+    if (ec == http::error::header_limit) {
+      return FailRequest(431, InvalidArgument("request headers are too large",
+                                              "headers_too_large"));
+    }
+    if (ec && ec != http::error::need_more)
+      return FailRequest(400, InvalidArgument("malformed HTTP request: " + ec.message()));
+    if (parser_->is_done()) return Dispatch();
+    if (ec == http::error::need_more || used == 0) break;
+  }
+  // curl and others wait for "100 Continue" before sending a large body.
+  if (parser_->is_header_done() && !continue_checked_) {
+    continue_checked_ = true;
+    const auto& req = parser_->get();
+    auto expect = req.find(http::field::expect);
+    if (req.version() >= 11 && expect != req.end() &&
+        beast::iequals(expect->value(), "100-continue")) {
+      static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
+      stream_.expires_after(
+          std::chrono::milliseconds(server_.options().read_timeout_ms));
+      net::async_write(stream_, net::buffer(kContinue.data(), kContinue.size()),
+                       beast::bind_front_handler(&Connection::OnContinueWritten,
+                                                 shared_from_this()));
+      return;
+    }
+  }
+  ReadMore();
+}
+
+void HttpServer::Impl::Connection::OnContinueWritten(error_code ec, size_t) {
+  if (ec) return Close();
+  ReadMore();
+}
+
+void HttpServer::Impl::Connection::Dispatch() {
+  stream_.expires_never();
+  http::request<http::string_body> msg = parser_->release();
+  version_ = msg.version();
+  keep_alive_ = msg.keep_alive();
+
+  HttpRequest req;
+  req.method = std::string(msg.method_string());
+  req.target = std::string(msg.target());
+  size_t q = req.target.find('?');
+  if (q == std::string::npos) {
+    req.path = req.target;
+  } else {
+    req.path = req.target.substr(0, q);
+    req.query = req.target.substr(q + 1);
+  }
+  req.headers.reserve(std::distance(msg.begin(), msg.end()));
+  for (const auto& field : msg) {
+    std::string name(field.name_string());
+    ToLower(name);
+    req.headers.emplace_back(std::move(name), std::string(field.value()));
+  }
+  req.body = std::move(msg.body());
+
+  std::optional<HttpResponse> response;
+  {
+    auto reply = std::make_shared<Reply>(weak_from_this(), server_.gate());
+    const InlineReply outer = t_inline;
+    t_inline = {reply.get(), &response};
+    HttpResponder responder = [reply](HttpResponse r) { reply->Send(std::move(r)); };
+    try {
+      server_.handler()(std::move(req), std::move(responder));
+    } catch (const std::exception& e) {
+      reply->Send(InternalError(std::string("handler failed: ") + e.what()));
+    } catch (...) {
+      reply->Send(InternalError("handler failed"));
+    }
+    // If the handler kept no copy of the responder, this destroys the Reply
+    // and its 500 lands in `response` too.
+    reply.reset();
+    t_inline = outer;
+  }
+  if (response) Respond(std::move(*response));
+}
+
+void HttpServer::Impl::Connection::Respond(HttpResponse r) {
+  if (closed_) return;
+  if (r.status < 100 || r.status > 999) {
+    r = InternalError("handler returned HTTP status " + std::to_string(r.status));
+  }
+  response_ = {};
+  response_.version(version_);
+  response_.result(static_cast<unsigned>(r.status));
+  response_.set(http::field::server, "shoal");
+  if (!r.content_type.empty())
+    response_.set(http::field::content_type, std::move(r.content_type));
+  bool keep_alive = keep_alive_ && !closing_;
+  for (auto& [name, value] : r.headers) {
+    if (beast::iequals(name, "connection") && beast::iequals(value, "close")) {
+      keep_alive = false;
+      continue;
+    }
+    response_.insert(name, std::move(value));
+  }
+  response_.keep_alive(keep_alive);
+  closing_ = !keep_alive;
+  response_.body() = std::move(r.body);
+  response_.prepare_payload();
+
+  stream_.expires_after(
+      std::chrono::milliseconds(server_.options().read_timeout_ms));
+  http::async_write(stream_, response_,
+                    beast::bind_front_handler(&Connection::OnWritten,
+                                              shared_from_this()));
+}
+
+void HttpServer::Impl::Connection::OnWritten(error_code ec, size_t) {
+  if (ec) return Close();
+  if (closing_) {
+    error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    return Close();
+  }
+  response_ = {};
+  NextRequest();
+}
+
+// Answers the request with an error and closes without trusting the rest
+// of the stream.
+void HttpServer::Impl::Connection::FailRequest(int http_status, const Status& status) {
+  closing_ = true;
+  response_ = {};
+  response_.version(11);
+  response_.result(static_cast<unsigned>(http_status));
+  response_.set(http::field::server, "shoal");
+  response_.set(http::field::content_type, "application/json");
+  response_.keep_alive(false);
+  response_.body() = ErrorBody(status);
+  response_.prepare_payload();
+  stream_.expires_after(
+      std::chrono::milliseconds(server_.options().read_timeout_ms));
+  http::async_write(stream_, response_, [self = shared_from_this()](error_code ec, size_t) {
+    if (ec) return self->Close();
+    self->Linger();
+  });
+}
+
+void HttpServer::Impl::Connection::Linger() {
+  error_code ignored;
+  stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+  stream_.expires_after(std::chrono::milliseconds(
+      std::min(kLingerMs, server_.options().read_timeout_ms)));
+  stream_.async_read_some(
+      net::buffer(drain_),
+      beast::bind_front_handler(&Connection::OnLinger, shared_from_this()));
+}
+
+void HttpServer::Impl::Connection::OnLinger(error_code ec, size_t) {
+  if (ec) return Close();
+  stream_.async_read_some(
+      net::buffer(drain_),
+      beast::bind_front_handler(&Connection::OnLinger, shared_from_this()));
+}
+
+void HttpServer::Impl::Connection::Close() {
+  if (closed_) return;
+  closed_ = true;
+  error_code ignored;
+  stream_.socket().close(ignored);
+  server_.Remove(this);
+}
+
+Status HttpServer::Impl::Listen() {
+  error_code ec;
+  tcp::endpoint endpoint;
+  net::ip::address address = net::ip::make_address(options_.host, ec);
+  if (!ec) {
+    endpoint = tcp::endpoint(address, static_cast<unsigned short>(options_.port));
+  } else {
+    tcp::resolver resolver(ioc_);
+    auto results = resolver.resolve(options_.host, std::to_string(options_.port),
+                                    tcp::resolver::passive, ec);
+    if (ec || results.empty()) {
+      return Unavailable("cannot resolve HTTP host '" + options_.host +
+                         "': " + (ec ? ec.message() : "no addresses"));
+    }
+    endpoint = results.begin()->endpoint();
+  }
+  const std::string where =
+      options_.host + ":" + std::to_string(options_.port);
+  auto fail = [&](const char* what) {
+    error_code ignored;
+    acceptor_.close(ignored);
+    return Unavailable(std::string("cannot ") + what + " HTTP address " + where +
+                       ": " + ec.message());
+  };
+  if (acceptor_.open(endpoint.protocol(), ec)) return fail("open");
+  if (acceptor_.set_option(net::socket_base::reuse_address(true), ec))
+    return fail("configure");
+  if (acceptor_.bind(endpoint, ec)) return fail("bind");
+  if (acceptor_.listen(net::socket_base::max_listen_connections, ec))
+    return fail("listen on");
+  port_ = acceptor_.local_endpoint(ec).port();
+  if (ec) return fail("query");
+  return Status::Ok();
+}
+
+void HttpServer::Impl::Start() {
+  work_.emplace(ioc_.get_executor());
+  Accept();
+  threads_.reserve(options_.threads);
+  for (int i = 0; i < options_.threads; ++i)
+    threads_.emplace_back([this] { ioc_.run(); });
+}
+
+void HttpServer::Impl::Accept() {
+  acceptor_.async_accept(
+      net::make_strand(ioc_),
+      beast::bind_front_handler(&Impl::OnAccept, this));
+}
+
+void HttpServer::Impl::OnAccept(error_code ec, tcp::socket socket) {
+  if (ec == net::error::operation_aborted || !acceptor_.is_open()) return;
+  if (ec) {
+    // Typically out of file descriptors; retrying at once would spin.
+    LOG_WARN("http", "accept failed: " << ec.message());
+    accept_retry_.expires_after(std::chrono::milliseconds(kAcceptRetryMs));
+    accept_retry_.async_wait([this](error_code ec) {
+      if (!ec) Accept();
+    });
+    return;
+  }
+  error_code ignored;
+  socket.set_option(tcp::no_delay(true), ignored);
+  auto c = std::make_shared<Connection>(*this, std::move(socket));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    connections_.emplace(c.get(), c);
+  }
+  c->Start();
+  Accept();
+}
+
+void HttpServer::Impl::Remove(Connection* c) {
+  std::shared_ptr<Connection> last;  // released outside the lock
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = connections_.find(c);
+  if (it == connections_.end()) return;
+  last = std::move(it->second);
+  connections_.erase(it);
+}
+
+void HttpServer::Impl::Stop() {
+  std::lock_guard<std::mutex> stop_lock(stop_mu_);
+  if (stopped_) return;
+  stopped_ = true;
+  {
+    // From here on no responder touches the io_context.
+    std::lock_guard<std::mutex> lock(gate_->mu);
+    gate_->open = false;
+  }
+  work_.reset();
+  ioc_.stop();
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+  // No io thread runs any more, so sockets can be closed from here.
+  error_code ignored;
+  acceptor_.close(ignored);
+  accept_retry_.cancel();
+  std::unordered_map<Connection*, std::shared_ptr<Connection>> connections;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    connections.swap(connections_);
+  }
+  for (auto& [ptr, c] : connections) c->CloseNow();
+  // Handlers still queued on ioc_ keep some connections alive; ioc_'s
+  // destructor frees them.
+}
+
+Status HttpServerOptions::Validate() const {
+  if (host.empty()) return InvalidArgument("http host is empty");
+  if (port < 0 || port > 65535)
+    return InvalidArgument("http port " + std::to_string(port) + " is not in 0..65535");
+  if (threads < 1 || threads > 1024)
+    return InvalidArgument("http threads must be in 1..1024, got " +
+                           std::to_string(threads));
+  if (max_body_bytes == 0) return InvalidArgument("http max_body_bytes must be positive");
+  if (idle_timeout_ms <= 0) return InvalidArgument("http idle_timeout_ms must be positive");
+  if (read_timeout_ms <= 0) return InvalidArgument("http read_timeout_ms must be positive");
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<HttpServer>> HttpServer::Create(const HttpServerOptions& options,
+                                                       HttpHandler handler) {
+  RETURN_IF_ERROR(options.Validate());
+  if (!handler) return InvalidArgument("http handler is empty");
+  auto impl = std::make_unique<Impl>(options, std::move(handler));
+  RETURN_IF_ERROR(impl->Listen());
+  impl->Start();
+  return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
+}
+
+HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+HttpServer::~HttpServer() { Stop(); }
+
+int HttpServer::port() const { return impl_->port(); }
+
+void HttpServer::Stop() { impl_->Stop(); }
+
+}  // namespace shoal

@@ -1,0 +1,66 @@
+// HttpServer: the gateway's asynchronous HTTP/1.1 listener. It owns the
+// socket, the io threads and the connections, parses requests into
+// HttpRequest and hands each one to a single HttpHandler; routing, JSON and
+// everything OpenAI-shaped live in the handler, not here.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+#include "gateway/http.h"
+
+namespace shoal {
+
+struct HttpServerOptions {
+  std::string host = "127.0.0.1";  // address or resolvable name to bind
+  int port = 0;                    // 0 = pick a free port; see port()
+  int threads = 2;                 // io threads sharing one io_context
+  // A larger body is answered 413 and the connection closed.
+  size_t max_body_bytes = 8 << 20;
+  // How long a keep-alive connection may wait for the first byte of its
+  // next request.
+  int64_t idle_timeout_ms = 60000;
+  // Once a request has started: how long reading the rest of it may take.
+  // Also bounds writing each response.
+  int64_t read_timeout_ms = 30000;
+
+  Status Validate() const;
+};
+
+// Serves HTTP/1.1 (keep-alive) and HTTP/1.0. One request is in flight per
+// connection; requests on different connections run concurrently on the io
+// threads. The handler runs on an io thread and must not block it: long work
+// keeps the HttpResponder and calls it later from any thread, exactly once.
+// A responder dropped without being called answers 500; one called after its
+// connection closed or after Stop() does nothing.
+class HttpServer {
+ public:
+  // Binds, listens and starts the io threads; returns once the server
+  // accepts connections. Fails with kInvalidArgument for bad options and
+  // kUnavailable when the address cannot be bound (the message says why).
+  static Result<std::unique_ptr<HttpServer>> Create(
+      const HttpServerOptions& options, HttpHandler handler);
+
+  ~HttpServer();  // calls Stop()
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // The bound port (the one chosen when options.port was 0). Thread-safe.
+  int port() const;
+
+  // Stops accepting, closes every connection (responses still pending are
+  // dropped) and joins the io threads. Blocks only for that join. Idempotent
+  // and thread-safe, but must not be called from the handler or any other
+  // code running on an io thread.
+  void Stop();
+
+ private:
+  class Impl;
+  explicit HttpServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shoal

@@ -1,0 +1,559 @@
+#include "gateway/http_server.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <nlohmann/json.hpp>
+
+namespace shoal {
+namespace {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = net::ip::tcp;
+using beast::error_code;
+using ::testing::HasSubstr;
+
+using Request = http::request<http::string_body>;
+using Response = http::response<http::string_body>;
+
+// A blocking HTTP client on its own io_context. Every operation gives up
+// after a few seconds, so a server bug fails the test instead of hanging it.
+class Client {
+ public:
+  explicit Client(int port) : stream_(ioc_) {
+    stream_.expires_after(kTimeout);
+    stream_.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"),
+                                  static_cast<unsigned short>(port)));
+  }
+
+  static Request Get(std::string target, unsigned version = 11) {
+    Request req(http::verb::get, target, version);
+    req.set(http::field::host, "127.0.0.1");
+    return req;
+  }
+
+  static Request Post(std::string target, std::string body) {
+    Request req(http::verb::post, target, 11);
+    req.set(http::field::host, "127.0.0.1");
+    req.set(http::field::content_type, "application/json");
+    req.body() = std::move(body);
+    req.prepare_payload();
+    return req;
+  }
+
+  error_code Write(Request req) {
+    error_code result;
+    stream_.expires_after(kTimeout);
+    http::async_write(stream_, req, [&](error_code ec, size_t) { result = ec; });
+    Run();
+    return result;
+  }
+
+  error_code WriteRaw(std::string data) {
+    error_code result;
+    stream_.expires_after(kTimeout);
+    net::async_write(stream_, net::buffer(data), [&](error_code ec, size_t) { result = ec; });
+    Run();
+    return result;
+  }
+
+  // Reads one response; on failure, status 0 and the error in *ec.
+  Response Read(error_code* ec_out = nullptr) {
+    http::response_parser<http::string_body> parser;
+    parser.body_limit(boost::none);
+    error_code result;
+    stream_.expires_after(kTimeout);
+    http::async_read(stream_, buffer_, parser, [&](error_code ec, size_t) { result = ec; });
+    Run();
+    if (ec_out) *ec_out = result;
+    if (result) return Response();
+    return parser.release();
+  }
+
+  Response RoundTrip(Request req) {
+    error_code ec = Write(std::move(req));
+    EXPECT_FALSE(ec) << ec.message();
+    Response res = Read(&ec);
+    EXPECT_FALSE(ec) << ec.message();
+    return res;
+  }
+
+  // True once the server closed its side (EOF or reset); false on data or
+  // timeout.
+  bool PeerClosed() {
+    if (buffer_.size() > 0) return false;
+    char byte;
+    error_code result;
+    stream_.expires_after(kTimeout);
+    stream_.async_read_some(net::buffer(&byte, 1),
+                            [&](error_code ec, size_t) { result = ec; });
+    Run();
+    return result == net::error::eof || result == net::error::connection_reset;
+  }
+
+  void Close() {
+    error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
+    stream_.socket().close(ignored);
+  }
+
+ private:
+  static constexpr std::chrono::seconds kTimeout{10};
+
+  void Run() {
+    ioc_.restart();
+    ioc_.run();
+  }
+
+  net::io_context ioc_;
+  beast::tcp_stream stream_;
+  beast::flat_buffer buffer_;
+};
+
+// Answers with a description of the request.
+void Echo(HttpRequest&& req, HttpResponder respond) {
+  HttpResponse res;
+  res.content_type = "text/plain";
+  res.body = req.method + " " + req.path + " q=" + req.query +
+             " x-test=" + std::string(req.Header("x-test")) + " body=" + req.body;
+  respond(std::move(res));
+}
+
+std::unique_ptr<HttpServer> Start(HttpHandler handler, HttpServerOptions options = {}) {
+  auto server = HttpServer::Create(options, std::move(handler));
+  EXPECT_TRUE(server.ok()) << server.status().ToString();
+  if (!server.ok()) return nullptr;
+  return std::move(server).value();
+}
+
+nlohmann::json ErrorOf(const Response& res) {
+  return nlohmann::json::parse(res.body(), nullptr, /*allow_exceptions=*/false)["error"];
+}
+
+// Responders the handler parked, for a test to complete later.
+class ParkedResponders {
+ public:
+  void Park(HttpResponder r) {
+    std::lock_guard<std::mutex> lock(mu_);
+    parked_.push_back(std::move(r));
+    cv_.notify_all();
+  }
+
+  // Waits for the next parked responder; empty after 10 s.
+  HttpResponder Take() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(10), [&] { return !parked_.empty(); });
+    if (parked_.empty()) return nullptr;
+    HttpResponder r = std::move(parked_.front());
+    parked_.pop_front();
+    return r;
+  }
+
+  HttpHandler Handler() {
+    return [this](HttpRequest&&, HttpResponder r) { Park(std::move(r)); };
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<HttpResponder> parked_;  // guarded by mu_
+};
+
+TEST(HttpServer, ServesManyRequestsOnOneKeepAliveConnection) {
+  auto server = Start(Echo);
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  for (int i = 0; i < 100; ++i) {
+    Request req = Client::Get("/v1/models?i=" + std::to_string(i));
+    req.set("X-Test", "yes");
+    Response res = client.RoundTrip(std::move(req));
+    ASSERT_EQ(res.result_int(), 200);
+    EXPECT_EQ(res.body(), "GET /v1/models q=i=" + std::to_string(i) + " x-test=yes body=");
+    EXPECT_EQ(res[http::field::server], "shoal");
+    EXPECT_EQ(res[http::field::content_type], "text/plain");
+    EXPECT_TRUE(res.keep_alive());
+  }
+}
+
+TEST(HttpServer, PassesBodyAndSetsStatusAndExtraHeaders) {
+  auto server = Start([](HttpRequest&& req, HttpResponder respond) {
+    HttpResponse res;
+    res.status = 201;
+    res.body = req.body;
+    res.headers = {{"X-Request-Id", "abc"}, {"Cache-Control", "no-store"}};
+    respond(std::move(res));
+  });
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  Response res = client.RoundTrip(Client::Post("/v1/embeddings", R"({"input":"hi"})"));
+  EXPECT_EQ(res.result_int(), 201);
+  EXPECT_EQ(res.body(), R"({"input":"hi"})");
+  EXPECT_EQ(res[http::field::content_type], "application/json");
+  EXPECT_EQ(res["X-Request-Id"], "abc");
+  EXPECT_EQ(res[http::field::cache_control], "no-store");
+}
+
+TEST(HttpServer, LowerCasesHeaderNames) {
+  std::vector<std::pair<std::string, std::string>> seen;
+  auto server = Start([&](HttpRequest&& req, HttpResponder respond) {
+    seen = req.headers;
+    respond(HttpResponse{});
+  });
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  Request req = Client::Get("/");
+  req.set("X-Mixed-Case", "Value");
+  client.RoundTrip(std::move(req));
+  EXPECT_THAT(seen, ::testing::Contains(std::pair<std::string, std::string>(
+                        "x-mixed-case", "Value")));
+  EXPECT_THAT(seen, ::testing::Contains(std::pair<std::string, std::string>(
+                        "host", "127.0.0.1")));
+}
+
+TEST(HttpServer, ClosesWhenTheRequestAsksTo) {
+  auto server = Start(Echo);
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  Request req = Client::Get("/");
+  req.keep_alive(false);
+  Response res = client.RoundTrip(std::move(req));
+  EXPECT_EQ(res.result_int(), 200);
+  EXPECT_FALSE(res.keep_alive());
+  EXPECT_TRUE(client.PeerClosed());
+}
+
+TEST(HttpServer, ClosesWhenTheHandlerAsksTo) {
+  auto server = Start([](HttpRequest&&, HttpResponder respond) {
+    HttpResponse res;
+    res.headers = {{"Connection", "close"}};
+    respond(std::move(res));
+  });
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  Response res = client.RoundTrip(Client::Get("/"));
+  EXPECT_FALSE(res.keep_alive());
+  EXPECT_TRUE(client.PeerClosed());
+}
+
+TEST(HttpServer, Http10ClosesUnlessKeepAliveIsAsked) {
+  auto server = Start(Echo);
+  ASSERT_TRUE(server);
+  {
+    Client client(server->port());
+    Response res = client.RoundTrip(Client::Get("/a", 10));
+    EXPECT_EQ(res.version(), 10u);
+    EXPECT_EQ(res.body(), "GET /a q= x-test= body=");
+    EXPECT_TRUE(client.PeerClosed());
+  }
+  {
+    Client client(server->port());
+    Request req = Client::Get("/b", 10);
+    req.keep_alive(true);
+    Response res = client.RoundTrip(req);
+    EXPECT_TRUE(res.keep_alive());
+    res = client.RoundTrip(req);
+    EXPECT_EQ(res.result_int(), 200);
+  }
+}
+
+TEST(HttpServer, AnswersPipelinedRequestsInOrder) {
+  auto server = Start(Echo);
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  ASSERT_FALSE(client.WriteRaw(
+      "GET /one HTTP/1.1\r\nHost: x\r\n\r\n"
+      "POST /two HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+      "GET /three HTTP/1.1\r\nHost: x\r\n\r\n"));
+  EXPECT_EQ(client.Read().body(), "GET /one q= x-test= body=");
+  EXPECT_EQ(client.Read().body(), "POST /two q= x-test= body=abc");
+  EXPECT_EQ(client.Read().body(), "GET /three q= x-test= body=");
+}
+
+TEST(HttpServer, ReadsChunkedBodies) {
+  auto server = Start(Echo);
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  ASSERT_FALSE(client.WriteRaw(
+      "POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+      "3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"));
+  EXPECT_EQ(client.Read().body(), "POST /c q= x-test= body=abcde");
+}
+
+TEST(HttpServer, SendsContinueBeforeTheBodyWhenAsked) {
+  auto server = Start(Echo);
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  ASSERT_FALSE(client.WriteRaw(
+      "POST /e HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n"));
+  EXPECT_EQ(client.Read().result_int(), 100);
+  ASSERT_FALSE(client.WriteRaw("hello"));
+  Response res = client.Read();
+  EXPECT_EQ(res.result_int(), 200);
+  EXPECT_EQ(res.body(), "POST /e q= x-test= body=hello");
+}
+
+TEST(HttpServer, RespondsFromAnotherThreadLater) {
+  ParkedResponders parked;
+  auto server = Start(parked.Handler());
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  ASSERT_FALSE(client.Write(Client::Get("/slow")));
+  HttpResponder respond = parked.Take();
+  ASSERT_TRUE(respond);
+  std::thread other([respond = std::move(respond)] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    HttpResponse res;
+    res.body = "late";
+    respond(std::move(res));
+  });
+  Response res = client.Read();
+  other.join();
+  EXPECT_EQ(res.result_int(), 200);
+  EXPECT_EQ(res.body(), "late");
+  EXPECT_TRUE(res.keep_alive());
+}
+
+TEST(HttpServer, IgnoresASecondResponse) {
+  int calls = 0;
+  auto server = Start([&](HttpRequest&& req, HttpResponder respond) {
+    ++calls;
+    HttpResponse first;
+    first.body = "first " + req.path;
+    respond(std::move(first));
+    HttpResponse second;
+    second.body = "second " + req.path;
+    respond(std::move(second));
+  });
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  EXPECT_EQ(client.RoundTrip(Client::Get("/1")).body(), "first /1");
+  EXPECT_EQ(client.RoundTrip(Client::Get("/2")).body(), "first /2");
+  EXPECT_EQ(calls, 2);
+}
+
+TEST(HttpServer, DroppedResponderAnswers500) {
+  auto server = Start([](HttpRequest&&, HttpResponder) {});
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  Response res = client.RoundTrip(Client::Get("/"));
+  EXPECT_EQ(res.result_int(), 500);
+  EXPECT_EQ(ErrorOf(res)["code"], "internal_error");
+}
+
+TEST(HttpServer, ResponderAfterTheClientLeftIsDropped) {
+  ParkedResponders parked;
+  auto server = Start(parked.Handler());
+  ASSERT_TRUE(server);
+  {
+    Client client(server->port());
+    ASSERT_FALSE(client.Write(Client::Get("/")));
+    HttpResponder respond = parked.Take();
+    ASSERT_TRUE(respond);
+    client.Close();
+    respond(HttpResponse{});
+  }
+  // Still serving.
+  Client client(server->port());
+  ASSERT_FALSE(client.Write(Client::Get("/")));
+  HttpResponder respond = parked.Take();
+  ASSERT_TRUE(respond);
+  respond(HttpResponse{});
+  EXPECT_EQ(client.Read().result_int(), 200);
+}
+
+TEST(HttpServer, ResponderAfterTheServerIsGoneIsDropped) {
+  ParkedResponders parked;
+  auto server = Start(parked.Handler());
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  ASSERT_FALSE(client.Write(Client::Get("/")));
+  HttpResponder respond = parked.Take();
+  ASSERT_TRUE(respond);
+  server.reset();
+  EXPECT_TRUE(client.PeerClosed());
+  respond(HttpResponse{});  // no effect, no crash
+}
+
+TEST(HttpServer, HandlerExceptionBecomes500) {
+  auto server = Start([](HttpRequest&&, HttpResponder) -> void {
+    throw std::runtime_error("boom");
+  });
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  Response res = client.RoundTrip(Client::Get("/"));
+  EXPECT_EQ(res.result_int(), 500);
+  EXPECT_EQ(res[http::field::content_type], "application/json");
+  nlohmann::json error = ErrorOf(res);
+  EXPECT_EQ(error["type"], "server_error");
+  EXPECT_EQ(error["code"], "internal_error");
+  EXPECT_THAT(error["message"].get<std::string>(), HasSubstr("boom"));
+  // The connection survives a handler failure.
+  EXPECT_EQ(client.RoundTrip(Client::Get("/")).result_int(), 500);
+}
+
+TEST(HttpServer, BodyOverTheLimitIs413AndCloses) {
+  int calls = 0;
+  HttpServerOptions options;
+  options.max_body_bytes = 1024;
+  auto server = Start(
+      [&](HttpRequest&&, HttpResponder respond) {
+        ++calls;
+        respond(HttpResponse{});
+      },
+      options);
+  ASSERT_TRUE(server);
+  {
+    Client client(server->port());
+    Response res = client.RoundTrip(Client::Post("/", std::string(1024, 'a')));
+    EXPECT_EQ(res.result_int(), 200);
+  }
+  const std::string expected =
+      R"({"error":{"message":"request body exceeds 1024 bytes",)"
+      R"("type":"invalid_request_error","code":"payload_too_large"}})";
+  {
+    Client client(server->port());
+    Response res = client.RoundTrip(Client::Post("/", std::string(64 * 1024, 'a')));
+    EXPECT_EQ(res.result_int(), 413);
+    EXPECT_EQ(res[http::field::content_type], "application/json");
+    EXPECT_EQ(res.body(), expected);
+    EXPECT_FALSE(res.keep_alive());
+    EXPECT_TRUE(client.PeerClosed());
+  }
+  {
+    // Without a Content-Length the limit trips while reading chunks.
+    Client client(server->port());
+    ASSERT_FALSE(client.WriteRaw(
+        "POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        "400\r\n" + std::string(1024, 'a') + "\r\n"
+        "1\r\nb\r\n0\r\n\r\n"));
+    Response res = client.Read();
+    EXPECT_EQ(res.result_int(), 413);
+    EXPECT_EQ(res.body(), expected);
+    EXPECT_TRUE(client.PeerClosed());
+  }
+  EXPECT_EQ(calls, 1);
+}
+
+TEST(HttpServer, MalformedRequestIs400AndCloses) {
+  int calls = 0;
+  auto server = Start([&](HttpRequest&&, HttpResponder respond) {
+    ++calls;
+    respond(HttpResponse{});
+  });
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  ASSERT_FALSE(client.WriteRaw("\x01\x02garbage \xff\xfe\r\n\r\n"));
+  Response res = client.Read();
+  EXPECT_EQ(res.result_int(), 400);
+  EXPECT_EQ(res[http::field::content_type], "application/json");
+  nlohmann::json error = ErrorOf(res);
+  EXPECT_EQ(error["type"], "invalid_request_error");
+  EXPECT_EQ(error["code"], "invalid_argument");
+  EXPECT_THAT(error["message"].get<std::string>(), HasSubstr("malformed HTTP request"));
+  EXPECT_TRUE(client.PeerClosed());
+  EXPECT_EQ(calls, 0);
+}
+
+TEST(HttpServer, ClosesIdleConnections) {
+  HttpServerOptions options;
+  options.idle_timeout_ms = 50;
+  auto server = Start(Echo, options);
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  EXPECT_EQ(client.RoundTrip(Client::Get("/")).result_int(), 200);
+  EXPECT_TRUE(client.PeerClosed());
+}
+
+TEST(HttpServer, ClosesConnectionsThatStallMidRequest) {
+  HttpServerOptions options;
+  options.read_timeout_ms = 50;
+  auto server = Start(Echo, options);
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  ASSERT_FALSE(client.WriteRaw("GET / HTTP/1.1\r\nHost: x\r\n"));
+  EXPECT_TRUE(client.PeerClosed());
+}
+
+TEST(HttpServer, StopClosesOpenConnections) {
+  ParkedResponders parked;
+  auto server = Start([&](HttpRequest&& req, HttpResponder respond) {
+    if (req.path == "/park") return parked.Park(std::move(respond));
+    respond(HttpResponse{});
+  });
+  ASSERT_TRUE(server);
+  Client idle(server->port());
+  EXPECT_EQ(idle.RoundTrip(Client::Get("/")).result_int(), 200);
+  Client waiting(server->port());
+  ASSERT_FALSE(waiting.Write(Client::Get("/park")));
+  HttpResponder pending = parked.Take();  // held, so no 500 goes out
+  ASSERT_TRUE(pending);
+  server->Stop();
+  EXPECT_TRUE(idle.PeerClosed());
+  EXPECT_TRUE(waiting.PeerClosed());
+  server->Stop();  // idempotent
+}
+
+TEST(HttpServer, PortZeroPicksDistinctFreePorts) {
+  auto a = Start(Echo);
+  auto b = Start(Echo);
+  ASSERT_TRUE(a && b);
+  EXPECT_GT(a->port(), 0);
+  EXPECT_GT(b->port(), 0);
+  EXPECT_NE(a->port(), b->port());
+}
+
+TEST(HttpServer, BindingAPortInUseFails) {
+  auto a = Start(Echo);
+  ASSERT_TRUE(a);
+  HttpServerOptions options;
+  options.port = a->port();
+  auto b = HttpServer::Create(options, Echo);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(b.status().message(), HasSubstr(std::to_string(a->port())));
+  EXPECT_THAT(b.status().message(), HasSubstr("in use"));
+}
+
+TEST(HttpServer, ResolvesHostNames) {
+  HttpServerOptions options;
+  options.host = "localhost";
+  auto server = Start(Echo, options);
+  ASSERT_TRUE(server);
+  EXPECT_GT(server->port(), 0);
+}
+
+TEST(HttpServerOptions, RejectsBadValues) {
+  auto invalid = [](auto mutate) {
+    HttpServerOptions o;
+    mutate(o);
+    return o.Validate().code();
+  };
+  EXPECT_EQ(HttpServerOptions{}.Validate().code(), StatusCode::kOk);
+  EXPECT_EQ(invalid([](auto& o) { o.host = ""; }), StatusCode::kInvalidArgument);
+  EXPECT_EQ(invalid([](auto& o) { o.port = 65536; }), StatusCode::kInvalidArgument);
+  EXPECT_EQ(invalid([](auto& o) { o.threads = 0; }), StatusCode::kInvalidArgument);
+  EXPECT_EQ(invalid([](auto& o) { o.max_body_bytes = 0; }), StatusCode::kInvalidArgument);
+  EXPECT_EQ(invalid([](auto& o) { o.idle_timeout_ms = 0; }), StatusCode::kInvalidArgument);
+  EXPECT_EQ(invalid([](auto& o) { o.read_timeout_ms = -1; }), StatusCode::kInvalidArgument);
+
+  HttpServerOptions bad;
+  bad.threads = 0;
+  EXPECT_EQ(HttpServer::Create(bad, Echo).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(HttpServer::Create({}, nullptr).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace shoal

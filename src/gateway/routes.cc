@@ -1,0 +1,542 @@
+#include "gateway/routes.h"
+
+#include <charconv>
+#include <cmath>
+#include <cstring>
+
+#include <msgpack.hpp>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+
+namespace shoal {
+namespace {
+
+using nlohmann::json;
+
+constexpr const char* kMsgpackTypes[] = {"application/msgpack", "application/x-msgpack",
+                                         "application/vnd.msgpack"};
+
+bool IsMsgpack(std::string_view content_type) {
+  for (const char* t : kMsgpackTypes)
+    if (content_type.substr(0, std::strlen(t)) == t) return true;
+  return false;
+}
+
+bool AcceptsMsgpack(std::string_view accept) {
+  for (const char* t : kMsgpackTypes)
+    if (accept.find(t) != std::string_view::npos) return true;
+  return false;
+}
+
+void AppendJsonString(std::string& out, std::string_view s) {
+  out.push_back('"');
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", c);
+          out += buf;
+        } else {
+          out.push_back(static_cast<char>(c));
+        }
+    }
+  }
+  out.push_back('"');
+}
+
+void AppendFloats(std::string& out, const float* v, int n) {
+  out.push_back('[');
+  char buf[32];
+  for (int i = 0; i < n; ++i) {
+    if (i) out.push_back(',');
+    float f = std::isfinite(v[i]) ? v[i] : 0.0f;  // JSON has no NaN/Inf
+    auto [p, ec] = std::to_chars(buf, buf + sizeof buf, f);
+    out.append(buf, p);
+  }
+  out.push_back(']');
+}
+
+void AppendBase64(std::string& out, const unsigned char* data, size_t len) {
+  static const char* k = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  size_t i = 0;
+  for (; i + 2 < len; i += 3) {
+    uint32_t v = (data[i] << 16) | (data[i + 1] << 8) | data[i + 2];
+    out.push_back(k[v >> 18]);
+    out.push_back(k[(v >> 12) & 63]);
+    out.push_back(k[(v >> 6) & 63]);
+    out.push_back(k[v & 63]);
+  }
+  if (i + 1 == len) {
+    uint32_t v = data[i] << 16;
+    out.push_back(k[v >> 18]);
+    out.push_back(k[(v >> 12) & 63]);
+    out += "==";
+  } else if (i + 2 == len) {
+    uint32_t v = (data[i] << 16) | (data[i + 1] << 8);
+    out.push_back(k[v >> 18]);
+    out.push_back(k[(v >> 12) & 63]);
+    out.push_back(k[(v >> 6) & 63]);
+    out.push_back('=');
+  }
+}
+
+HttpResponse JsonResponse(int status, std::string body) {
+  HttpResponse r;
+  r.status = status;
+  r.body = std::move(body);
+  return r;
+}
+
+// Fills job->texts or job->token_ids from an OpenAI-style `input` value:
+// string | [string] | [int] | [[int]].
+Status InputsFromJson(const json& input, int max_inputs, EmbedJob* job) {
+  auto token_row = [](const json& arr, size_t idx, std::vector<int32_t>* row) -> Status {
+    if (arr.empty()) return InvalidArgument("input[" + std::to_string(idx) + "] is an empty token array", "empty_input");
+    row->reserve(arr.size());
+    for (const auto& t : arr) {
+      if (!t.is_number_integer()) return InvalidArgument("token arrays must hold integers", "invalid_input");
+      int64_t v = t.get<int64_t>();
+      if (v < 0 || v > INT32_MAX) return InvalidArgument("token id " + std::to_string(v) + " is out of range", "invalid_token_id");
+      row->push_back(static_cast<int32_t>(v));
+    }
+    return Status::Ok();
+  };
+  if (input.is_string()) {
+    if (input.get_ref<const std::string&>().empty()) return InvalidArgument("input must not be an empty string", "empty_input");
+    job->texts.push_back(input.get<std::string>());
+    return Status::Ok();
+  }
+  if (!input.is_array())
+    return InvalidArgument("input must be a string, an array of strings, or token arrays", "invalid_input");
+  if (input.empty()) return InvalidArgument("input must not be an empty array", "empty_input");
+  if (input[0].is_number_integer()) {  // one pre-tokenized input
+    std::vector<int32_t> row;
+    RETURN_IF_ERROR(token_row(input, 0, &row));
+    job->token_ids.push_back(std::move(row));
+    return Status::Ok();
+  }
+  if (static_cast<int>(input.size()) > max_inputs)
+    return InvalidArgument("too many inputs: " + std::to_string(input.size()) + " (at most " +
+                               std::to_string(max_inputs) + " per request)",
+                           "too_many_inputs");
+  const bool strings = input[0].is_string();
+  for (size_t i = 0; i < input.size(); ++i) {
+    const auto& item = input[i];
+    if (strings) {
+      if (!item.is_string())
+        return InvalidArgument("input[" + std::to_string(i) + "] must be a string like the others", "invalid_input");
+      if (item.get_ref<const std::string&>().empty())
+        return InvalidArgument("input[" + std::to_string(i) + "] is an empty string", "empty_input");
+      job->texts.push_back(item.get<std::string>());
+    } else if (item.is_array()) {
+      std::vector<int32_t> row;
+      RETURN_IF_ERROR(token_row(item, i, &row));
+      job->token_ids.push_back(std::move(row));
+    } else {
+      return InvalidArgument("input[" + std::to_string(i) + "] must be a string or an array of token ids",
+                             "invalid_input");
+    }
+  }
+  return Status::Ok();
+}
+
+// The same, from a MessagePack value.
+Status InputsFromMsgpack(const msgpack::object& input, int max_inputs, EmbedJob* job) {
+  if (input.type == msgpack::type::STR) {
+    if (input.via.str.size == 0) return InvalidArgument("inputs must not be an empty string", "empty_input");
+    job->texts.emplace_back(input.via.str.ptr, input.via.str.size);
+    return Status::Ok();
+  }
+  if (input.type != msgpack::type::ARRAY)
+    return InvalidArgument("inputs must be a string, an array of strings, or token arrays", "invalid_input");
+  const auto& arr = input.via.array;
+  if (arr.size == 0) return InvalidArgument("inputs must not be an empty array", "empty_input");
+  if (static_cast<int>(arr.size) > max_inputs)
+    return InvalidArgument("too many inputs: " + std::to_string(arr.size) + " (at most " +
+                               std::to_string(max_inputs) + " per request)",
+                           "too_many_inputs");
+  for (uint32_t i = 0; i < arr.size; ++i) {
+    const auto& item = arr.ptr[i];
+    if (item.type == msgpack::type::STR) {
+      if (!job->token_ids.empty()) return InvalidArgument("inputs mix strings and token arrays", "invalid_input");
+      if (item.via.str.size == 0)
+        return InvalidArgument("inputs[" + std::to_string(i) + "] is an empty string", "empty_input");
+      job->texts.emplace_back(item.via.str.ptr, item.via.str.size);
+    } else if (item.type == msgpack::type::ARRAY) {
+      if (!job->texts.empty()) return InvalidArgument("inputs mix strings and token arrays", "invalid_input");
+      if (item.via.array.size == 0)
+        return InvalidArgument("inputs[" + std::to_string(i) + "] is an empty token array", "empty_input");
+      std::vector<int32_t> row;
+      for (uint32_t k = 0; k < item.via.array.size; ++k) {
+        const auto& t = item.via.array.ptr[k];
+        if (t.type != msgpack::type::POSITIVE_INTEGER || t.via.u64 > INT32_MAX)
+          return InvalidArgument("token ids must be non-negative 32-bit integers", "invalid_token_id");
+        row.push_back(static_cast<int32_t>(t.via.u64));
+      }
+      job->token_ids.push_back(std::move(row));
+    } else {
+      return InvalidArgument("inputs[" + std::to_string(i) + "] must be a string or an array of token ids",
+                             "invalid_input");
+    }
+  }
+  return Status::Ok();
+}
+
+// Keeps the first `dims` components of every row, re-normalised when the
+// model normalises (Matryoshka-style shortening, as OpenAI's `dimensions`).
+void Shorten(EmbedResult* r, int dims, bool normalize) {
+  if (dims <= 0 || dims >= r->dim) return;
+  std::vector<float> out(static_cast<size_t>(r->rows) * dims);
+  for (int i = 0; i < r->rows; ++i) {
+    const float* src = r->data.data() + static_cast<size_t>(i) * r->dim;
+    float* dst = out.data() + static_cast<size_t>(i) * dims;
+    double norm = 0;
+    for (int k = 0; k < dims; ++k) {
+      dst[k] = src[k];
+      norm += static_cast<double>(src[k]) * src[k];
+    }
+    if (normalize && norm > 0) {
+      const float inv = static_cast<float>(1.0 / std::sqrt(norm));
+      for (int k = 0; k < dims; ++k) dst[k] *= inv;
+    }
+  }
+  r->data = std::move(out);
+  r->dim = dims;
+}
+
+}  // namespace
+
+Status RouterOptions::Validate() const {
+  if (max_inputs < 1) return InvalidArgument("max_inputs must be >= 1");
+  if (default_timeout_ms < 1 || default_timeout_ms > max_timeout_ms)
+    return InvalidArgument("default_timeout_ms must be in [1, max_timeout_ms]");
+  return Status::Ok();
+}
+
+HttpResponse ErrorResponse(const Status& status, int64_t retry_after_s) {
+  HttpResponse r;
+  r.status = HttpStatusFor(status.code());
+  std::string body = "{\"error\":{\"message\":";
+  AppendJsonString(body, status.message());
+  body += ",\"type\":";
+  AppendJsonString(body, ErrorTypeFor(status.code()));
+  body += ",\"param\":null,\"code\":";
+  AppendJsonString(body, status.ReasonOrDefault());
+  body += "}}";
+  r.body = std::move(body);
+  if (r.status == 429 || r.status == 503) r.headers.emplace_back("Retry-After", std::to_string(retry_after_s));
+  return r;
+}
+
+Router::Router(const RouterOptions& options, WorkSubmitter* submitter, FleetSnapshotFn fleet,
+               MetricsRegistry* metrics, const Clock* clock)
+    : options_(options), submitter_(submitter), fleet_(std::move(fleet)), metrics_(metrics),
+      clock_(clock ? clock : SystemClock::Get()) {}
+
+HttpResponder Router::Instrument(const std::string& route, HttpResponder respond) {
+  const int64_t start = clock_->NowMonoUs();
+  auto* latency = metrics_->GetHistogram("shoal_http_request_seconds", "HTTP request latency by route.",
+                                         {{"route", route}}, LatencyBuckets());
+  return [this, route, start, latency, respond = std::move(respond)](HttpResponse r) {
+    latency->Observe(static_cast<double>(clock_->NowMonoUs() - start) / 1e6);
+    metrics_->GetCounter("shoal_http_requests_total", "HTTP requests by route and status.",
+                         {{"route", route}, {"code", std::to_string(r.status)}})->Inc();
+    if (r.status >= 400) {
+      std::string code = "unknown";
+      try {
+        code = json::parse(r.body).at("error").at("code").get<std::string>();
+      } catch (...) {
+      }
+      metrics_->GetCounter("shoal_http_errors_total", "HTTP error responses by error code.",
+                           {{"code", code}})->Inc();
+    }
+    respond(std::move(r));
+  };
+}
+
+void Router::Handle(HttpRequest&& req, HttpResponder respond) {
+  const std::string& path = req.path;
+  auto method_is = [&](const char* m) { return req.method == m; };
+  auto not_allowed = [&](const char* allowed) {
+    auto r = ErrorResponse(Status(StatusCode::kMethodNotAllowed, req.method + " is not allowed on " + path));
+    r.headers.emplace_back("Allow", allowed);
+    return r;
+  };
+  if (path == "/v1/embeddings") {
+    auto done = Instrument("/v1/embeddings", std::move(respond));
+    if (!method_is("POST")) return done(not_allowed("POST"));
+    return Embeddings(std::move(req), std::move(done));
+  }
+  static const std::string kEncode = "/v1/encode/";
+  if (path.compare(0, kEncode.size(), kEncode) == 0) {
+    auto done = Instrument("/v1/encode", std::move(respond));
+    if (!method_is("POST")) return done(not_allowed("POST"));
+    std::string model = path.substr(kEncode.size());
+    if (model.empty()) return done(ErrorResponse(InvalidArgument("missing model in path /v1/encode/{model}")));
+    return Encode(model, std::move(req), std::move(done));
+  }
+  if (path == "/v1/models") {
+    auto done = Instrument("/v1/models", std::move(respond));
+    if (!method_is("GET")) return done(not_allowed("GET"));
+    return done(Models());
+  }
+  if (path == "/healthz") {
+    if (!method_is("GET") && !method_is("HEAD")) return respond(not_allowed("GET"));
+    return respond(JsonResponse(200, "{\"status\":\"ok\"}"));
+  }
+  if (path == "/readyz") {
+    if (!method_is("GET") && !method_is("HEAD")) return respond(not_allowed("GET"));
+    return respond(Ready());
+  }
+  if (path == "/metrics") {
+    if (!method_is("GET")) return respond(not_allowed("GET"));
+    HttpResponse r;
+    r.content_type = "text/plain; version=0.0.4";
+    r.body = metrics_->Render();
+    return respond(std::move(r));
+  }
+  respond(ErrorResponse(NotFound("no route for " + req.method + " " + path, "route_not_found")));
+}
+
+Result<int64_t> Router::Deadline(const HttpRequest& req) const {
+  int64_t timeout = options_.default_timeout_ms;
+  std::string_view h = req.Header("shoal-timeout-ms");
+  if (!h.empty()) {
+    int64_t v = 0;
+    auto [p, ec] = std::from_chars(h.data(), h.data() + h.size(), v);
+    if (ec != std::errc() || p != h.data() + h.size() || v < 1 || v > options_.max_timeout_ms)
+      return InvalidArgument("Shoal-Timeout-Ms must be an integer in [1, " + std::to_string(options_.max_timeout_ms) + "]");
+    timeout = v;
+  }
+  return clock_->NowUnixMs() + timeout;
+}
+
+Status Router::CheckModel(const std::string& model, int* dim) const {
+  auto snap = fleet_();
+  auto it = snap->models.find(model);
+  if (it == snap->models.end())
+    return NotFound("The model '" + model + "' does not exist", "model_not_found");
+  if (it->second.task != "embed")
+    return InvalidArgument("model '" + model + "' does not produce embeddings", "wrong_task");
+  if (dim) *dim = it->second.dim;
+  return Status::Ok();
+}
+
+void Router::Embeddings(HttpRequest&& req, HttpResponder respond) {
+  const int64_t retry = options_.retry_after_s;
+  json body;
+  try {
+    body = json::parse(req.body);
+  } catch (const json::exception& e) {
+    return respond(ErrorResponse(InvalidArgument(std::string("request body is not valid JSON: ") + e.what(), "invalid_json")));
+  }
+  if (!body.is_object()) return respond(ErrorResponse(InvalidArgument("request body must be a JSON object", "invalid_json")));
+  EmbedJob job;
+  auto model_it = body.find("model");
+  if (model_it == body.end() || !model_it->is_string() || model_it->get_ref<const std::string&>().empty())
+    return respond(ErrorResponse(InvalidArgument("'model' is required and must be a non-empty string", "invalid_model")));
+  job.model = model_it->get<std::string>();
+  auto input_it = body.find("input");
+  if (input_it == body.end()) return respond(ErrorResponse(InvalidArgument("'input' is required", "missing_input")));
+  bool base64 = false;
+  if (auto f = body.find("encoding_format"); f != body.end() && !f->is_null()) {
+    if (!f->is_string() || (*f != "float" && *f != "base64"))
+      return respond(ErrorResponse(InvalidArgument("encoding_format must be 'float' or 'base64'", "invalid_encoding_format")));
+    base64 = *f == "base64";
+  }
+  int dims = 0;
+  if (auto d = body.find("dimensions"); d != body.end() && !d->is_null()) {
+    if (!d->is_number_integer() || d->get<int64_t>() < 1)
+      return respond(ErrorResponse(InvalidArgument("dimensions must be a positive integer", "invalid_dimensions")));
+    dims = static_cast<int>(std::min<int64_t>(d->get<int64_t>(), INT32_MAX));
+  }
+  if (auto t = body.find("truncate"); t != body.end() && !t->is_null()) {
+    if (!t->is_boolean()) return respond(ErrorResponse(InvalidArgument("truncate must be a boolean", "invalid_truncate")));
+    job.truncate = t->get<bool>();
+  }
+  Status st = InputsFromJson(*input_it, options_.max_inputs, &job);
+  if (!st.ok()) return respond(ErrorResponse(st));
+  int model_dim = 0;
+  st = CheckModel(job.model, &model_dim);
+  if (!st.ok()) return respond(ErrorResponse(st));
+  if (dims > 0 && model_dim > 0 && dims > model_dim)
+    return respond(ErrorResponse(InvalidArgument("dimensions " + std::to_string(dims) + " exceeds the model's " +
+                                                     std::to_string(model_dim),
+                                                 "invalid_dimensions")));
+  auto deadline = Deadline(req);
+  if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));
+  job.deadline_unix_ms = *deadline;
+  bool normalize = true;
+  if (auto snap = fleet_(); snap->models.count(job.model)) normalize = snap->models.at(job.model).normalize;
+  std::string model = job.model;
+  submitter_->SubmitEmbed(std::move(job), [respond = std::move(respond), model, base64, dims, normalize,
+                                           retry](Result<EmbedResult> result) {
+    if (!result.ok()) return respond(ErrorResponse(result.status(), retry));
+    EmbedResult& r = *result;
+    Shorten(&r, dims, normalize);
+    std::string out;
+    out.reserve(static_cast<size_t>(r.rows) * (base64 ? r.dim * 4 / 3 + 64 : r.dim * 12 + 64) + 128);
+    out += "{\"object\":\"list\",\"data\":[";
+    for (int i = 0; i < r.rows; ++i) {
+      if (i) out.push_back(',');
+      out += "{\"object\":\"embedding\",\"index\":" + std::to_string(i) + ",\"embedding\":";
+      const float* row = r.data.data() + static_cast<size_t>(i) * r.dim;
+      if (base64) {
+        out.push_back('"');
+        AppendBase64(out, reinterpret_cast<const unsigned char*>(row), static_cast<size_t>(r.dim) * sizeof(float));
+        out.push_back('"');
+      } else {
+        AppendFloats(out, row, r.dim);
+      }
+      out.push_back('}');
+    }
+    out += "],\"model\":";
+    AppendJsonString(out, model);
+    out += ",\"usage\":{\"prompt_tokens\":" + std::to_string(r.prompt_tokens) +
+           ",\"total_tokens\":" + std::to_string(r.prompt_tokens) + "}}";
+    respond(JsonResponse(200, std::move(out)));
+  });
+}
+
+void Router::Encode(const std::string& model, HttpRequest&& req, HttpResponder respond) {
+  const int64_t retry = options_.retry_after_s;
+  EmbedJob job;
+  job.model = model;
+  if (IsMsgpack(req.Header("content-type"))) {
+    msgpack::object_handle handle;
+    try {
+      handle = msgpack::unpack(req.body.data(), req.body.size());
+    } catch (const std::exception& e) {
+      return respond(ErrorResponse(InvalidArgument(std::string("request body is not valid MessagePack: ") + e.what(),
+                                                   "invalid_msgpack")));
+    }
+    const auto& root = handle.get();
+    if (root.type != msgpack::type::MAP)
+      return respond(ErrorResponse(InvalidArgument("request body must be a MessagePack map", "invalid_msgpack")));
+    const msgpack::object* inputs = nullptr;
+    for (uint32_t i = 0; i < root.via.map.size; ++i) {
+      const auto& kv = root.via.map.ptr[i];
+      if (kv.key.type != msgpack::type::STR) continue;
+      std::string_view k(kv.key.via.str.ptr, kv.key.via.str.size);
+      if (k == "inputs") inputs = &kv.val;
+      if (k == "truncate") {
+        if (kv.val.type != msgpack::type::BOOLEAN)
+          return respond(ErrorResponse(InvalidArgument("truncate must be a boolean", "invalid_truncate")));
+        job.truncate = kv.val.via.boolean;
+      }
+    }
+    if (!inputs) return respond(ErrorResponse(InvalidArgument("'inputs' is required", "missing_input")));
+    Status st = InputsFromMsgpack(*inputs, options_.max_inputs, &job);
+    if (!st.ok()) return respond(ErrorResponse(st));
+  } else {
+    json body;
+    try {
+      body = json::parse(req.body);
+    } catch (const json::exception& e) {
+      return respond(ErrorResponse(InvalidArgument(std::string("request body is not valid JSON: ") + e.what(), "invalid_json")));
+    }
+    if (!body.is_object()) return respond(ErrorResponse(InvalidArgument("request body must be a JSON object", "invalid_json")));
+    auto in = body.find("inputs");
+    if (in == body.end()) return respond(ErrorResponse(InvalidArgument("'inputs' is required", "missing_input")));
+    if (auto t = body.find("truncate"); t != body.end() && !t->is_null()) {
+      if (!t->is_boolean()) return respond(ErrorResponse(InvalidArgument("truncate must be a boolean", "invalid_truncate")));
+      job.truncate = t->get<bool>();
+    }
+    Status st = InputsFromJson(*in, options_.max_inputs, &job);
+    if (!st.ok()) return respond(ErrorResponse(st));
+  }
+  Status st = CheckModel(model, nullptr);
+  if (!st.ok()) return respond(ErrorResponse(st));
+  auto deadline = Deadline(req);
+  if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));
+  job.deadline_unix_ms = *deadline;
+  const bool want_msgpack = AcceptsMsgpack(req.Header("accept"));
+  submitter_->SubmitEmbed(std::move(job), [respond = std::move(respond), model, want_msgpack,
+                                           retry](Result<EmbedResult> result) {
+    if (!result.ok()) return respond(ErrorResponse(result.status(), retry));
+    const EmbedResult& r = *result;
+    HttpResponse out;
+    if (want_msgpack) {
+      msgpack::sbuffer buf(static_cast<size_t>(r.rows) * r.dim * 4 + 128);
+      msgpack::packer<msgpack::sbuffer> pk(buf);
+      pk.pack_map(5);
+      pk.pack(std::string("model"));
+      pk.pack(model);
+      pk.pack(std::string("rows"));
+      pk.pack(r.rows);
+      pk.pack(std::string("dim"));
+      pk.pack(r.dim);
+      pk.pack(std::string("embeddings"));  // float32 little-endian, rows x dim
+      pk.pack_bin(static_cast<uint32_t>(r.data.size() * sizeof(float)));
+      pk.pack_bin_body(reinterpret_cast<const char*>(r.data.data()),
+                       static_cast<uint32_t>(r.data.size() * sizeof(float)));
+      pk.pack(std::string("usage"));
+      pk.pack_map(1);
+      pk.pack(std::string("prompt_tokens"));
+      pk.pack(r.prompt_tokens);
+      out.content_type = "application/msgpack";
+      out.body.assign(buf.data(), buf.size());
+      return respond(std::move(out));
+    }
+    std::string body = "{\"model\":";
+    AppendJsonString(body, model);
+    body += ",\"dim\":" + std::to_string(r.dim) + ",\"embeddings\":[";
+    for (int i = 0; i < r.rows; ++i) {
+      if (i) body.push_back(',');
+      AppendFloats(body, r.data.data() + static_cast<size_t>(i) * r.dim, r.dim);
+    }
+    body += "],\"usage\":{\"prompt_tokens\":" + std::to_string(r.prompt_tokens) + "}}";
+    respond(JsonResponse(200, std::move(body)));
+  });
+}
+
+HttpResponse Router::Models() const {
+  auto snap = fleet_();
+  json data = json::array();
+  for (const auto& [name, m] : snap->models) {
+    json where = json::array();
+    for (const auto& w : snap->worker_json) {
+      try {
+        auto j = json::parse(w);
+        for (const auto& wm : j.value("models", json::array()))
+          if (wm.value("name", "") == name)
+            where.push_back({{"worker", j.value("id", "")},
+                             {"state", wm.value("state", "loaded")},
+                             {"memory_bytes", wm.value("memory_bytes", 0)}});
+      } catch (...) {
+      }
+    }
+    data.push_back({{"id", name},
+                    {"object", "model"},
+                    {"owned_by", "shoal"},
+                    {"created", 0},
+                    {"task", m.task},
+                    {"dim", m.dim},
+                    {"max_seq_len", m.max_seq_len},
+                    {"workers", where}});
+  }
+  return JsonResponse(200, json({{"object", "list"}, {"data", data}}).dump());
+}
+
+HttpResponse Router::Ready() const {
+  auto snap = fleet_();
+  const bool ready = snap->nats_connected && snap->stream_ok && !snap->worker_json.empty();
+  json j = {{"ready", ready},
+            {"nats", snap->nats_connected},
+            {"stream", snap->stream_ok},
+            {"workers", snap->worker_json.size()},
+            {"models", snap->models.size()},
+            {"queue_depth", snap->queue_depth}};
+  HttpResponse r = JsonResponse(ready ? 200 : 503, j.dump());
+  if (!ready) r.headers.emplace_back("Retry-After", std::to_string(options_.retry_after_s));
+  return r;
+}
+
+}  // namespace shoal

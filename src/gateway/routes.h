@@ -1,0 +1,58 @@
+// Router: the gateway's HTTP API on Shoal's own request/response structs.
+// Validates and transcodes requests (JSON or MessagePack) into EmbedJobs for
+// a WorkSubmitter and renders results in OpenAI or native shape. Every error
+// is JSON {error:{message,type,code}} with the matching HTTP status.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "common/clock.h"
+#include "common/metrics.h"
+#include "common/status.h"
+#include "gateway/dispatcher.h"
+#include "gateway/fleet_view.h"
+#include "gateway/http.h"
+
+namespace shoal {
+
+struct RouterOptions {
+  int max_inputs = 2048;                // inputs per request (OpenAI's limit)
+  int64_t default_timeout_ms = 30000;   // deadline when the client sets none
+  int64_t max_timeout_ms = 300000;
+  int64_t retry_after_s = 1;            // on 429 / 503
+  Status Validate() const;
+};
+
+using FleetSnapshotFn = std::function<std::shared_ptr<const FleetSnapshot>()>;
+
+class Router {
+ public:
+  // `submitter` and `metrics` must outlive the router. Thread-safe.
+  Router(const RouterOptions& options, WorkSubmitter* submitter, FleetSnapshotFn fleet,
+         MetricsRegistry* metrics, const Clock* clock = nullptr);
+  void Handle(HttpRequest&& request, HttpResponder respond);
+
+ private:
+  void Embeddings(HttpRequest&& req, HttpResponder respond);
+  void Encode(const std::string& model, HttpRequest&& req, HttpResponder respond);
+  HttpResponse Models() const;
+  HttpResponse Ready() const;
+  // Deadline from the Shoal-Timeout-Ms header or the default.
+  Result<int64_t> Deadline(const HttpRequest& req) const;
+  Status CheckModel(const std::string& model, int* dim) const;
+  HttpResponder Instrument(const std::string& route, HttpResponder respond);
+
+  RouterOptions options_;
+  WorkSubmitter* submitter_;
+  FleetSnapshotFn fleet_;
+  MetricsRegistry* metrics_;
+  const Clock* clock_;
+};
+
+// The OpenAI-shaped error body and status for `status`; adds Retry-After on
+// 429 and 503.
+HttpResponse ErrorResponse(const Status& status, int64_t retry_after_s = 1);
+
+}  // namespace shoal

@@ -1,0 +1,17 @@
+#include "runtime/runtime.h"
+
+#include "runtime/null/null_runtime.h"
+#include "runtime/torch/torchscript_runtime.h"
+
+namespace shoal {
+
+Result<std::unique_ptr<Runtime>> CreateRuntime(const std::string& kind) {
+  if (kind == "torchscript") {
+    return std::unique_ptr<Runtime>(std::make_unique<TorchScriptRuntime>());
+  }
+  if (kind == "null") return std::unique_ptr<Runtime>(std::make_unique<NullRuntime>());
+  return NotFound("unknown runtime '" + kind + "' (known: torchscript, null)",
+                  "runtime_not_found");
+}
+
+}  // namespace shoal

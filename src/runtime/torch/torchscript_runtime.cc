@@ -1,0 +1,257 @@
+#include "runtime/torch/torchscript_runtime.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <ATen/Parallel.h>
+#include <torch/script.h>
+
+#include "runtime/internal/batch_check.h"
+
+namespace shoal {
+namespace {
+
+int64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size_pages = 0, resident_pages = 0;
+  if (!(statm >> size_pages >> resident_pages)) return 0;
+  return resident_pages * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
+
+// The useful part of a libtorch message. Interpreter errors put a TorchScript
+// traceback first and the original error ("RuntimeError: ...") last.
+std::string Summary(const std::string& s) {
+  if (s.find("TorchScript interpreter") == std::string::npos) return s.substr(0, s.find('\n'));
+  size_t end = s.find_last_not_of(" \n");
+  if (end == std::string::npos) return s;
+  const size_t begin = s.rfind('\n', end);
+  return s.substr(begin == std::string::npos ? 0 : begin + 1, end + 1 - (begin + 1));
+}
+
+bool StartsWith(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+// An out-of-range index in a model fed token ids is bad input, not a bug.
+// The interpreter rethrows everything as RuntimeError, so look at the text.
+Status Classify(const std::string& what, const std::string& msg) {
+  if (StartsWith(msg, "IndexError") || StartsWith(msg, "ValueError") ||
+      msg.find("index out of range") != std::string::npos) {
+    return InvalidArgument(what + ": " + msg);
+  }
+  return Internal(what + ": " + msg);
+}
+
+// libtorch throws; this is the edge where exceptions become Status.
+Status FromException(const std::string& what, std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::IndexError& ex) {
+    return InvalidArgument(what + ": " + Summary(ex.what_without_backtrace()));
+  } catch (const c10::ValueError& ex) {
+    return InvalidArgument(what + ": " + Summary(ex.what_without_backtrace()));
+  } catch (const c10::Error& ex) {
+    return Classify(what, Summary(ex.what_without_backtrace()));
+  } catch (const std::exception& ex) {
+    return Classify(what, Summary(ex.what()));
+  } catch (...) {
+    return Internal(what + ": unknown exception");
+  }
+}
+
+}  // namespace
+
+struct TorchScriptRuntime::Impl {
+  ModelConfig config;
+  torch::jit::Module module;
+  bool loaded = false;
+  int dim = 0;
+  int64_t vocab_size = 0;  // 0: unknown, only negative ids are rejected
+  int threads = 1;
+  int64_t memory_bytes = 0;
+  // OpenMP keeps the thread count per calling thread: re-apply it when Run()
+  // is called from a thread other than the one that last applied it.
+  std::thread::id threads_applied_on;
+
+  void ApplyThreads() {
+    if (threads_applied_on == std::this_thread::get_id()) return;
+    at::set_num_threads(threads);
+    threads_applied_on = std::this_thread::get_id();
+  }
+
+  // Returns the pooled [rows, H] float tensor. Throws (caller converts).
+  Result<at::Tensor> Forward(const TokenBatch& batch) {
+    // from_blob borrows the caller's buffers; the traced graph only reads them.
+    const auto ids = torch::from_blob(const_cast<int64_t*>(batch.input_ids.data()),
+                                      {batch.rows, batch.seq_len}, torch::kInt64);
+    const auto mask = torch::from_blob(const_cast<int64_t*>(batch.attention_mask.data()),
+                                       {batch.rows, batch.seq_len}, torch::kInt64);
+    c10::InferenceMode guard;
+    const c10::IValue out = module.forward({ids, mask});
+
+    at::Tensor hidden;
+    if (out.isTensor()) {
+      hidden = out.toTensor();
+    } else if (out.isTuple() && !out.toTupleRef().elements().empty() &&
+               out.toTupleRef().elements()[0].isTensor()) {
+      hidden = out.toTupleRef().elements()[0].toTensor();
+    } else if (out.isGenericDict()) {
+      const auto dict = out.toGenericDict();
+      for (const char* key : {"last_hidden_state", "sentence_embedding"}) {
+        auto it = dict.find(c10::IValue(std::string(key)));
+        if (it != dict.end() && it->value().isTensor()) {
+          hidden = it->value().toTensor();
+          break;
+        }
+      }
+      if (!hidden.defined()) {
+        return Internal("model output dict has no 'last_hidden_state' tensor");
+      }
+    } else {
+      return Internal("model output must be a tensor, a tuple starting with one, or a "
+                      "dict; got " + out.tagKind());
+    }
+
+    hidden = hidden.to(torch::kFloat32);
+    at::Tensor pooled;
+    if (hidden.dim() == 3 && hidden.size(0) == batch.rows && hidden.size(1) == batch.seq_len) {
+      if (config.pooling == "cls") {
+        pooled = hidden.select(1, 0);
+      } else {
+        const auto m = mask.to(torch::kFloat32).unsqueeze(-1);
+        pooled = (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9);
+      }
+    } else if (hidden.dim() == 2 && hidden.size(0) == batch.rows) {
+      pooled = hidden;  // the model pools itself
+    } else {
+      return Internal("model output has shape " + c10::str(hidden.sizes()) + ", expected [" +
+                      std::to_string(batch.rows) + ", " + std::to_string(batch.seq_len) +
+                      ", H] or [" + std::to_string(batch.rows) + ", H]");
+    }
+    if (config.normalize) {
+      pooled = pooled / pooled.norm(2, {1}, /*keepdim=*/true).clamp_min(1e-12);
+    }
+    return pooled.contiguous();
+  }
+};
+
+TorchScriptRuntime::TorchScriptRuntime() : impl_(std::make_unique<Impl>()) {}
+TorchScriptRuntime::~TorchScriptRuntime() = default;
+
+Status TorchScriptRuntime::Load(const ModelConfig& config) {
+  Impl& s = *impl_;
+  if (s.loaded) return Internal("torchscript runtime: Load() called twice for " + config.name);
+  if (config.pooling != "mean" && config.pooling != "cls") {
+    return InvalidArgument("model " + config.name + ": pooling must be 'mean' or 'cls'");
+  }
+  if (config.dim < 0 || config.intra_op_threads < 0) {
+    return InvalidArgument("model " + config.name + ": dim and intra_op_threads must be >= 0");
+  }
+  const std::string path = config.ModelPath();
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    return NotFound("model " + config.name + ": no model file at " + path, "model_file_not_found");
+  }
+  s.config = config;
+  s.threads = config.intra_op_threads > 0
+                  ? config.intra_op_threads
+                  : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  s.threads_applied_on = {};
+  s.ApplyThreads();
+
+  const int64_t rss_before = ResidentBytes();
+  try {
+    s.module = torch::jit::load(path, torch::kCPU);
+    s.module.eval();
+  } catch (...) {
+    s.module = torch::jit::Module();
+    return FromException("model " + config.name + ": cannot load " + path,
+                         std::current_exception());
+  }
+
+  // Warm-up: the profiling graph executor records shapes on the first call
+  // and optimises on the second, so run twice before serving. The output also
+  // gives the width when shoal.json omits it.
+  TokenBatch warm;
+  warm.rows = 2;
+  warm.seq_len = std::min(16, config.max_seq_len > 0 ? config.max_seq_len : 16);
+  warm.input_ids.assign(static_cast<size_t>(warm.rows) * warm.seq_len, 1);
+  warm.attention_mask.assign(warm.input_ids.size(), 1);
+  Result<at::Tensor> pooled = Internal("unreached");
+  try {
+    pooled = s.Forward(warm);
+    if (pooled.ok()) pooled = s.Forward(warm);
+  } catch (...) {
+    pooled = FromException("model " + config.name + ": warm-up forward failed",
+                           std::current_exception());
+  }
+  if (!pooled.ok()) {
+    s.module = torch::jit::Module();
+    return pooled.status();
+  }
+  const int out_dim = static_cast<int>(pooled->size(1));
+  if (config.dim > 0 && out_dim != config.dim) {
+    s.module = torch::jit::Module();
+    return InvalidArgument("model " + config.name + ": shoal.json says dim " +
+                           std::to_string(config.dim) + " but the model returns " +
+                           std::to_string(out_dim));
+  }
+  s.dim = out_dim;
+  // Out-of-range ids fail deep inside the interpreter with a generic error;
+  // when the embedding table is recognisable, reject them up front instead.
+  s.vocab_size = 0;
+  for (const auto& p : s.module.named_parameters()) {
+    const std::string& name = p.name;
+    if (name.size() >= 22 && name.compare(name.size() - 22, 22, "word_embeddings.weight") == 0 &&
+        p.value.dim() == 2) {
+      s.vocab_size = p.value.size(0);
+      break;
+    }
+  }
+
+  int64_t param_bytes = 0;
+  for (const auto& p : s.module.parameters()) param_bytes += p.nbytes();
+  for (const auto& b : s.module.buffers()) param_bytes += b.nbytes();
+  s.memory_bytes = std::max(ResidentBytes() - rss_before, param_bytes);
+  s.loaded = true;
+  return Status::Ok();
+}
+
+Result<Embeddings> TorchScriptRuntime::Run(const TokenBatch& batch) {
+  Impl& s = *impl_;
+  if (!s.loaded) return Unavailable("torchscript runtime: model not loaded", "model_not_loaded");
+  RETURN_IF_ERROR(internal::CheckBatch(batch, s.config.max_seq_len));
+  for (const int64_t id : batch.input_ids) {
+    if (id < 0 || (s.vocab_size > 0 && id >= s.vocab_size)) {
+      return InvalidArgument("token id " + std::to_string(id) + " is outside the vocabulary of " +
+                                 s.config.name + " (size " + std::to_string(s.vocab_size) + ")",
+                             "token_out_of_range");
+    }
+  }
+  try {
+    s.ApplyThreads();
+    ASSIGN_OR_RETURN(at::Tensor pooled, s.Forward(batch));
+    Embeddings out;
+    out.rows = batch.rows;
+    out.dim = static_cast<int>(pooled.size(1));
+    out.data.resize(static_cast<size_t>(out.rows) * out.dim);
+    std::memcpy(out.data.data(), pooled.data_ptr<float>(), out.data.size() * sizeof(float));
+    return out;
+  } catch (...) {
+    return FromException("model " + s.config.name + ": forward failed", std::current_exception());
+  }
+}
+
+void TorchScriptRuntime::Unload() {
+  impl_->module = torch::jit::Module();
+  impl_->loaded = false;
+  impl_->memory_bytes = 0;
+}
+
+int64_t TorchScriptRuntime::MemoryBytes() const { return impl_->memory_bytes; }
+
+int TorchScriptRuntime::Dim() const { return impl_->dim; }
+
+}  // namespace shoal

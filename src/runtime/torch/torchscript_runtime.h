@@ -1,0 +1,46 @@
+// TorchScriptRuntime ("torchscript"): runs a TorchScript encoder in-process
+// with libtorch on CPU. The model takes (input_ids i64 [B,T], attention_mask
+// i64 [B,T]) and returns last_hidden_state [B,T,H] (a tensor, the first
+// element of a tuple, or a dict entry), or already-pooled [B,H]. Pooling and
+// L2 normalisation follow the ModelConfig. libtorch headers stay inside the
+// .cc; this header is safe to include anywhere.
+//
+// Threads: at::set_num_threads is process-global in libtorch; the last
+// loaded model's intra_op_threads wins for every model in the process.
+// Not thread-safe: one caller at a time (see Runtime).
+#pragma once
+
+#include <memory>
+
+#include "runtime/runtime.h"
+
+namespace shoal {
+
+class TorchScriptRuntime final : public Runtime {
+ public:
+  TorchScriptRuntime();
+  ~TorchScriptRuntime() override;
+
+  // Loads config.ModelPath(), sets intra-op threads (config.intra_op_threads,
+  // or one per hardware thread when 0), runs one warm-up forward and records
+  // the resident memory it cost. Blocks for the load (0.1-1 s for MiniLM).
+  // kNotFound: no model file; kInvalidArgument: bad config or the model's
+  // width disagrees with config.dim; kInternal: libtorch failed to load or run.
+  Status Load(const ModelConfig& config) override;
+  // One forward pass; blocks for its duration. kInvalidArgument for bad
+  // shapes, seq_len over max_seq_len or token ids the model rejects;
+  // kUnavailable before Load(); kInternal for other libtorch failures.
+  Result<Embeddings> Run(const TokenBatch& batch) override;
+  void Unload() override;
+  // Growth of process RSS across load and warm-up, at least the size of the
+  // model's parameters and buffers. Activations of large batches are not
+  // included.
+  int64_t MemoryBytes() const override;
+  int Dim() const override;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shoal

@@ -1,0 +1,401 @@
+// Needs the demo models: /usr/bin/python3 scripts/make_models.py --out models
+// (SHOAL_MODELS_DIR overrides where they are looked for). Fails, rather than
+// skips, when they are missing.
+#include "runtime/torch/torchscript_runtime.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/script.h>
+#include <unistd.h>
+
+#include "common/model_config.h"
+
+namespace shoal {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string ModelsDir() {
+  if (const char* d = std::getenv("SHOAL_MODELS_DIR"); d && *d) return d;
+  if (const char* s = std::getenv("SHOAL_SOURCE_DIR"); s && *s) return std::string(s) + "/models";
+  return SHOAL_DEFAULT_MODELS_DIR;
+}
+
+std::string MissingModelHelp(const std::string& dir) {
+  return "demo model not generated in " + dir +
+         ". Generate it with: /usr/bin/python3 scripts/make_models.py --out models "
+         "(from the repository root; set SHOAL_MODELS_DIR to use another repository)";
+}
+
+TokenBatch Batch(const std::vector<std::vector<int64_t>>& rows) {
+  TokenBatch b;
+  b.rows = static_cast<int>(rows.size());
+  for (const auto& r : rows) b.seq_len = std::max(b.seq_len, static_cast<int>(r.size()));
+  for (const auto& r : rows) {
+    for (int t = 0; t < b.seq_len; ++t) {
+      const bool real = t < static_cast<int>(r.size());
+      b.input_ids.push_back(real ? r[t] : 0);
+      b.attention_mask.push_back(real ? 1 : 0);
+    }
+  }
+  return b;
+}
+
+std::vector<float> Row(const Embeddings& e, int r) {
+  return {e.data.begin() + static_cast<long>(r) * e.dim,
+          e.data.begin() + static_cast<long>(r + 1) * e.dim};
+}
+
+float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  float m = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+
+std::vector<int64_t> RandomSentence(std::mt19937& rng, int len) {
+  std::uniform_int_distribution<int64_t> id(1000, 30521);
+  std::vector<int64_t> s{101};
+  for (int i = 0; i < len - 2; ++i) s.push_back(id(rng));
+  s.push_back(102);
+  return s;
+}
+
+class TinyBert : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ModelsDir() + "/tiny-bert";
+    ASSERT_TRUE(fs::exists(dir_ + "/model.pt") && fs::exists(dir_ + "/reference.json"))
+        << MissingModelHelp(dir_);
+    auto config = LoadModelConfig(dir_);
+    ASSERT_TRUE(config.ok()) << config.status().ToString();
+    config_ = *config;
+  }
+
+  std::unique_ptr<TorchScriptRuntime> Load(const ModelConfig& config) {
+    auto rt = std::make_unique<TorchScriptRuntime>();
+    const Status st = rt->Load(config);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    return st.ok() ? std::move(rt) : nullptr;
+  }
+
+  std::string dir_;
+  ModelConfig config_;
+};
+
+TEST_F(TinyBert, MatchesPythonReference) {
+  std::ifstream in(dir_ + "/reference.json");
+  const auto ref = nlohmann::json::parse(in);
+  ASSERT_EQ(ref["pooling"], config_.pooling);
+  ASSERT_EQ(ref["normalize"], config_.normalize);
+  auto rt = Load(config_);
+  ASSERT_NE(rt, nullptr);
+  EXPECT_EQ(rt->Dim(), 64);
+
+  std::vector<std::vector<int64_t>> inputs;
+  std::vector<std::vector<float>> expected;
+  for (const auto& item : ref["inputs"]) inputs.push_back(item["input_ids"]);
+  for (const auto& e : ref["embeddings"]) expected.push_back(e);
+  ASSERT_EQ(inputs.size(), 3u);
+  ASSERT_EQ(expected.size(), 3u);
+
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    auto out = rt->Run(Batch({inputs[i]}));
+    ASSERT_TRUE(out.ok()) << out.status().ToString();
+    EXPECT_LT(MaxAbsDiff(Row(*out, 0), expected[i]), 1e-4) << "input " << i;
+  }
+  // All three in one padded batch agree with the reference too.
+  auto batched = rt->Run(Batch(inputs));
+  ASSERT_TRUE(batched.ok()) << batched.status().ToString();
+  for (int i = 0; i < 3; ++i) EXPECT_LT(MaxAbsDiff(Row(*batched, i), expected[i]), 1e-4);
+}
+
+TEST_F(TinyBert, RunsVariableBatchAndSequenceShapes) {
+  auto rt = Load(config_);
+  ASSERT_NE(rt, nullptr);
+  std::mt19937 rng(1);
+  for (auto [rows, len] : {std::pair{1, 1}, {1, 2}, {3, 40}, {16, 7}, {2, 256}, {64, 32}}) {
+    std::vector<std::vector<int64_t>> batch;
+    for (int r = 0; r < rows; ++r) batch.push_back(RandomSentence(rng, std::max(2, len - r % 3)));
+    if (len == 1) batch = {{101}};
+    auto out = rt->Run(Batch(batch));
+    ASSERT_TRUE(out.ok()) << rows << "x" << len << ": " << out.status().ToString();
+    EXPECT_EQ(out->rows, rows);
+    EXPECT_EQ(out->dim, 64);
+    for (int r = 0; r < rows; ++r) {
+      double sq = 0;
+      for (float v : Row(*out, r)) sq += double(v) * v;
+      EXPECT_NEAR(std::sqrt(sq), 1.0, 1e-4);
+    }
+  }
+}
+
+TEST_F(TinyBert, PaddingDoesNotChangeEmbedding) {
+  std::mt19937 rng(2);
+  const auto sentence = RandomSentence(rng, 10);
+  const auto longer = RandomSentence(rng, 50);
+  for (const char* pooling : {"mean", "cls"}) {
+    ModelConfig config = config_;
+    config.pooling = pooling;
+    auto rt = Load(config);
+    ASSERT_NE(rt, nullptr);
+    auto alone = rt->Run(Batch({sentence}));
+    auto padded = rt->Run(Batch({longer, sentence, longer}));
+    ASSERT_TRUE(alone.ok() && padded.ok());
+    EXPECT_LT(MaxAbsDiff(Row(*alone, 0), Row(*padded, 1)), 1e-5) << pooling;
+  }
+}
+
+TEST_F(TinyBert, PoolingAndNormalisationFollowConfig) {
+  const auto batch = Batch({{101, 2000, 3000, 4000, 102}});
+  ModelConfig raw = config_;
+  raw.normalize = false;
+  ModelConfig cls = config_;
+  cls.pooling = "cls";
+  auto mean_norm = Load(config_)->Run(batch);
+  auto mean_raw = Load(raw)->Run(batch);
+  auto cls_norm = Load(cls)->Run(batch);
+  ASSERT_TRUE(mean_norm.ok() && mean_raw.ok() && cls_norm.ok());
+  double sq = 0;
+  for (float v : mean_raw->data) sq += double(v) * v;
+  const float norm = static_cast<float>(std::sqrt(sq));
+  EXPECT_GT(std::abs(norm - 1.0f), 1e-3);
+  std::vector<float> rescaled = mean_raw->data;
+  for (float& v : rescaled) v /= norm;
+  EXPECT_LT(MaxAbsDiff(rescaled, mean_norm->data), 1e-5);
+  EXPECT_GT(MaxAbsDiff(cls_norm->data, mean_norm->data), 1e-3);
+}
+
+TEST_F(TinyBert, DimComesFromModelWhenConfigOmitsIt) {
+  ModelConfig config = config_;
+  config.dim = 0;
+  auto rt = Load(config);
+  ASSERT_NE(rt, nullptr);
+  EXPECT_EQ(rt->Dim(), 64);
+}
+
+TEST_F(TinyBert, WrongConfiguredDimIsInvalidArgument) {
+  ModelConfig config = config_;
+  config.dim = 384;
+  TorchScriptRuntime rt;
+  const Status st = rt.Load(config);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+}
+
+TEST_F(TinyBert, MemoryCoversParameters) {
+  auto rt = Load(config_);
+  ASSERT_NE(rt, nullptr);
+  // 2.1M float parameters.
+  EXPECT_GE(rt->MemoryBytes(), 8'000'000);
+  EXPECT_LT(rt->MemoryBytes(), 1'000'000'000);
+}
+
+TEST_F(TinyBert, BadBatchesAreInvalidArgument) {
+  auto rt = Load(config_);
+  ASSERT_NE(rt, nullptr);
+  auto mismatched = rt->Run(TokenBatch{2, 3, {101, 1, 102}, {1, 1, 1}});
+  EXPECT_EQ(mismatched.status().code(), StatusCode::kInvalidArgument);
+  auto empty = rt->Run(TokenBatch{});
+  EXPECT_EQ(empty.status().code(), StatusCode::kInvalidArgument);
+
+  std::vector<int64_t> too_long(config_.max_seq_len + 1, 1000);
+  auto long_out = rt->Run(Batch({too_long}));
+  EXPECT_EQ(long_out.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(long_out.status().reason(), "input_too_long");
+
+  auto out_of_vocab = rt->Run(Batch({{101, 30522, 102}}));
+  EXPECT_EQ(out_of_vocab.status().code(), StatusCode::kInvalidArgument)
+      << out_of_vocab.status().ToString();
+  EXPECT_EQ(out_of_vocab.status().reason(), "token_out_of_range");
+  auto negative = rt->Run(Batch({{101, -5, 102}}));
+  EXPECT_EQ(negative.status().code(), StatusCode::kInvalidArgument)
+      << negative.status().ToString();
+  // Still usable afterwards.
+  EXPECT_TRUE(rt->Run(Batch({{101, 102}})).ok());
+}
+
+TEST_F(TinyBert, UnloadIsIdempotentAndReloadWorks) {
+  TorchScriptRuntime rt;
+  ASSERT_TRUE(rt.Load(config_).ok());
+  const Status twice = rt.Load(config_);
+  EXPECT_EQ(twice.code(), StatusCode::kInternal);
+  rt.Unload();
+  rt.Unload();
+  EXPECT_EQ(rt.Run(Batch({{101, 102}})).status().code(), StatusCode::kUnavailable);
+  ASSERT_TRUE(rt.Load(config_).ok());
+  EXPECT_TRUE(rt.Run(Batch({{101, 102}})).ok());
+}
+
+TEST_F(TinyBert, AppliesThreadCountOnTheCallingThread) {
+  ModelConfig config = config_;
+  config.intra_op_threads = 2;
+  auto rt = Load(config);
+  ASSERT_NE(rt, nullptr);
+  int seen = 0;
+  std::thread executor([&] {
+    ASSERT_TRUE(rt->Run(Batch({{101, 2000, 102}})).ok());
+    seen = at::get_num_threads();
+  });
+  executor.join();
+  EXPECT_EQ(seen, 2);
+}
+
+// ---- Error handling and output forms, with small fixtures built here.
+
+class TorchScriptFixtures : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("shoal-ts-test-" + std::to_string(::getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Saves a TorchScript module whose forward(input_ids, attention_mask) is `body`.
+  ModelConfig Fixture(const std::string& body, int dim = 0) {
+    torch::jit::Module m("Fixture");
+    m.define("def forward(self, input_ids, attention_mask):\n" + body);
+    m.save((dir_ / "model.pt").string());
+    ModelConfig c;
+    c.name = "fixture";
+    c.dir = dir_.string();
+    c.dim = dim;
+    c.normalize = false;
+    return c;
+  }
+
+  fs::path dir_;
+};
+
+// Each hidden vector is [id, id, id, id]: mean pooling gives the mean real id.
+constexpr const char* kHidden =
+    "    h = input_ids.float().unsqueeze(-1).repeat(1, 1, 4)\n";
+
+void ExpectMeanOfIds(TorchScriptRuntime& rt) {
+  auto out = rt.Run(Batch({{2, 4, 6}, {10, 20}}));
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  ASSERT_EQ(out->dim, 4);
+  EXPECT_EQ(Row(*out, 0), std::vector<float>(4, 4.0f));
+  EXPECT_EQ(Row(*out, 1), std::vector<float>(4, 15.0f));
+}
+
+TEST_F(TorchScriptFixtures, AcceptsPlainTensorOutput) {
+  TorchScriptRuntime rt;
+  ASSERT_TRUE(rt.Load(Fixture(std::string(kHidden) + "    return h\n")).ok());
+  EXPECT_EQ(rt.Dim(), 4);
+  ExpectMeanOfIds(rt);
+}
+
+TEST_F(TorchScriptFixtures, AcceptsTupleOutput) {
+  TorchScriptRuntime rt;
+  ASSERT_TRUE(rt.Load(Fixture(std::string(kHidden) + "    return (h, attention_mask)\n")).ok());
+  ExpectMeanOfIds(rt);
+}
+
+TEST_F(TorchScriptFixtures, AcceptsDictOutput) {
+  TorchScriptRuntime rt;
+  const Status st = rt.Load(Fixture(std::string(kHidden) +
+                                    "    return {'pooler_output': h[:, 0], "
+                                    "'last_hidden_state': h}\n"));
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  ExpectMeanOfIds(rt);
+}
+
+TEST_F(TorchScriptFixtures, TreatsTwoDimensionalOutputAsPooled) {
+  TorchScriptRuntime rt;
+  ASSERT_TRUE(rt.Load(Fixture("    return input_ids.float().sum(1, keepdim=True).repeat(1, 3)\n")).ok());
+  EXPECT_EQ(rt.Dim(), 3);
+  auto out = rt.Run(Batch({{2, 4, 6}, {10, 20}}));
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(Row(*out, 0), std::vector<float>(3, 12.0f));
+  // Padding ids are 0, so the row sum is unaffected.
+  EXPECT_EQ(Row(*out, 1), std::vector<float>(3, 30.0f));
+}
+
+TEST_F(TorchScriptFixtures, UnexpectedOutputIsInternal) {
+  TorchScriptRuntime scalar;
+  Status st = scalar.Load(Fixture("    return input_ids.float().sum()\n"));
+  EXPECT_EQ(st.code(), StatusCode::kInternal) << st.ToString();
+  TorchScriptRuntime text;
+  st = text.Load(Fixture("    return 'hello'\n"));
+  EXPECT_EQ(st.code(), StatusCode::kInternal) << st.ToString();
+  TorchScriptRuntime dict;
+  st = dict.Load(Fixture(std::string(kHidden) + "    return {'logits': h}\n"));
+  EXPECT_EQ(st.code(), StatusCode::kInternal) << st.ToString();
+}
+
+TEST_F(TorchScriptFixtures, ModelThatThrowsIsInternal) {
+  TorchScriptRuntime rt;
+  const Status st = rt.Load(Fixture("    assert input_ids.size(0) < 0, 'boom'\n    return input_ids\n"));
+  EXPECT_EQ(st.code(), StatusCode::kInternal) << st.ToString();
+  EXPECT_NE(st.message().find("boom"), std::string::npos) << st.message();
+}
+
+TEST_F(TorchScriptFixtures, IndexErrorInsideModelIsInvalidArgument) {
+  // No recognisable word_embeddings table, so the id check happens in torch.
+  TorchScriptRuntime rt;
+  ASSERT_TRUE(rt.Load(Fixture("    return torch.embedding(torch.ones(10, 4), input_ids)\n")).ok());
+  EXPECT_TRUE(rt.Run(Batch({{1, 9}})).ok());
+  auto out = rt.Run(Batch({{1, 20}}));
+  EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument) << out.status().ToString();
+}
+
+TEST_F(TorchScriptFixtures, MissingModelFileIsNotFound) {
+  ModelConfig c;
+  c.name = "missing";
+  c.dir = dir_.string();
+  TorchScriptRuntime rt;
+  const Status st = rt.Load(c);
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+  EXPECT_EQ(st.reason(), "model_file_not_found");
+}
+
+TEST_F(TorchScriptFixtures, CorruptModelFileIsInternal) {
+  ModelConfig c;
+  c.name = "corrupt";
+  c.dir = dir_.string();
+  {
+    std::ofstream out(dir_ / "model.pt", std::ios::binary);
+    out << "this is not a TorchScript archive";
+  }
+  TorchScriptRuntime garbage;
+  Status st = garbage.Load(c);
+  EXPECT_EQ(st.code(), StatusCode::kInternal) << st.ToString();
+
+  // A real archive cut in half.
+  const std::string tiny = ModelsDir() + "/tiny-bert/model.pt";
+  ASSERT_TRUE(fs::exists(tiny)) << MissingModelHelp(ModelsDir() + "/tiny-bert");
+  {
+    std::ifstream in(tiny, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), {});
+    std::ofstream out(dir_ / "model.pt", std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size() / 2));
+  }
+  TorchScriptRuntime truncated;
+  st = truncated.Load(c);
+  EXPECT_EQ(st.code(), StatusCode::kInternal) << st.ToString();
+
+  fs::remove(dir_ / "model.pt");
+  fs::create_directory(dir_ / "model.pt");
+  TorchScriptRuntime directory;
+  EXPECT_EQ(directory.Load(c).code(), StatusCode::kNotFound);
+}
+
+TEST_F(TorchScriptFixtures, BadPoolingIsInvalidArgument) {
+  ModelConfig c = Fixture(std::string(kHidden) + "    return h\n");
+  c.pooling = "max";
+  TorchScriptRuntime rt;
+  EXPECT_EQ(rt.Load(c).code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace shoal

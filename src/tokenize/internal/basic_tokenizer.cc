@@ -1,0 +1,104 @@
+#include "tokenize/internal/basic_tokenizer.h"
+
+#include <utility>
+
+#include "tokenize/internal/utf8.h"
+
+namespace shoal::tokenize_internal {
+
+BasicTokenizer::BasicTokenizer(const BasicTokenizerOptions& options)
+    : options_(options), bmp_(BmpInfoTable()) {}
+
+void BasicTokenizer::Split(std::string_view text, PieceSink* sink) const {
+  Scratch scratch;
+  bool ascii = true;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    char32_t cp = DecodeUtf8(text, &pos);
+    CodePointInfo info = InfoOf(bmp_, cp);
+    if (info & kDrop) continue;  // a dropped char joins its neighbours
+    if (info & kSpace) {
+      FlushWord(ascii, &scratch, sink);
+      ascii = true;
+      continue;
+    }
+    if ((info & kCjk) && options_.tokenize_chinese_chars) {
+      FlushWord(ascii, &scratch, sink);
+      scratch.word.push_back(cp);
+      FlushWord(false, &scratch, sink);
+      ascii = true;
+      continue;
+    }
+    scratch.word.push_back(cp);
+    ascii = ascii && cp < 0x80;
+  }
+  FlushWord(ascii, &scratch, sink);
+}
+
+void BasicTokenizer::FlushWord(bool ascii, Scratch* scratch, PieceSink* sink) const {
+  std::u32string& word = scratch->word;
+  if (word.empty()) return;
+  if (ascii) {
+    // NFC, accent stripping and every other lower mapping are no-ops here.
+    if (options_.lowercase) {
+      for (char32_t& c : word) {
+        if (c >= 'A' && c <= 'Z') c += 32;
+      }
+    }
+  } else {
+    // The same order as BasicTokenizer.tokenize: NFC over the text, then per
+    // word lower() and _run_strip_accents().
+    for (char32_t c : word) {
+      if (MayNeedNfc(InfoOf(bmp_, c))) {
+        ComposeNfc(word, &scratch->temp);
+        word.swap(scratch->temp);
+        break;
+      }
+    }
+    if (options_.lowercase) {
+      ToLowerFull(word, &scratch->temp);
+      word.swap(scratch->temp);
+    }
+    if (options_.strip_accents) {
+      StripAccents(word, &scratch->temp);
+      word.swap(scratch->temp);
+    }
+  }
+  const char32_t* start = word.data();
+  const char32_t* end = word.data() + word.size();
+  for (const char32_t* p = start; p != end; ++p) {
+    if (InfoOf(bmp_, *p) & kPunct) {
+      Emit(start, p, scratch, sink);
+      Emit(p, p + 1, scratch, sink);
+      start = p + 1;
+    }
+  }
+  Emit(start, end, scratch, sink);
+  word.clear();
+}
+
+void BasicTokenizer::Emit(const char32_t* begin, const char32_t* end,
+                          Scratch* scratch, PieceSink* sink) {
+  if (begin == end) return;
+  scratch->utf8.clear();
+  scratch->boundaries.clear();
+  for (const char32_t* p = begin; p != end; ++p) {
+    scratch->boundaries.push_back(static_cast<uint32_t>(scratch->utf8.size()));
+    AppendUtf8(*p, &scratch->utf8);
+  }
+  scratch->boundaries.push_back(static_cast<uint32_t>(scratch->utf8.size()));
+  sink->OnPiece(scratch->utf8, scratch->boundaries);
+}
+
+std::vector<std::string> BasicTokenizer::SplitToStrings(std::string_view text) const {
+  struct Collector : PieceSink {
+    std::vector<std::string> pieces;
+    void OnPiece(std::string_view utf8, std::span<const uint32_t>) override {
+      pieces.emplace_back(utf8);
+    }
+  } collector;
+  Split(text, &collector);
+  return std::move(collector.pieces);
+}
+
+}  // namespace shoal::tokenize_internal

@@ -1,0 +1,64 @@
+// BasicTokenizer: the first half of BERT tokenization, as Hugging Face's
+// BasicTokenizer does it: clean the text, put spaces around CJK ideographs,
+// split on whitespace, NFC, lower-case, strip accents and split punctuation
+// off. Hands each resulting piece to a sink as UTF-8 with its code point
+// boundaries, ready for the WordPiece step.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tokenize/internal/unicode_text.h"
+
+namespace shoal::tokenize_internal {
+
+struct BasicTokenizerOptions {
+  bool lowercase = true;
+  bool strip_accents = true;  // applied whether or not lowercase is set
+  bool tokenize_chinese_chars = true;
+};
+
+class PieceSink {
+ public:
+  virtual ~PieceSink() = default;
+  // One non-empty piece. `boundaries` holds the byte offset of each code
+  // point in `utf8` followed by utf8.size(), so it has one entry more than
+  // the piece has code points. Both views are valid only during the call.
+  virtual void OnPiece(std::string_view utf8,
+                       std::span<const uint32_t> boundaries) = 0;
+};
+
+class BasicTokenizer {
+ public:
+  explicit BasicTokenizer(const BasicTokenizerOptions& options);
+
+  // Splits `text` (UTF-8; invalid bytes are dropped like U+FFFD) and calls
+  // sink->OnPiece for every piece in order. Thread-safe: no shared mutable
+  // state; allocates only per-call scratch buffers.
+  void Split(std::string_view text, PieceSink* sink) const;
+
+  // The pieces as strings, for tests and debugging.
+  std::vector<std::string> SplitToStrings(std::string_view text) const;
+
+ private:
+  struct Scratch {
+    std::u32string word;
+    std::u32string temp;
+    std::string utf8;
+    std::vector<uint32_t> boundaries;
+  };
+
+  // Normalises scratch->word (one whitespace-delimited word) and emits its
+  // punctuation-split pieces.
+  void FlushWord(bool ascii, Scratch* scratch, PieceSink* sink) const;
+  static void Emit(const char32_t* begin, const char32_t* end, Scratch* scratch,
+                   PieceSink* sink);
+
+  BasicTokenizerOptions options_;
+  const CodePointInfo* bmp_;  // process-wide table, never freed
+};
+
+}  // namespace shoal::tokenize_internal

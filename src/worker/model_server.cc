@@ -1,0 +1,326 @@
+#include "worker/model_server.h"
+
+#include <algorithm>
+#include <charconv>
+
+#include "common/log.h"
+
+namespace shoal {
+namespace {
+
+bool ParseInt(std::string_view s, int64_t* out) {
+  if (s.empty()) return false;
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+  return ec == std::errc() && p == s.data() + s.size();
+}
+
+}  // namespace
+
+Result<wire::WorkHeaders> ParseWorkHeaders(const Delivery& d) {
+  wire::WorkHeaders h;
+  h.request_id = std::string(d.Header(wire::kHdrRequestId));
+  h.reply_to = std::string(d.Header(wire::kHdrReplyTo));
+  if (h.request_id.empty() || h.reply_to.empty())
+    return InvalidArgument("work message lacks request id or reply subject");
+  std::string_view chunk = d.Header(wire::kHdrChunk);
+  if (!chunk.empty()) {
+    auto slash = chunk.find('/');
+    int64_t i = 0, n = 0;
+    if (slash == std::string_view::npos || !ParseInt(chunk.substr(0, slash), &i) ||
+        !ParseInt(chunk.substr(slash + 1), &n) || i < 0 || n < 1 || i >= n)
+      return InvalidArgument("bad chunk header");
+    h.chunk_index = static_cast<int>(i);
+    h.chunk_count = static_cast<int>(n);
+  }
+  int64_t v = 0;
+  if (ParseInt(d.Header(wire::kHdrDeadline), &v)) h.deadline_unix_ms = v;
+  if (ParseInt(d.Header(wire::kHdrTokenEstimate), &v)) h.token_estimate = v;
+  h.payload_ref = std::string(d.Header(wire::kHdrPayloadRef));
+  return h;
+}
+
+ModelServer::ModelServer(ModelServerDeps deps)
+    : d_(std::move(deps)), batcher_(d_.config.batching, d_.clock) {
+  Labels l = {{"model", d_.config.name}};
+  auto* m = d_.metrics;
+  batches_ = m->GetCounter("shoal_worker_batches_total", "Forward passes run.", l);
+  batch_rows_ = m->GetHistogram("shoal_worker_batch_rows", "Rows per forward pass.", l, SizeBuckets());
+  std::vector<double> token_buckets;
+  for (double v = 16; v <= 65536; v *= 2) token_buckets.push_back(v);
+  batch_tokens_ = m->GetHistogram("shoal_worker_batch_padded_tokens",
+                                  "Padded tokens (rows x longest) per forward pass.", l, token_buckets);
+  run_seconds_ = m->GetHistogram("shoal_worker_forward_seconds", "Forward pass time.", l, LatencyBuckets());
+  queue_wait_seconds_ = m->GetHistogram("shoal_worker_batch_wait_seconds",
+                                        "Time pulled work waited for its batch.", l, LatencyBuckets());
+  tokens_total_ = m->GetCounter("shoal_worker_tokens_total", "Real (unpadded) tokens embedded.", l);
+  expired_ = m->GetCounter("shoal_worker_expired_total", "Work dropped because its deadline passed.", l);
+  redelivered_ = m->GetCounter("shoal_worker_redelivered_total", "Work delivered more than once.", l);
+}
+
+ModelServer::~ModelServer() { Stop(); }
+
+void ModelServer::Start() {
+  fetcher_ = std::thread([this] { FetchLoop(); });
+  executor_ = std::thread([this] { ExecLoop(); });
+}
+
+void ModelServer::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_.exchange(true)) {
+      // Already stopping; fall through to join in case another call did not.
+    }
+  }
+  work_cv_.notify_all();
+  space_cv_.notify_all();
+  if (fetcher_.joinable()) fetcher_.join();
+  if (executor_.joinable()) executor_.join();
+}
+
+void ModelServer::Reply(const wire::WorkReply& reply, const std::string& reply_to) {
+  LOG_DEBUG("worker", "reply " << reply.request_id << "/" << reply.chunk_index << " to " << reply_to);
+  Status s = d_.client->Publish(reply_to, wire::EncodeWorkReply(reply));
+  if (!s.ok()) LOG_WARN("worker", "reply to " << reply_to << " failed: " << s.ToString());
+}
+
+void ModelServer::Fail(Delivery& delivery, const wire::WorkHeaders& headers, const Status& status) {
+  if (!headers.reply_to.empty()) {
+    wire::WorkReply r;
+    r.request_id = headers.request_id;
+    r.chunk_index = headers.chunk_index;
+    r.status = status;
+    r.worker_id = d_.worker_id;
+    Reply(r, headers.reply_to);
+  }
+  // Terminal: bad input or a failed run is never retried in a loop.
+  (void)delivery.Term();
+  d_.metrics->GetCounter("shoal_worker_errors_total", "Work answered with an error, by code.",
+                         {{"model", d_.config.name}, {"code", status.ReasonOrDefault()}})->Inc();
+}
+
+Result<std::unique_ptr<PendingWork>> ModelServer::Prepare(std::string_view data) const {
+  ASSIGN_OR_RETURN(wire::WorkBody body, wire::DecodeWorkBody(data));
+  const ModelConfig& c = d_.config;
+  if (body.model != c.name) return NotFound("this worker does not serve model '" + body.model + "'");
+  if (body.task != c.task) return InvalidArgument("model '" + c.name + "' does not do task '" + body.task + "'");
+  if (body.size() == 0) return InvalidArgument("no inputs");
+  auto w = std::make_unique<PendingWork>();
+  w->rows.reserve(body.size());
+  const int max_len = c.max_seq_len;
+  const auto& tok = *d_.tokenizer;
+  auto too_long = [&](size_t i, int64_t n) {
+    return Unprocessable("input " + std::to_string(i) + " has " + std::to_string(n) +
+                             " tokens; model '" + c.name + "' takes at most " + std::to_string(max_len) +
+                             " (send \"truncate\": true to cut it)",
+                         "input_too_long");
+  };
+  for (size_t i = 0; i < body.texts.size(); ++i) {
+    Encoding e = tok.Encode(body.texts[i], max_len);
+    if (e.truncated) {
+      if (!body.truncate) return too_long(i, e.full_length);
+      w->truncated_any = true;
+    }
+    w->rows.push_back(std::move(e.ids));
+  }
+  const int64_t vocab = static_cast<int64_t>(tok.vocab_size());
+  for (size_t i = 0; i < body.token_ids.size(); ++i) {
+    auto& in = body.token_ids[i];
+    if (in.empty()) return InvalidArgument("input " + std::to_string(i) + " is an empty token array");
+    for (int32_t id : in)
+      if (id < 0 || id >= vocab)
+        return InvalidArgument("input " + std::to_string(i) + " has token id " + std::to_string(id) +
+                                   " outside the vocabulary [0, " + std::to_string(vocab) + ")",
+                               "invalid_token_id");
+    // Token arrays are the model's own ids without special tokens, as the
+    // OpenAI API sends them; add [CLS]/[SEP] unless already framed.
+    std::vector<int32_t> row;
+    bool framed = in.size() >= 2 && in.front() == tok.cls_id() && in.back() == tok.sep_id();
+    if (framed) {
+      row = std::move(in);
+    } else {
+      row.reserve(in.size() + 2);
+      row.push_back(tok.cls_id());
+      row.insert(row.end(), in.begin(), in.end());
+      row.push_back(tok.sep_id());
+    }
+    if (static_cast<int>(row.size()) > max_len) {
+      if (!body.truncate) return too_long(i, static_cast<int64_t>(row.size()));
+      row.resize(max_len);
+      row.back() = tok.sep_id();
+      w->truncated_any = true;
+    }
+    w->rows.push_back(std::move(row));
+  }
+  for (const auto& r : w->rows) {
+    w->token_counts.push_back(static_cast<int32_t>(r.size()));
+    w->tokens += static_cast<int64_t>(r.size());
+  }
+  return w;
+}
+
+void ModelServer::FetchLoop() {
+  const auto& b = d_.config.batching;
+  while (!stop_) {
+    int64_t free_tokens = 0, free_rows = 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      // Pull only what fits the next batch: the rest stays in the shared
+      // queue for other workers.
+      space_cv_.wait(lock, [&] { return stop_ || (batcher_.FreeTokens() > 0 && batcher_.FreeRows() > 0); });
+      if (stop_) break;
+      free_tokens = batcher_.FreeTokens();
+      free_rows = batcher_.FreeRows();
+    }
+    int want = static_cast<int>(std::clamp<int64_t>(
+        static_cast<int64_t>(free_tokens / std::max(1.0, avg_tokens_per_msg_)), 1, std::max<int64_t>(1, free_rows)));
+    want = std::min(want, b.max_batch_size);
+    auto fetched = d_.consumer->Fetch(want, d_.fetch_poll_ms);
+    if (!fetched.ok()) {
+      if (stop_) break;
+      LOG_WARN("worker", "fetch for " << d_.config.name << " failed: " << fetched.status().ToString());
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      continue;
+    }
+    if (fetched->empty()) continue;
+    LOG_DEBUG("worker", d_.config.name << ": fetched " << fetched->size() << " (asked " << want << ")");
+    const int64_t now_ms = d_.clock->NowUnixMs();
+    std::vector<std::unique_ptr<PendingWork>> ready;
+    for (Delivery& delivery : *fetched) {
+      auto headers = ParseWorkHeaders(delivery);
+      if (!headers.ok()) {
+        LOG_WARN("worker", "dropping malformed work message: " << headers.status().message());
+        (void)delivery.Term();
+        continue;
+      }
+      if (delivery.NumDelivered() > 1) redelivered_->Inc();
+      if (headers->deadline_unix_ms > 0 && now_ms > headers->deadline_unix_ms) {
+        expired_->Inc();
+        Fail(delivery, *headers, DeadlineExceeded("deadline passed before the work was run"));
+        continue;
+      }
+      auto work = Prepare(delivery.Data());
+      if (!work.ok()) {
+        Fail(delivery, *headers, work.status());
+        continue;
+      }
+      (*work)->headers = std::move(*headers);
+      (*work)->delivery = std::move(delivery);
+      avg_tokens_per_msg_ = 0.9 * avg_tokens_per_msg_ + 0.1 * static_cast<double>((*work)->tokens);
+      (*work)->enqueued_mono_us = d_.clock->NowMonoUs();
+      ready.push_back(std::move(work).value());
+    }
+    if (ready.empty()) continue;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& w : ready) batcher_.Add(std::move(w));
+    }
+    work_cv_.notify_one();
+  }
+}
+
+void ModelServer::ExecLoop() {
+  while (true) {
+    std::vector<std::unique_ptr<PendingWork>> batch;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!stop_) {
+        int64_t wait_us = batcher_.UsUntilReady();
+        if (wait_us == 0) break;
+        if (wait_us < 0) {
+          work_cv_.wait(lock);
+        } else {
+          work_cv_.wait_for(lock, std::chrono::microseconds(wait_us));
+        }
+      }
+      if (stop_) break;
+      batch = batcher_.Take();
+    }
+    space_cv_.notify_one();
+    RunBatch(std::move(batch));
+  }
+}
+
+void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
+  const int64_t now_us = d_.clock->NowMonoUs();
+  const int64_t now_ms = d_.clock->NowUnixMs();
+  // Expired while waiting: answer and drop before spending compute on it.
+  std::vector<std::unique_ptr<PendingWork>> live;
+  for (auto& w : batch) {
+    queue_wait_seconds_->Observe(static_cast<double>(now_us - w->enqueued_mono_us) / 1e6);
+    if (w->headers.deadline_unix_ms > 0 && now_ms > w->headers.deadline_unix_ms) {
+      expired_->Inc();
+      Fail(w->delivery, w->headers, DeadlineExceeded("deadline passed before the work was run"));
+      continue;
+    }
+    live.push_back(std::move(w));
+  }
+  if (live.empty()) return;
+
+  const ModelConfig& c = d_.config;
+  LOG_DEBUG("worker", c.name << ": running batch of " << live.size() << " message(s)");
+  std::vector<wire::WorkReply> replies(live.size());
+  for (size_t i = 0; i < live.size(); ++i) {
+    replies[i].request_id = live[i]->headers.request_id;
+    replies[i].chunk_index = live[i]->headers.chunk_index;
+    replies[i].rows = static_cast<int>(live[i]->rows.size());
+    replies[i].token_counts = live[i]->token_counts;
+    replies[i].truncated_any = live[i]->truncated_any;
+    replies[i].worker_id = d_.worker_id;
+  }
+  Status failure;
+  int dim = 0;
+  auto passes = PlanForwardPasses(live, c.batching.max_batch_tokens, c.batching.max_batch_size);
+  const int64_t batch_start_us = d_.clock->NowMonoUs();
+  for (const auto& pass : passes) {
+    // Long batches: keep the messages ours past AckWait.
+    if (d_.clock->NowMonoUs() - batch_start_us > d_.ack_wait_ms * 1000 / 2)
+      for (auto& w : live) (void)w->delivery.InProgress();
+    TokenBatch tb;
+    tb.rows = static_cast<int>(pass.size());
+    tb.seq_len = pass.back().len;  // sorted ascending
+    tb.input_ids.assign(static_cast<size_t>(tb.rows) * tb.seq_len, d_.tokenizer->pad_id());
+    tb.attention_mask.assign(static_cast<size_t>(tb.rows) * tb.seq_len, 0);
+    for (int r = 0; r < tb.rows; ++r) {
+      const auto& ids = live[pass[r].item]->rows[pass[r].row];
+      std::copy(ids.begin(), ids.end(), tb.input_ids.begin() + static_cast<size_t>(r) * tb.seq_len);
+      std::fill_n(tb.attention_mask.begin() + static_cast<size_t>(r) * tb.seq_len, ids.size(), 1);
+    }
+    const int64_t t0 = d_.clock->NowMonoUs();
+    auto out = d_.runtime->Run(tb);
+    run_seconds_->Observe(static_cast<double>(d_.clock->NowMonoUs() - t0) / 1e6);
+    batches_->Inc();
+    batch_rows_->Observe(tb.rows);
+    batch_tokens_->Observe(static_cast<double>(tb.rows) * tb.seq_len);
+    if (!out.ok()) {
+      failure = Status(StatusCode::kInternal, "model '" + c.name + "' failed: " + out.status().message(),
+                       "runtime_error");
+      break;
+    }
+    if (out->rows != tb.rows || out->dim <= 0) {
+      failure = Internal("model '" + c.name + "' returned a wrong shape", "runtime_error");
+      break;
+    }
+    dim = out->dim;
+    for (int r = 0; r < tb.rows; ++r) {
+      auto& rep = replies[pass[r].item];
+      if (rep.embeddings.empty()) {
+        rep.dim = dim;
+        rep.embeddings.resize(static_cast<size_t>(rep.rows) * dim);
+      }
+      std::copy_n(out->data.begin() + static_cast<size_t>(r) * dim, dim,
+                  rep.embeddings.begin() + static_cast<size_t>(pass[r].row) * dim);
+    }
+  }
+  for (size_t i = 0; i < live.size(); ++i) {
+    if (!failure.ok()) {
+      Fail(live[i]->delivery, live[i]->headers, failure);
+      continue;
+    }
+    tokens_total_->Inc(live[i]->tokens);
+    // Reply first, then ack: a crash in between redelivers, never loses.
+    Reply(replies[i], live[i]->headers.reply_to);
+    (void)live[i]->delivery.Ack();
+  }
+}
+
+}  // namespace shoal

@@ -1,0 +1,83 @@
+// ModelServer: serves one loaded model inside a worker. Owns the model's
+// pull consumer, tokenizer, runtime, batcher and its two threads (fetcher,
+// executor). Created and stopped by Worker.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "common/clock.h"
+#include "common/metrics.h"
+#include "common/model_config.h"
+#include "queue/nats_client.h"
+#include "runtime/runtime.h"
+#include "tokenize/wordpiece_tokenizer.h"
+#include "worker/batcher.h"
+
+namespace shoal {
+
+struct ModelServerDeps {
+  ModelConfig config;
+  std::unique_ptr<Runtime> runtime;               // loaded
+  std::unique_ptr<WordPieceTokenizer> tokenizer;
+  std::unique_ptr<PullConsumer> consumer;
+  NatsClient* client = nullptr;                   // publishes replies
+  MetricsRegistry* metrics = nullptr;
+  const Clock* clock = nullptr;
+  std::string worker_id;
+  int64_t fetch_poll_ms = 500;
+  int64_t ack_wait_ms = 30000;
+  int max_deliver = 5;
+};
+
+class ModelServer {
+ public:
+  explicit ModelServer(ModelServerDeps deps);
+  ~ModelServer();
+  // Starts the fetcher and executor threads. Call once.
+  void Start();
+  // Stops both threads; see Worker::Stop. Idempotent.
+  void Stop();
+  const ModelConfig& config() const { return d_.config; }
+  int64_t memory_bytes() const { return d_.runtime->MemoryBytes(); }
+
+  // Decodes and tokenizes one message body into work (without its
+  // delivery), or the error its caller gets. Called on the fetcher thread.
+  Result<std::unique_ptr<PendingWork>> Prepare(std::string_view body) const;
+
+ private:
+  void FetchLoop();
+  void ExecLoop();
+  void RunBatch(std::vector<std::unique_ptr<PendingWork>> batch);
+  // Publishes an error reply (when the caller can be reached) and terms.
+  void Fail(Delivery& delivery, const wire::WorkHeaders& headers, const Status& status);
+  void Reply(const wire::WorkReply& reply, const std::string& reply_to);
+
+  ModelServerDeps d_;
+  std::mutex mu_;  // guards batcher_, stop_ waits
+  std::condition_variable work_cv_;   // executor waits for work
+  std::condition_variable space_cv_;  // fetcher waits for budget
+  Batcher batcher_;
+  std::atomic<bool> stop_{false};
+  double avg_tokens_per_msg_ = 32;    // fetcher thread only
+  std::thread fetcher_;
+  std::thread executor_;
+
+  Counter* batches_ = nullptr;
+  Histogram* batch_rows_ = nullptr;
+  Histogram* batch_tokens_ = nullptr;
+  Histogram* run_seconds_ = nullptr;
+  Histogram* queue_wait_seconds_ = nullptr;
+  Counter* tokens_total_ = nullptr;
+  Counter* expired_ = nullptr;
+  Counter* redelivered_ = nullptr;
+};
+
+// Parses the Shoal-* headers of a work message.
+Result<wire::WorkHeaders> ParseWorkHeaders(const Delivery& d);
+
+}  // namespace shoal
