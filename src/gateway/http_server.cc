@@ -167,6 +167,7 @@ class HttpServer::Impl::Connection
   http::response<http::string_body> response_;
   unsigned version_ = 11;
   bool keep_alive_ = true;
+  bool head_ = false;        // a HEAD response carries no body
   bool in_request_ = false;  // bytes of the current request have arrived
   bool continue_checked_ = false;
   bool closing_ = false;     // the connection closes after this response
@@ -178,7 +179,7 @@ class HttpServer::Impl::Connection
 // given before the handler returns is handed back here instead of being
 // posted, which saves a lock and a trip through the strand's queue.
 struct InlineReply {
-  const HttpServer::Impl::Reply* reply = nullptr;
+  const void* reply = nullptr;  // the Reply being dispatched
   std::optional<HttpResponse>* response = nullptr;
 };
 thread_local InlineReply t_inline;
@@ -310,6 +311,7 @@ void HttpServer::Impl::Connection::Dispatch() {
   http::request<http::string_body> msg = parser_->release();
   version_ = msg.version();
   keep_alive_ = msg.keep_alive();
+  head_ = msg.method() == http::verb::head;
 
   HttpRequest req;
   req.method = std::string(msg.method_string());
@@ -373,6 +375,7 @@ void HttpServer::Impl::Connection::Respond(HttpResponse r) {
   closing_ = !keep_alive;
   response_.body() = std::move(r.body);
   response_.prepare_payload();
+  if (head_) response_.body().clear();  // keeps the Content-Length
 
   stream_.expires_after(
       std::chrono::milliseconds(server_.options().read_timeout_ms));

@@ -74,7 +74,8 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
     if (options.intra_op_threads > 0) config.intra_op_threads = options.intra_op_threads;
     if (config.intra_op_threads == 0)
       config.intra_op_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    ASSIGN_OR_RETURN(auto runtime, CreateRuntime(config.runtime));
+    ASSIGN_OR_RETURN(auto runtime, options.runtime_factory ? options.runtime_factory(config)
+                                                           : CreateRuntime(config.runtime));
     const int64_t t0 = clock->NowMonoUs();
     Status loaded = runtime->Load(config);
     if (!loaded.ok()) return Status(loaded.code(), "loading model '" + config.name + "': " + loaded.message());

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <thread>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "common/model_config.h"
 #include "common/status.h"
 #include "queue/nats_client.h"
+#include "runtime/runtime.h"
 
 namespace shoal {
 
@@ -29,6 +31,9 @@ struct WorkerOptions {
   std::vector<std::string> models;   // names to serve; empty: all in the repository
   int intra_op_threads = 0;          // 0: model config, else hardware threads
   std::string runtime_override;      // non-empty: use this runtime for every model ("null")
+  // Makes the runtime for a model; default CreateRuntime(config.runtime).
+  // Tests inject fakes here.
+  std::function<Result<std::unique_ptr<Runtime>>(const ModelConfig&)> runtime_factory;
   ConsumerOptions consumer;
   WorkStreamOptions stream;
   int64_t fetch_poll_ms = 500;       // long-poll when idle

@@ -1,0 +1,339 @@
+#include "http_load.h"
+
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <time.h>
+
+#include <algorithm>
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <latch>
+#include <memory>
+#include <optional>
+#include <random>
+#include <thread>
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
+namespace shoal::bench {
+namespace {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+using Time = Clock::time_point;
+
+double ThreadCpuSeconds(clockid_t id) {
+  timespec ts{};
+  if (clock_gettime(id, &ts) != 0) return 0;
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) / 1e9;
+}
+
+// Reads "prompt_tokens":N near the end of an OpenAI embeddings response.
+int64_t PromptTokens(const std::string& body) {
+  static constexpr std::string_view kKey = "\"prompt_tokens\":";
+  const size_t at = body.rfind(kKey);
+  if (at == std::string::npos) return 0;
+  int64_t v = 0;
+  const char* p = body.data() + at + kKey.size();
+  std::from_chars(p, body.data() + body.size(), v);
+  return v;
+}
+
+struct Shared;
+class Conn;
+
+// Everything one client thread owns; touched only from its io_context.
+struct ThreadState {
+  asio::io_context io{1};
+  Shared* shared = nullptr;
+  clockid_t cpu_clock{};
+  size_t next_request = 0;
+  std::vector<std::shared_ptr<Conn>> conns;
+  std::vector<Conn*> idle;  // open loop: connected and free
+  std::vector<double> latencies_ms;
+  int64_t completed = 0, errors = 0, dropped = 0, prompt_tokens = 0;
+  std::string first_error;
+
+  const std::string& NextRequest();
+  void Error(const std::string& what) {
+    ++errors;
+    if (first_error.empty()) first_error = what;
+  }
+};
+
+struct Shared {
+  const LoadOptions* options = nullptr;
+  tcp::endpoint endpoint;
+  bool open_loop = false;
+  Time window_start, window_end;
+};
+
+const std::string& ThreadState::NextRequest() {
+  const auto& r = shared->options->requests;
+  const std::string& out = r[next_request];
+  next_request = (next_request + 1) % r.size();
+  return out;
+}
+
+class Conn : public std::enable_shared_from_this<Conn> {
+ public:
+  explicit Conn(ThreadState* ts) : ts_(ts), sock_(ts->io), retry_(ts->io) {}
+
+  // Connects, then (closed loop) starts sending or (open loop) sends the
+  // request scheduled at `pending` if set, else joins the idle pool.
+  void Connect(std::optional<Time> pending = std::nullopt) {
+    pending_ = pending;
+    sock_.async_connect(ts_->shared->endpoint, [self = shared_from_this()](beast::error_code ec) {
+      if (ec) return self->Fail("connect: " + ec.message());
+      self->sock_.set_option(tcp::no_delay(true), ec);
+      if (!self->ts_->shared->open_loop) return self->SendNext();
+      if (self->pending_) return self->Send(*self->pending_);
+      self->ts_->idle.push_back(self.get());
+    });
+  }
+
+  // Closed loop: sends the next request unless the window is over.
+  void SendNext() {
+    const Time now = Clock::now();
+    if (now >= ts_->shared->window_end) return Close();
+    Send(now);
+  }
+
+  // Sends one request; `start` is when it was due (latency origin).
+  void Send(Time start) {
+    start_ = start;
+    const std::string& req = ts_->NextRequest();
+    asio::async_write(sock_, asio::buffer(req), [self = shared_from_this()](beast::error_code ec, size_t) {
+      if (ec) return self->Fail("write: " + ec.message());
+      self->parser_.emplace();
+      self->parser_->body_limit(64 << 20);
+      http::async_read(self->sock_, self->buf_, *self->parser_,
+                       [self](beast::error_code ec, size_t) { self->OnResponse(ec); });
+    });
+  }
+
+ private:
+  void OnResponse(beast::error_code ec) {
+    if (ec) return Fail("read: " + ec.message());
+    const Time end = Clock::now();
+    const Shared& sh = *ts_->shared;
+    auto& res = parser_->get();
+    // Closed loop counts what finished in the window; open loop what was
+    // due in it (all of which is waited for).
+    const Time key = sh.open_loop ? start_ : end;
+    const bool in_window = key >= sh.window_start && key < sh.window_end;
+    if (res.result() != http::status::ok) {
+      if (in_window) ts_->Error("HTTP " + std::to_string(res.result_int()) + ": " + res.body().substr(0, 200));
+    } else if (in_window) {
+      ++ts_->completed;
+      ts_->prompt_tokens += PromptTokens(res.body());
+      ts_->latencies_ms.push_back(std::chrono::duration<double, std::milli>(end - start_).count());
+    }
+    const bool keep = res.keep_alive();
+    parser_.reset();
+    if (!keep) {
+      Close();
+      if (!sh.open_loop) Reconnect();
+      return;
+    }
+    if (!sh.open_loop) return SendNext();
+    ts_->idle.push_back(this);
+  }
+
+  void Fail(const std::string& what) {
+    const Time now = Clock::now();
+    if (now >= ts_->shared->window_start && now < ts_->shared->window_end) ts_->Error(what);
+    Close();
+    if (!ts_->shared->open_loop) Reconnect();
+  }
+
+  void Close() {
+    beast::error_code ignored;
+    sock_.shutdown(tcp::socket::shutdown_both, ignored);
+    sock_.close(ignored);
+  }
+
+  // After an error: try again shortly, unless the window is over.
+  void Reconnect() {
+    if (Clock::now() >= ts_->shared->window_end) return;
+    retry_.expires_after(std::chrono::milliseconds(10));
+    retry_.async_wait([self = shared_from_this()](beast::error_code ec) {
+      if (ec) return;
+      self->sock_ = tcp::socket(self->ts_->io);
+      self->buf_.clear();
+      self->Connect();
+    });
+  }
+
+  ThreadState* ts_;
+  tcp::socket sock_;
+  asio::steady_timer retry_;
+  beast::flat_buffer buf_;
+  std::optional<http::response_parser<http::string_body>> parser_;
+  std::optional<Time> pending_;
+  Time start_;
+};
+
+// Open loop: Poisson arrivals on thread 0 until the window ends.
+class Arrivals {
+ public:
+  Arrivals(ThreadState* ts, double rate, uint64_t seed, Time first)
+      : ts_(ts), timer_(ts->io), gen_(seed), gap_(rate), next_(first) {}
+
+  void Start() { Arm(); }
+
+ private:
+  void Arm() {
+    if (next_ >= ts_->shared->window_end) return;
+    timer_.expires_at(next_);
+    timer_.async_wait([this](beast::error_code ec) {
+      if (ec) return;
+      // A late timer releases every arrival already due.
+      const Time now = Clock::now();
+      while (next_ <= now && next_ < ts_->shared->window_end) {
+        Dispatch(next_);
+        next_ += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap_(gen_)));
+      }
+      Arm();
+    });
+  }
+
+  void Dispatch(Time due) {
+    if (!ts_->idle.empty()) {
+      Conn* c = ts_->idle.back();
+      ts_->idle.pop_back();
+      return c->Send(due);
+    }
+    const Shared& sh = *ts_->shared;
+    if (static_cast<int>(ts_->conns.size()) >= sh.options->max_connections) {
+      if (due >= sh.window_start) ++ts_->dropped;
+      return;
+    }
+    auto c = std::make_shared<Conn>(ts_);
+    ts_->conns.push_back(c);
+    c->Connect(due);
+  }
+
+  ThreadState* ts_;
+  asio::steady_timer timer_;
+  std::mt19937_64 gen_;
+  std::exponential_distribution<double> gap_;
+  Time next_;
+};
+
+}  // namespace
+
+double LoadResult::PercentileMs(double p) const {
+  if (latencies_ms.empty()) return 0;
+  // Nearest rank.
+  const double rank = std::ceil(p / 100.0 * static_cast<double>(latencies_ms.size()));
+  const size_t i = static_cast<size_t>(std::clamp(rank, 1.0, static_cast<double>(latencies_ms.size()))) - 1;
+  return latencies_ms[i];
+}
+
+std::string JsonPostRequest(const std::string& host, const std::string& path, const std::string& body) {
+  std::string r;
+  r.reserve(body.size() + 160);
+  r += "POST " + path + " HTTP/1.1\r\nHost: " + host +
+       "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n";
+  r += body;
+  return r;
+}
+
+Result<LoadResult> RunLoad(const LoadOptions& options) {
+  if (options.requests.empty()) return InvalidArgument("load: no requests");
+  if (options.connections < 1 || options.threads < 1) return InvalidArgument("load: connections and threads must be >= 1");
+  if (options.duration_s <= 0 || options.warmup_s < 0) return InvalidArgument("load: bad duration");
+  Shared sh;
+  sh.options = &options;
+  boost::system::error_code ec;
+  const auto addr = asio::ip::make_address(options.host, ec);
+  if (ec) return InvalidArgument("load: host must be an IP address: " + options.host);
+  sh.endpoint = tcp::endpoint(addr, static_cast<unsigned short>(options.port));
+  sh.open_loop = options.rate_per_s > 0;
+  const int nthreads = sh.open_loop ? 1 : std::min(options.threads, options.connections);
+
+  std::vector<std::unique_ptr<ThreadState>> ts;
+  for (int i = 0; i < nthreads; ++i) {
+    ts.push_back(std::make_unique<ThreadState>());
+    ts.back()->shared = &sh;
+    ts.back()->next_request = static_cast<size_t>(i) * options.requests.size() / nthreads;
+  }
+  const Time t0 = Clock::now();
+  sh.window_start = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options.warmup_s));
+  sh.window_end = sh.window_start +
+                  std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options.duration_s));
+
+  for (int i = 0; i < options.connections; ++i) {
+    ThreadState* t = ts[i % nthreads].get();
+    t->conns.push_back(std::make_shared<Conn>(t));
+    t->conns.back()->Connect();
+  }
+  std::optional<Arrivals> arrivals;
+  if (sh.open_loop) {
+    arrivals.emplace(ts[0].get(), options.rate_per_s, options.seed, t0);
+    arrivals->Start();
+  }
+
+  // Window markers on thread 0; they read every client thread's CPU clock.
+  double cpu_start = 0, cpu_end = 0;
+  auto all_cpu = [&] {
+    double s = 0;
+    for (auto& t : ts) s += ThreadCpuSeconds(t->cpu_clock);
+    return s;
+  };
+  asio::steady_timer start_timer(ts[0]->io, sh.window_start), end_timer(ts[0]->io, sh.window_end);
+  start_timer.async_wait([&](beast::error_code e) {
+    if (e) return;
+    cpu_start = all_cpu();
+    if (options.on_window_start) options.on_window_start();
+  });
+  end_timer.async_wait([&](beast::error_code e) {
+    if (e) return;
+    cpu_end = all_cpu();
+    if (options.on_window_end) options.on_window_end();
+  });
+
+  std::latch ready(nthreads);
+  std::atomic<int> finished{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < nthreads; ++i) {
+    threads.emplace_back([&, t = ts[i].get()] {
+      pthread_getcpuclockid(pthread_self(), &t->cpu_clock);
+      ready.arrive_and_wait();
+      t->io.run();
+      finished.fetch_add(1);
+    });
+  }
+  // Requests still in flight 30 s after the window are abandoned.
+  const Time hard_stop = sh.window_end + std::chrono::seconds(30);
+  while (finished.load() < nthreads && Clock::now() < hard_stop)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  for (auto& t : ts) t->io.stop();
+  for (auto& th : threads) th.join();
+
+  LoadResult r;
+  r.window_s = options.duration_s;
+  r.client_cpu_s = cpu_end - cpu_start;
+  for (auto& t : ts) {
+    r.completed += t->completed;
+    r.errors += t->errors;
+    r.dropped += t->dropped;
+    r.prompt_tokens += t->prompt_tokens;
+    r.connections_used += static_cast<int>(t->conns.size());
+    if (r.first_error.empty()) r.first_error = t->first_error;
+    r.latencies_ms.insert(r.latencies_ms.end(), t->latencies_ms.begin(), t->latencies_ms.end());
+  }
+  std::sort(r.latencies_ms.begin(), r.latencies_ms.end());
+  if (r.completed == 0 && r.errors > 0) return Unavailable("load: every request failed; first error: " + r.first_error);
+  return r;
+}
+
+}  // namespace shoal::bench

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Sets Shoal up on a Debian 12 machine: system packages, the demo model
+# repository (generated with Debian's python3-torch) and a Release build in
+# ./build. Idempotent: a second run only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILD_DIR="${SHOAL_BUILD_DIR:-build}"
+JOBS="${SHOAL_JOBS:-$(nproc)}"
+
+bash scripts/install-deps.sh
+
+echo "setup: generating the demo model repository in models/"
+# Debian's interpreter has python3-torch; a python3 earlier on PATH may not.
+/usr/bin/python3 scripts/make_models.py --out models
+
+echo "setup: building in ${BUILD_DIR}/"
+cmake -S . -B "${BUILD_DIR}" -G Ninja -DCMAKE_BUILD_TYPE="${SHOAL_BUILD_TYPE:-Release}" > /dev/null
+cmake --build "${BUILD_DIR}" -j "${JOBS}"
+echo "setup: done; the binary is ${BUILD_DIR}/src/cli/shoal"

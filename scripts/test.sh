@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Sets Shoal up (see setup.sh) and runs the whole test suite: unit,
+# integration (real nats-server), end-to-end (built binaries over HTTP) and
+# the official OpenAI SDK against `shoal serve`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+BUILD_DIR="${SHOAL_BUILD_DIR:-build}"
+
+echo "test: C++ unit, integration and end-to-end tests"
+ctest --test-dir "${BUILD_DIR}" --output-on-failure -j "${SHOAL_TEST_JOBS:-2}" --timeout 300
+
+if [ -f tests/js/package.json ]; then
+  echo "test: official OpenAI SDK (Node.js) against shoal serve"
+  npm ci --prefix tests/js --no-audit --no-fund --loglevel=error
+  SHOAL_BIN="$(pwd)/${BUILD_DIR}/src/cli/shoal" SHOAL_MODELS_DIR="$(pwd)/models" \
+    node --test tests/js/
+fi
+echo "test: all passed"

@@ -1,0 +1,254 @@
+// Unit tests of the HTTP routes on Shoal's own request/response structs,
+// with a fake queue side: validation, error mapping, rendering.
+#include "gateway/routes.h"
+
+#include <cmath>
+#include <cstring>
+
+#include <gtest/gtest.h>
+#include <msgpack.hpp>
+#include <nlohmann/json.hpp>
+
+namespace shoal {
+namespace {
+
+using nlohmann::json;
+
+// Answers every job with row i = [i+1, 0, 0, 0] (dim 4) and 3 tokens per row,
+// or with a fixed error.
+class FakeSubmitter : public WorkSubmitter {
+ public:
+  void SubmitEmbed(EmbedJob job, EmbedCallback done) override {
+    last = job;
+    ++calls;
+    if (!error.ok()) return done(error);
+    EmbedResult r;
+    r.rows = static_cast<int>(job.size());
+    r.dim = 4;
+    for (int i = 0; i < r.rows; ++i) {
+      r.data.insert(r.data.end(), {static_cast<float>(i + 1), 0.f, 0.f, 0.f});
+      r.prompt_tokens += 3;
+    }
+    done(std::move(r));
+  }
+  EmbedJob last;
+  int calls = 0;
+  Status error;
+};
+
+class RoutesTest : public ::testing::Test {
+ protected:
+  RoutesTest() {
+    auto snap = std::make_shared<FleetSnapshot>();
+    snap->nats_connected = true;
+    snap->stream_ok = true;
+    CatalogModel m;
+    m.name = "m";
+    m.task = "embed";
+    m.dim = 4;
+    m.max_seq_len = 16;
+    snap->models["m"] = m;
+    snapshot_ = snap;
+    RouterOptions o;
+    o.max_inputs = 8;
+    router_ = std::make_unique<Router>(o, &submitter_, [this] { return snapshot_; }, &metrics_, &clock_);
+  }
+
+  HttpResponse Call(const std::string& method, const std::string& path, const std::string& body,
+                    std::vector<std::pair<std::string, std::string>> headers = {}) {
+    HttpRequest req;
+    req.method = method;
+    req.path = path;
+    req.target = path;
+    req.body = body;
+    req.headers = std::move(headers);
+    HttpResponse out;
+    bool called = false;
+    router_->Handle(std::move(req), [&](HttpResponse r) {
+      EXPECT_FALSE(called) << "responded twice";
+      called = true;
+      out = std::move(r);
+    });
+    EXPECT_TRUE(called);
+    return out;
+  }
+
+  static std::string ErrorCode(const HttpResponse& r) {
+    auto j = json::parse(r.body);
+    EXPECT_TRUE(j["error"]["message"].is_string());
+    EXPECT_TRUE(j["error"]["type"].is_string());
+    return j["error"]["code"].get<std::string>();
+  }
+
+  FakeClock clock_;
+  MetricsRegistry metrics_;
+  FakeSubmitter submitter_;
+  std::shared_ptr<const FleetSnapshot> snapshot_;
+  std::unique_ptr<Router> router_;
+};
+
+TEST_F(RoutesTest, EmbeddingsRendersOpenAIShape) {
+  auto r = Call("POST", "/v1/embeddings", R"({"model":"m","input":["a","b"]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = json::parse(r.body);
+  EXPECT_EQ(j["object"], "list");
+  EXPECT_EQ(j["model"], "m");
+  ASSERT_EQ(j["data"].size(), 2u);
+  EXPECT_EQ(j["data"][1]["object"], "embedding");
+  EXPECT_EQ(j["data"][1]["index"], 1);
+  EXPECT_EQ(j["data"][1]["embedding"], json::parse("[2,0,0,0]"));
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 6);
+  EXPECT_EQ(j["usage"]["total_tokens"], 6);
+  EXPECT_EQ(submitter_.last.texts, (std::vector<std::string>{"a", "b"}));
+  EXPECT_GT(submitter_.last.deadline_unix_ms, clock_.NowUnixMs());
+}
+
+TEST_F(RoutesTest, EmbeddingsBase64IsLittleEndianFloat32) {
+  auto r = Call("POST", "/v1/embeddings", R"({"model":"m","input":"a","encoding_format":"base64"})");
+  ASSERT_EQ(r.status, 200);
+  auto j = json::parse(r.body);
+  // [1,0,0,0] as float32 LE: 00 00 80 3f + 12 zero bytes.
+  EXPECT_EQ(j["data"][0]["embedding"], "AACAPwAAAAAAAAAAAAAAAA==");
+}
+
+TEST_F(RoutesTest, DimensionsShortensAndRenormalises) {
+  submitter_.error = Status::Ok();
+  auto r = Call("POST", "/v1/embeddings", R"({"model":"m","input":["a","b"],"dimensions":2})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = json::parse(r.body);
+  EXPECT_EQ(j["data"][1]["embedding"], json::parse("[1,0]"));  // [2,0] renormalised
+  EXPECT_EQ(Call("POST", "/v1/embeddings", R"({"model":"m","input":"a","dimensions":5})").status, 400);
+}
+
+TEST_F(RoutesTest, AcceptsEveryOpenAIInputForm) {
+  EXPECT_EQ(Call("POST", "/v1/embeddings", R"({"model":"m","input":"one"})").status, 200);
+  EXPECT_EQ(submitter_.last.texts.size(), 1u);
+  EXPECT_EQ(Call("POST", "/v1/embeddings", R"({"model":"m","input":[1,2,3]})").status, 200);
+  EXPECT_EQ(submitter_.last.token_ids, (std::vector<std::vector<int32_t>>{{1, 2, 3}}));
+  EXPECT_EQ(Call("POST", "/v1/embeddings", R"({"model":"m","input":[[1],[2,3]]})").status, 200);
+  EXPECT_EQ(submitter_.last.token_ids.size(), 2u);
+  EXPECT_EQ(Call("POST", "/v1/embeddings", R"({"model":"m","input":"x","truncate":true})").status, 200);
+  EXPECT_TRUE(submitter_.last.truncate);
+}
+
+struct BadCase {
+  const char* name;
+  const char* body;
+  int status;
+  const char* code;
+};
+
+TEST_F(RoutesTest, EveryBadInputGetsItsStatusAndCode) {
+  const BadCase cases[] = {
+      {"not json", "{\"model\":", 400, "invalid_json"},
+      {"not an object", "[1,2]", 400, "invalid_json"},
+      {"no model", R"({"input":"a"})", 400, "invalid_model"},
+      {"model not a string", R"({"model":7,"input":"a"})", 400, "invalid_model"},
+      {"unknown model", R"({"model":"nope","input":"a"})", 404, "model_not_found"},
+      {"no input", R"({"model":"m"})", 400, "missing_input"},
+      {"empty string", R"({"model":"m","input":""})", 400, "empty_input"},
+      {"empty list", R"({"model":"m","input":[]})", 400, "empty_input"},
+      {"empty string in list", R"({"model":"m","input":["a",""]})", 400, "empty_input"},
+      {"empty token array", R"({"model":"m","input":[[]]})", 400, "empty_input"},
+      {"number input", R"({"model":"m","input":5})", 400, "invalid_input"},
+      {"object input", R"({"model":"m","input":{"a":1}})", 400, "invalid_input"},
+      {"mixed list", R"({"model":"m","input":["a",1]})", 400, "invalid_input"},
+      {"float token", R"({"model":"m","input":[[1.5]]})", 400, "invalid_input"},
+      {"negative token", R"({"model":"m","input":[[-1]]})", 400, "invalid_token_id"},
+      {"too many inputs", R"({"model":"m","input":["a","b","c","d","e","f","g","h","i"]})", 400, "too_many_inputs"},
+      {"bad encoding", R"({"model":"m","input":"a","encoding_format":"int8"})", 400, "invalid_encoding_format"},
+      {"bad dimensions", R"({"model":"m","input":"a","dimensions":0})", 400, "invalid_dimensions"},
+      {"bad truncate", R"({"model":"m","input":"a","truncate":"yes"})", 400, "invalid_truncate"},
+  };
+  for (const auto& c : cases) {
+    auto r = Call("POST", "/v1/embeddings", c.body);
+    EXPECT_EQ(r.status, c.status) << c.name << ": " << r.body;
+    EXPECT_EQ(ErrorCode(r), c.code) << c.name;
+  }
+  EXPECT_EQ(submitter_.calls, 0) << "bad input must never reach the queue";
+}
+
+TEST_F(RoutesTest, QueueErrorsMapToStatusWithRetryAfter) {
+  submitter_.error = ResourceExhausted("full", "queue_full");
+  auto r = Call("POST", "/v1/embeddings", R"({"model":"m","input":"a"})");
+  EXPECT_EQ(r.status, 429);
+  EXPECT_EQ(ErrorCode(r), "queue_full");
+  bool retry = false;
+  for (auto& [k, v] : r.headers) retry |= k == "Retry-After";
+  EXPECT_TRUE(retry);
+  submitter_.error = DeadlineExceeded("late", "deadline_exceeded");
+  r = Call("POST", "/v1/embeddings", R"({"model":"m","input":"a"})");
+  EXPECT_EQ(r.status, 504);
+  submitter_.error = Unprocessable("too long", "input_too_long");
+  r = Call("POST", "/v1/encode/m", R"({"inputs":["a"]})");
+  EXPECT_EQ(r.status, 422);
+  EXPECT_EQ(ErrorCode(r), "input_too_long");
+}
+
+TEST_F(RoutesTest, TimeoutHeaderSetsTheDeadline) {
+  ASSERT_EQ(Call("POST", "/v1/embeddings", R"({"model":"m","input":"a"})", {{"shoal-timeout-ms", "250"}}).status, 200);
+  EXPECT_EQ(submitter_.last.deadline_unix_ms, clock_.NowUnixMs() + 250);
+  auto r = Call("POST", "/v1/embeddings", R"({"model":"m","input":"a"})", {{"shoal-timeout-ms", "soon"}});
+  EXPECT_EQ(r.status, 400);
+}
+
+TEST_F(RoutesTest, EncodeSpeaksJsonAndMessagePack) {
+  auto r = Call("POST", "/v1/encode/m", R"({"inputs":["a","b"]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = json::parse(r.body);
+  EXPECT_EQ(j["dim"], 4);
+  EXPECT_EQ(j["embeddings"][1], json::parse("[2,0,0,0]"));
+
+  msgpack::sbuffer buf;
+  msgpack::packer<msgpack::sbuffer> pk(buf);
+  pk.pack_map(2);
+  pk.pack(std::string("inputs"));
+  pk.pack(std::vector<std::string>{"a", "b", "c"});
+  pk.pack(std::string("truncate"));
+  pk.pack(true);
+  r = Call("POST", "/v1/encode/m", std::string(buf.data(), buf.size()),
+           {{"content-type", "application/msgpack"}, {"accept", "application/msgpack"}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.content_type, "application/msgpack");
+  EXPECT_TRUE(submitter_.last.truncate);
+  auto h = msgpack::unpack(r.body.data(), r.body.size());
+  auto m = h.get().as<std::map<std::string, msgpack::object>>();
+  EXPECT_EQ(m["rows"].as<int>(), 3);
+  EXPECT_EQ(m["dim"].as<int>(), 4);
+  ASSERT_EQ(m["embeddings"].type, msgpack::type::BIN);
+  ASSERT_EQ(m["embeddings"].via.bin.size, 3u * 4 * sizeof(float));
+  float third;
+  std::memcpy(&third, m["embeddings"].via.bin.ptr + 8 * sizeof(float), sizeof third);
+  EXPECT_EQ(third, 3.0f);
+
+  r = Call("POST", "/v1/encode/m", "\xc1\xc1", {{"content-type", "application/msgpack"}});
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(ErrorCode(r), "invalid_msgpack");
+  r = Call("POST", "/v1/encode/nope", R"({"inputs":["a"]})");
+  EXPECT_EQ(r.status, 404);
+  EXPECT_EQ(ErrorCode(r), "model_not_found");
+}
+
+TEST_F(RoutesTest, RoutesMethodsAndProbes) {
+  EXPECT_EQ(Call("GET", "/nope", "").status, 404);
+  EXPECT_EQ(Call("GET", "/v1/embeddings", "").status, 405);
+  EXPECT_EQ(Call("GET", "/healthz", "").status, 200);
+  // No worker heartbeat yet: not ready.
+  auto r = Call("GET", "/readyz", "");
+  EXPECT_EQ(r.status, 503);
+  auto snap = std::make_shared<FleetSnapshot>(*snapshot_);
+  snap->worker_json.push_back(R"({"id":"w1","models":[{"name":"m","state":"loaded","memory_bytes":5}]})");
+  snapshot_ = snap;
+  EXPECT_EQ(Call("GET", "/readyz", "").status, 200);
+  auto models = json::parse(Call("GET", "/v1/models", "").body);
+  ASSERT_EQ(models["data"].size(), 1u);
+  EXPECT_EQ(models["data"][0]["id"], "m");
+  EXPECT_EQ(models["data"][0]["workers"][0]["worker"], "w1");
+  Call("POST", "/v1/embeddings", R"({"model":"m","input":""})");
+  auto text = Call("GET", "/metrics", "").body;
+  EXPECT_NE(text.find("shoal_http_requests_total{route=\"/v1/embeddings\",code=\"400\"}"), std::string::npos);
+  EXPECT_NE(text.find("shoal_http_errors_total{code=\"empty_input\"}"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace shoal

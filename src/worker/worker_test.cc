@@ -1,0 +1,223 @@
+// Integration tests of the pull path: a real nats-server -js, the real
+// Worker (tiny-bert on libtorch) and the gateway's Dispatcher in-process.
+#include "worker/worker.h"
+
+#include <nats/nats.h>
+
+#include <cmath>
+#include <future>
+
+#include <gtest/gtest.h>
+
+#include "gateway/dispatcher.h"
+#include "runtime/runtime.h"
+#include "support/test_env.h"
+#include "wire/work_message.h"
+
+namespace shoal {
+namespace {
+
+using shoal::testing::ModelsDir;
+using shoal::testing::TestNatsServer;
+
+// Wraps the real runtime; fails any batch that contains token id 999.
+class FailingRuntime : public Runtime {
+ public:
+  explicit FailingRuntime(std::unique_ptr<Runtime> inner, std::atomic<int>* runs) : inner_(std::move(inner)), runs_(runs) {}
+  Status Load(const ModelConfig& c) override { return inner_->Load(c); }
+  Result<Embeddings> Run(const TokenBatch& b) override {
+    ++*runs_;
+    for (int64_t id : b.input_ids)
+      if (id == 999) return Internal("injected failure");
+    return inner_->Run(b);
+  }
+  void Unload() override { inner_->Unload(); }
+  int64_t MemoryBytes() const override { return inner_->MemoryBytes(); }
+  int Dim() const override { return inner_->Dim(); }
+
+ private:
+  std::unique_ptr<Runtime> inner_;
+  std::atomic<int>* runs_;
+};
+
+class WorkerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    NatsOptions no;
+    no.url = server_.url();
+    auto c = NatsClient::Connect(no);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    client_ = std::move(c).value();
+    WorkerOptions wo;
+    wo.model_repository = ModelsDir();
+    wo.models = {"tiny-bert"};
+    wo.intra_op_threads = 1;
+    wo.consumer.ack_wait_ms = 1000;
+    wo.runtime_factory = [this](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
+      ASSIGN_OR_RETURN(auto inner, CreateRuntime(cfg.runtime));
+      return std::unique_ptr<Runtime>(new FailingRuntime(std::move(inner), &runs_));
+    };
+    auto w = Worker::Create(wo, client_.get(), &metrics_);
+    ASSERT_TRUE(w.ok()) << w.status().ToString()
+                        << " (run scripts/setup.sh to generate the demo models)";
+    worker_ = std::move(w).value();
+    DispatcherOptions dopt;
+    dopt.chunk_size = 3;
+    auto d = Dispatcher::Create(dopt, client_.get(), &metrics_);
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    dispatcher_ = std::move(d).value();
+  }
+
+  Result<EmbedResult> Embed(std::vector<std::string> texts, bool truncate = false, int64_t timeout_ms = 20000) {
+    EmbedJob job;
+    job.model = "tiny-bert";
+    job.texts = std::move(texts);
+    job.truncate = truncate;
+    job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + timeout_ms;
+    return Submit(std::move(job));
+  }
+
+  Result<EmbedResult> Submit(EmbedJob job) {
+    std::promise<Result<EmbedResult>> p;
+    auto f = p.get_future();
+    dispatcher_->SubmitEmbed(std::move(job), [&p](Result<EmbedResult> r) { p.set_value(std::move(r)); });
+    return f.get();
+  }
+
+  TestNatsServer server_;
+  MetricsRegistry metrics_;
+  std::unique_ptr<NatsClient> client_;
+  std::unique_ptr<Worker> worker_;
+  std::unique_ptr<Dispatcher> dispatcher_;
+  std::atomic<int> runs_{0};
+};
+
+std::vector<float> Row(const EmbedResult& r, int i) {
+  return {r.data.begin() + static_cast<size_t>(i) * r.dim, r.data.begin() + static_cast<size_t>(i + 1) * r.dim};
+}
+
+TEST_F(WorkerTest, EmbedsAndReassemblesChunksInOrder) {
+  std::vector<std::string> texts;
+  for (int i = 0; i < 10; ++i) texts.push_back("sentence number " + std::to_string(i) + (i % 2 ? " with more words in it" : ""));
+  auto all = Embed(texts);  // chunk size 3: 4 queue messages
+  ASSERT_TRUE(all.ok()) << all.status().ToString();
+  ASSERT_EQ(all->rows, 10);
+  EXPECT_EQ(all->dim, 64);
+  for (int i = 0; i < 10; ++i) {
+    auto one = Embed({texts[i]});
+    ASSERT_TRUE(one.ok());
+    auto a = Row(*all, i), b = Row(*one, 0);
+    double norm = 0;
+    for (int k = 0; k < 64; ++k) {
+      EXPECT_NEAR(a[k], b[k], 1e-4) << "row " << i;  // same vector batched or alone
+      norm += a[k] * a[k];
+    }
+    EXPECT_NEAR(norm, 1.0, 1e-4);
+  }
+}
+
+TEST_F(WorkerTest, CountsRealTokens) {
+  auto r = Embed({"hello world", "hello"});
+  ASSERT_TRUE(r.ok());
+  auto a = Embed({"hello world"});
+  auto b = Embed({"hello"});
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(r->prompt_tokens, a->prompt_tokens + b->prompt_tokens);
+  EXPECT_GE(b->prompt_tokens, 3);  // [CLS] hello [SEP]
+}
+
+TEST_F(WorkerTest, TooLongInputIs422UnlessTruncated) {
+  std::string long_text;
+  for (int i = 0; i < 400; ++i) long_text += "word ";
+  auto r = Embed({"short", long_text});
+  EXPECT_EQ(r.status().code(), StatusCode::kUnprocessable);
+  EXPECT_EQ(r.status().reason(), "input_too_long");
+  auto t = Embed({"short", long_text}, /*truncate=*/true);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_TRUE(t->truncated_any);
+  EXPECT_EQ(t->prompt_tokens - Embed({"short"})->prompt_tokens, 256);
+}
+
+TEST_F(WorkerTest, TokenIdsOutsideTheVocabularyAreRejected) {
+  EmbedJob job;
+  job.model = "tiny-bert";
+  job.token_ids = {{7592, 2088}, {40000}};
+  job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 10000;
+  auto r = Submit(job);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.status().reason(), "invalid_token_id");
+  job.token_ids = {{7592, 2088}};
+  EXPECT_TRUE(Submit(job).ok());
+}
+
+TEST_F(WorkerTest, RuntimeFailureIsATerminalErrorNotARetryLoop) {
+  EmbedJob job;
+  job.model = "tiny-bert";
+  job.token_ids = {{999}};
+  job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 10000;
+  const int before = runs_.load();
+  auto r = Submit(job);
+  EXPECT_EQ(r.status().code(), StatusCode::kInternal);
+  EXPECT_EQ(r.status().reason(), "runtime_error");
+  // Well past ack_wait (1 s): a redelivery would have run the model again.
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  EXPECT_EQ(runs_.load() - before, 1);
+  EXPECT_EQ(GetStreamState(*client_, "SHOAL_WORK")->msgs, 0u);
+  // The worker still serves.
+  EXPECT_TRUE(Embed({"still alive"}).ok());
+}
+
+TEST_F(WorkerTest, ExpiredWorkIsDroppedAndAcked) {
+  // Publish work whose deadline already passed, straight to the queue.
+  wire::WorkBody body;
+  body.model = "tiny-bert";
+  body.texts = {"too late"};
+  std::string data = wire::EncodeWorkBody(body);
+  std::string inbox = "_TEST.expired";
+  std::promise<std::string> got;
+  auto sub = client_->Subscribe(inbox, [](natsConnection*, natsSubscription*, natsMsg* m, void* c) {
+    static_cast<std::promise<std::string>*>(c)->set_value(std::string(natsMsg_GetData(m), natsMsg_GetDataLength(m)));
+    natsMsg_Destroy(m);
+  }, &got);
+  ASSERT_TRUE(sub.ok());
+  natsMsg* msg = nullptr;
+  ASSERT_EQ(natsMsg_Create(&msg, wire::WorkSubject("tiny-bert").c_str(), nullptr, data.data(), data.size()), NATS_OK);
+  natsMsgHeader_Set(msg, wire::kHdrRequestId, "late-1");
+  natsMsgHeader_Set(msg, wire::kHdrReplyTo, inbox.c_str());
+  natsMsgHeader_Set(msg, wire::kHdrDeadline, std::to_string(SystemClock::Get()->NowUnixMs() - 1000).c_str());
+  const int before = runs_.load();
+  ASSERT_TRUE(client_->PublishMsg(msg).ok());
+  natsMsg_Destroy(msg);
+  auto f = got.get_future();
+  ASSERT_EQ(f.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  auto reply = wire::DecodeWorkReply(f.get());
+  ASSERT_TRUE(reply.ok());
+  EXPECT_EQ(reply->status.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(runs_.load(), before) << "expired work must not reach the model";
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(GetStreamState(*client_, "SHOAL_WORK")->msgs, 0u);
+}
+
+TEST_F(WorkerTest, RegistersHeartbeatAndCatalog) {
+  auto workers = KvBucket::Open(*client_, wire::kWorkersBucket, 6000);
+  ASSERT_TRUE(workers.ok());
+  auto hb = (*workers)->Get(worker_->id());
+  ASSERT_TRUE(hb.ok());
+  EXPECT_NE(hb->find("\"tiny-bert\""), std::string::npos);
+  auto models = KvBucket::Open(*client_, wire::kModelsBucket, 0);
+  ASSERT_TRUE(models.ok());
+  auto entry = (*models)->Get("tiny-bert");
+  ASSERT_TRUE(entry.ok());
+  EXPECT_NE(entry->find("\"dim\":64"), std::string::npos);
+  worker_->Stop();
+  EXPECT_EQ((*workers)->Get(worker_->id()).status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(WorkerTest, NoWorkerMeansDeadlineExceeded) {
+  worker_->Stop();
+  auto r = Embed({"anyone?"}, false, 300);
+  EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded);
+}
+
+}  // namespace
+}  // namespace shoal

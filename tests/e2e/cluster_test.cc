@@ -1,0 +1,256 @@
+// End to end: separate `shoal gateway` and `shoal worker` processes on a
+// test nats-server -js. Covers the failure cases the pull design exists for:
+// no worker (504), a full queue (429), a worker killed mid-batch (redelivery,
+// nothing lost), a restarted worker draining queued work, and several
+// gateways sharing one pool of workers.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <future>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "e2e/http_client.h"
+#include "e2e/process.h"
+#include "e2e/shoal_cluster.h"
+#include "support/test_env.h"
+
+namespace shoal::e2e {
+namespace {
+
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+constexpr const char* kModel = "tiny-bert";
+constexpr double kTolerance = 1e-4;
+
+// Worker flags for the crash tests: unacked work comes back after 2 s.
+const std::vector<std::string> kCrashWorkerFlags = {"--ack-wait-ms", "2000", "--threads", "1"};
+
+std::vector<std::string> TextPool(int n) {
+  std::vector<std::string> texts;
+  for (int i = 0; i < n; ++i) {
+    std::string t = "pooled sentence " + std::to_string(i);
+    for (int k = 0; k < i % 5; ++k) t += " that grows a little longer";
+    texts.push_back(t);
+  }
+  return texts;
+}
+
+// Stops a worker the polite way, so that its registry entry goes at once.
+void StopGracefully(Shoal& s) {
+  s.process->Signal(SIGTERM);
+  auto status = s.process->Wait(15s);
+  ASSERT_TRUE(status.has_value()) << "worker did not stop on SIGTERM";
+  ASSERT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << DescribeWaitStatus(*status);
+}
+
+HttpResult EmbedWithTimeout(int port, const json& input, int64_t timeout_ms) {
+  return HttpPostJson(port, "/v1/embeddings", json({{"model", kModel}, {"input", input}}).dump(),
+                      {{"Shoal-Timeout-Ms", std::to_string(timeout_ms)}},
+                      std::chrono::milliseconds(timeout_ms + 15000));
+}
+
+// The gateway alone: work waits in the queue until its deadline, then 504;
+// readiness says why.
+TEST(E2eCluster, NoWorkerMeansDeadlineExceededAndNotReady) {
+  shoal::testing::TestNatsServer nats;
+  {
+    // A worker creates the stream and publishes the model catalog, then leaves.
+    Shoal worker = StartWorker(nats.url(), {"--threads", "1"});
+    StopGracefully(worker);
+  }
+  Shoal gateway = StartGateway(nats.url());
+  ASSERT_EQ(WaitForReadyz(gateway.port, 503, 10s), 503);
+  auto ready = HttpGet(gateway.port, "/readyz");
+  auto rj = json::parse(ready.body);
+  EXPECT_EQ(rj.at("nats"), true);
+  EXPECT_EQ(rj.at("stream"), true);
+  EXPECT_EQ(rj.at("workers"), 0);
+  EXPECT_FALSE(ready.Header("retry-after").empty());
+
+  auto r = EmbedWithTimeout(gateway.port, "nobody is listening", 500);
+  ASSERT_EQ(r.status, 504) << r.error << r.body;
+  EXPECT_EQ(ErrorCode(r.body), "deadline_exceeded");
+  EXPECT_EQ(json::parse(r.body).at("error").at("type"), "timeout_error");
+  // /healthz is liveness only.
+  EXPECT_EQ(HttpGet(gateway.port, "/healthz").status, 200);
+}
+
+// A bounded queue refuses work explicitly instead of growing or dropping.
+TEST(E2eCluster, FullQueueGives429WithRetryAfter) {
+  shoal::testing::TestNatsServer nats;
+  {
+    Shoal worker = StartWorker(nats.url(), {"--threads", "1", "--queue-max-msgs", "2"});
+    StopGracefully(worker);
+  }
+  Shoal gateway = StartGateway(nats.url());
+  constexpr int kRequests = 6;
+  std::vector<std::future<HttpResult>> calls;
+  for (int i = 0; i < kRequests; ++i)
+    calls.push_back(std::async(std::launch::async, [&, i] {
+      return EmbedWithTimeout(gateway.port, "request " + std::to_string(i), 1500);
+    }));
+  int full = 0, expired = 0;
+  for (auto& c : calls) {
+    HttpResult r = c.get();
+    SCOPED_TRACE(r.body);
+    if (r.status == 429) {
+      ++full;
+      EXPECT_EQ(ErrorCode(r.body), "queue_full");
+      EXPECT_EQ(json::parse(r.body).at("error").at("type"), "rate_limit_error");
+      EXPECT_FALSE(r.Header("retry-after").empty()) << "429 without Retry-After";
+    } else {
+      // The two that fit wait for a worker that never comes.
+      EXPECT_EQ(r.status, 504) << r.error;
+      ++expired;
+    }
+  }
+  EXPECT_GE(full, 1);
+  EXPECT_LE(expired, 2);
+  // Still full: the expired work stays queued until a worker drops it.
+  auto again = EmbedWithTimeout(gateway.port, "one more", 1500);
+  EXPECT_EQ(again.status, 429) << again.body;
+  auto metrics = HttpGet(gateway.port, "/metrics");
+  EXPECT_NE(metrics.body.find("shoal_gateway_queue_full_total"), std::string::npos);
+}
+
+// SIGKILL one of two workers while both are busy: its unacked work is
+// redelivered to the other one after AckWait, and every request still gets
+// exactly one complete, correct answer.
+TEST(E2eCluster, WorkerKilledMidBatchLosesNothing) {
+  shoal::testing::TestNatsServer nats;
+  Shoal gateway = StartGateway(nats.url());
+  Shoal victim = StartWorker(nats.url(), kCrashWorkerFlags);
+  Shoal survivor = StartWorker(nats.url(), kCrashWorkerFlags);
+  ASSERT_EQ(WaitForReadyz(gateway.port, 200, 30s), 200);
+
+  const auto pool = TextPool(40);
+  const Vectors reference = EmbedOrThrow(gateway.port, kModel, pool).rows;
+  ASSERT_EQ(reference.size(), pool.size());
+
+  constexpr int kRequests = 200, kClients = 16, kInputsPerRequest = 4, kKillAfter = 20;
+  auto input_of = [&](int req, int k) { return (req * 7 + k * 13) % static_cast<int>(pool.size()); };
+  std::vector<HttpResult> results(kRequests);
+  std::atomic<int> next{0}, completed{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kClients; ++c)
+    clients.emplace_back([&] {
+      for (int r = next++; r < kRequests; r = next++) {
+        json input = json::array();
+        for (int k = 0; k < kInputsPerRequest; ++k) input.push_back(pool[input_of(r, k)]);
+        results[r] = EmbedWithTimeout(gateway.port, input, 60000);
+        ++completed;
+      }
+    });
+  const auto give_up = std::chrono::steady_clock::now() + 60s;
+  while (completed < kKillAfter && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(1ms);
+  const int completed_at_kill = completed;
+  victim.process->Kill();
+  for (auto& t : clients) t.join();
+
+  EXPECT_LT(completed_at_kill, kRequests) << "the kill came after all the work; nothing was tested";
+  int ok = 0;
+  for (int r = 0; r < kRequests; ++r) {
+    SCOPED_TRACE("request " + std::to_string(r));
+    const HttpResult& res = results[r];
+    ASSERT_EQ(res.status, 200) << res.error << " " << res.body;
+    auto e = ParseOpenAiEmbeddings(res.body);
+    ASSERT_EQ(e.rows.size(), static_cast<size_t>(kInputsPerRequest));
+    for (int k = 0; k < kInputsPerRequest; ++k)
+      ASSERT_LT(MaxAbsDiff(e.rows[k], reference[input_of(r, k)]), kTolerance) << "input " << k;
+    ++ok;
+  }
+  EXPECT_EQ(ok, kRequests);
+  EXPECT_TRUE(ProcessAlive(survivor.process->pid()));
+  // Nothing is left behind in the queue.
+  auto ready = json::parse(HttpGet(gateway.port, "/readyz").body);
+  EXPECT_EQ(ready.value("queue_depth", -1), 0) << ready.dump();
+}
+
+// Work sent while no worker runs waits in the queue; a worker started later
+// (here: after the only one crashed) drains it.
+TEST(E2eCluster, RestartedWorkerPicksUpQueuedWork) {
+  shoal::testing::TestNatsServer nats;
+  Shoal gateway = StartGateway(nats.url());
+  Shoal first = StartWorker(nats.url(), kCrashWorkerFlags);
+  ASSERT_EQ(WaitForReadyz(gateway.port, 200, 30s), 200);
+  const auto pool = TextPool(8);
+  const Vectors reference = EmbedOrThrow(gateway.port, kModel, pool).rows;
+  first.process->Kill();
+
+  std::vector<std::future<HttpResult>> calls;
+  for (const auto& text : pool)
+    calls.push_back(std::async(std::launch::async, [&, text] { return EmbedWithTimeout(gateway.port, text, 60000); }));
+  // Wait until the work is queued, so the new worker finds it there.
+  int depth = 0;
+  for (auto until = std::chrono::steady_clock::now() + 10s;
+       depth < static_cast<int>(pool.size()) && std::chrono::steady_clock::now() < until;
+       std::this_thread::sleep_for(50ms)) {
+    auto r = HttpGet(gateway.port, "/readyz");
+    if (!r.body.empty()) depth = json::parse(r.body).value("queue_depth", 0);
+  }
+  EXPECT_EQ(depth, static_cast<int>(pool.size())) << "work was not queued while no worker ran";
+  for (auto& c : calls) ASSERT_EQ(c.wait_for(0s), std::future_status::timeout) << "answered without a worker";
+
+  Shoal second = StartWorker(nats.url(), kCrashWorkerFlags);
+  for (size_t i = 0; i < calls.size(); ++i) {
+    HttpResult r = calls[i].get();
+    ASSERT_EQ(r.status, 200) << r.error << r.body;
+    auto e = ParseOpenAiEmbeddings(r.body);
+    ASSERT_EQ(e.rows.size(), 1u);
+    EXPECT_LT(MaxAbsDiff(e.rows[0], reference[i]), kTolerance) << "input " << i;
+  }
+  EXPECT_EQ(EmbedOrThrow(gateway.port, kModel, pool).rows.size(), pool.size());
+}
+
+// Gateways are stateless: two of them feed the same worker, concurrently,
+// and each gets its own replies.
+TEST(E2eCluster, TwoGatewaysShareTheWorkers) {
+  shoal::testing::TestNatsServer nats;
+  Shoal worker = StartWorker(nats.url(), {"--threads", "1"});
+  Shoal g1 = StartGateway(nats.url(), {"--chunk-size", "2"});
+  Shoal g2 = StartGateway(nats.url(), {"--chunk-size", "3"});
+  ASSERT_EQ(WaitForReadyz(g1.port, 200, 30s), 200);
+  ASSERT_EQ(WaitForReadyz(g2.port, 200, 30s), 200);
+
+  const auto pool = TextPool(12);
+  const Vectors reference = EmbedOrThrow(g1.port, kModel, pool).rows;
+  constexpr int kPerGateway = 30;
+  std::vector<std::future<HttpResult>> calls;
+  for (int i = 0; i < 2 * kPerGateway; ++i) {
+    const int port = i % 2 ? g2.port : g1.port;
+    calls.push_back(std::async(std::launch::async, [&, port, i] {
+      json input = json::array();
+      for (int k = 0; k < 5; ++k) input.push_back(pool[(i + k) % pool.size()]);
+      return EmbedWithTimeout(port, input, 30000);
+    }));
+  }
+  for (int i = 0; i < static_cast<int>(calls.size()); ++i) {
+    HttpResult r = calls[i].get();
+    SCOPED_TRACE("request " + std::to_string(i));
+    ASSERT_EQ(r.status, 200) << r.error << r.body;
+    auto e = ParseOpenAiEmbeddings(r.body);
+    ASSERT_EQ(e.rows.size(), 5u);
+    for (int k = 0; k < 5; ++k)
+      EXPECT_LT(MaxAbsDiff(e.rows[k], reference[(i + k) % pool.size()]), kTolerance) << "input " << k;
+  }
+  // Both see the same worker in the catalog.
+  auto workers_of = [](int port) {
+    std::vector<std::string> ids;
+    for (const auto& m : json::parse(HttpGet(port, "/v1/models").body).at("data"))
+      for (const auto& w : m.at("workers")) ids.push_back(w.at("worker"));
+    return ids;
+  };
+  EXPECT_EQ(workers_of(g1.port), workers_of(g2.port));
+  EXPECT_EQ(workers_of(g1.port).size(), 1u);
+}
+
+}  // namespace
+}  // namespace shoal::e2e
