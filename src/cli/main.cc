@@ -87,6 +87,9 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
   Opt(app, "--models", w.models_csv, "SHOAL_MODELS", "Comma-separated model names to serve (default: all)");
   Opt(app, "--threads", w.options.intra_op_threads, "SHOAL_THREADS", "Intra-op threads per forward pass (0: model config / all cores)");
   Opt(app, "--runtime", w.options.runtime_override, "SHOAL_RUNTIME", "Override every model's runtime (null: no model, overhead only)");
+  Opt(app, "--max-batch-tokens", w.options.max_batch_tokens, "SHOAL_MAX_BATCH_TOKENS", "Padded tokens per forward pass, every model (0: model config)");
+  Opt(app, "--max-batch-size", w.options.max_batch_size, "SHOAL_MAX_BATCH_SIZE", "Rows per forward pass, every model (0: model config)");
+  Opt(app, "--max-wait-us", w.options.max_wait_us, "SHOAL_MAX_WAIT_US", "Longest wait to fill a batch, every model (-1: model config)");
   Opt(app, "--worker-id", w.options.worker_id, "SHOAL_WORKER_ID", "Worker id (default: host-pid-random)");
   Opt(app, "--ack-wait-ms", w.options.consumer.ack_wait_ms, "SHOAL_ACK_WAIT_MS", "Redeliver work unacked this long (crashed worker)");
   Opt(app, "--max-deliver", w.options.consumer.max_deliver, "SHOAL_MAX_DELIVER", "Deliveries before work goes to the dead-letter stream");

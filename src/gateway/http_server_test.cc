@@ -71,9 +71,10 @@ class Client {
   }
 
   // Reads one response; on failure, status 0 and the error in *ec.
-  Response Read(error_code* ec_out = nullptr) {
+  Response Read(error_code* ec_out = nullptr, bool after_head = false) {
     http::response_parser<http::string_body> parser;
     parser.body_limit(boost::none);
+    parser.skip(after_head);
     error_code result;
     stream_.expires_after(kTimeout);
     http::async_read(stream_, buffer_, parser, [&](error_code ec, size_t) { result = ec; });
@@ -290,6 +291,20 @@ TEST(HttpServer, ReadsChunkedBodies) {
       "POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
       "3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"));
   EXPECT_EQ(client.Read().body(), "POST /c q= x-test= body=abcde");
+}
+
+TEST(HttpServer, HeadResponsesCarryNoBody) {
+  auto server = Start(Echo);
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  Request head = Client::Get("/h");
+  head.method(http::verb::head);
+  ASSERT_FALSE(client.Write(head));
+  error_code ec;
+  Response res = client.Read(&ec, /*after_head=*/true);
+  ASSERT_FALSE(ec) << ec.message();
+  EXPECT_EQ(res[http::field::content_length], "24");  // "HEAD /h q= x-test= body="
+  EXPECT_EQ(client.RoundTrip(Client::Get("/g")).body(), "GET /g q= x-test= body=");
 }
 
 TEST(HttpServer, SendsContinueBeforeTheBodyWhenAsked) {

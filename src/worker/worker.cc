@@ -72,6 +72,10 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   for (ModelConfig config : selected) {
     if (!options.runtime_override.empty()) config.runtime = options.runtime_override;
     if (options.intra_op_threads > 0) config.intra_op_threads = options.intra_op_threads;
+    if (options.max_batch_tokens > 0) config.batching.max_batch_tokens = options.max_batch_tokens;
+    if (options.max_batch_size > 0) config.batching.max_batch_size = options.max_batch_size;
+    if (options.max_wait_us >= 0) config.batching.max_wait_us = options.max_wait_us;
+    RETURN_IF_ERROR(config.Validate());
     if (config.intra_op_threads == 0)
       config.intra_op_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     ASSIGN_OR_RETURN(auto runtime, options.runtime_factory ? options.runtime_factory(config)

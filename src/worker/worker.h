@@ -31,6 +31,10 @@ struct WorkerOptions {
   std::vector<std::string> models;   // names to serve; empty: all in the repository
   int intra_op_threads = 0;          // 0: model config, else hardware threads
   std::string runtime_override;      // non-empty: use this runtime for every model ("null")
+  // Batching overrides for every model; 0 / -1: keep each model's config.
+  int64_t max_batch_tokens = 0;
+  int max_batch_size = 0;
+  int64_t max_wait_us = -1;
   // Makes the runtime for a model; default CreateRuntime(config.runtime).
   // Tests inject fakes here.
   std::function<Result<std::unique_ptr<Runtime>>(const ModelConfig&)> runtime_factory;

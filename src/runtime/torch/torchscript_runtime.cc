@@ -26,10 +26,11 @@ int64_t ResidentBytes() {
 // traceback first and the original error ("RuntimeError: ...") last.
 std::string Summary(const std::string& s) {
   if (s.find("TorchScript interpreter") == std::string::npos) return s.substr(0, s.find('\n'));
-  size_t end = s.find_last_not_of(" \n");
+  const size_t end = s.find_last_not_of(" \n");
   if (end == std::string::npos) return s;
-  const size_t begin = s.rfind('\n', end);
-  return s.substr(begin == std::string::npos ? 0 : begin + 1, end + 1 - (begin + 1));
+  const size_t newline = s.rfind('\n', end);
+  const size_t start = newline == std::string::npos ? 0 : newline + 1;
+  return s.substr(start, end + 1 - start);
 }
 
 bool StartsWith(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
