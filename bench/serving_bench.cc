@@ -80,6 +80,7 @@ struct Flags {
   std::string phases = "raw,served,latency,null";
   std::string out;
   std::string log_level = "warn";
+  std::string omp_wait_policy = "inherit";
 
   bool Has(const std::string& phase) const {
     std::stringstream ss(phases);
@@ -200,8 +201,9 @@ TokenBatch PadBatch(const std::vector<std::vector<int32_t>>& rows, size_t first,
   return tb;
 }
 
-Result<std::vector<RawPoint>> RunRaw(const Flags& f, ModelConfig config, const WordPieceTokenizer& tok,
-                                     const std::vector<std::string>& sentences, int threads) {
+Result<std::vector<RawPoint>> RunRaw(const std::vector<int>& batches, double seconds_per_batch, ModelConfig config,
+                                     const WordPieceTokenizer& tok, const std::vector<std::string>& sentences,
+                                     int threads) {
   config.intra_op_threads = threads;
   ASSIGN_OR_RETURN(auto rt, CreateRuntime(config.runtime));
   RETURN_IF_ERROR(rt->Load(config));
@@ -209,7 +211,7 @@ Result<std::vector<RawPoint>> RunRaw(const Flags& f, ModelConfig config, const W
   for (const auto& s : sentences) rows.push_back(tok.Encode(s, config.max_seq_len).ids);
   std::vector<RawPoint> out;
   size_t cursor = 0;
-  for (int b : f.raw_batches) {
+  for (int b : batches) {
     RawPoint p;
     p.batch = b;
     int64_t real = 0, tokens = 0, padded = 0;
@@ -220,7 +222,7 @@ Result<std::vector<RawPoint>> RunRaw(const Flags& f, ModelConfig config, const W
       cursor += b;
     }
     double busy = 0;
-    while (busy < f.raw_s_per_batch || p.calls < 3) {
+    while (busy < seconds_per_batch || p.calls < 3) {
       TokenBatch tb = PadBatch(rows, cursor, b, tok.pad_id(), &real);
       cursor += b;
       const auto t0 = Clock::now();
@@ -467,7 +469,24 @@ int Main(int argc, char** argv) {
   app.add_option("--phases", f.phases, "Comma-separated subset of raw,served,latency,null")->capture_default_str();
   app.add_option("--out", f.out, "Also write the results as JSON to this file");
   app.add_option("--log-level", f.log_level, "debug | info | warn | error")->capture_default_str();
+  app.add_option("--omp-wait-policy", f.omp_wait_policy,
+                 "OpenMP idle threads: inherit (the environment's OMP_WAIT_POLICY), passive or active")
+      ->check(CLI::IsMember({"inherit", "passive", "active"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+
+  // libgomp reads OMP_WAIT_POLICY once, when it is loaded: to change it,
+  // set it and start this program again.
+  if (f.omp_wait_policy != "inherit") {
+    const std::string want = f.omp_wait_policy == "passive" ? "PASSIVE" : "ACTIVE";
+    const char* have = std::getenv("OMP_WAIT_POLICY");
+    if (have == nullptr || want != have) {
+      setenv("OMP_WAIT_POLICY", want.c_str(), 1);
+      execv("/proc/self/exe", argv);
+      std::perror("execv /proc/self/exe");
+      return 1;
+    }
+  }
 
   LogLevel level;
   if (!ParseLogLevel(f.log_level, &level)) {
@@ -522,12 +541,12 @@ int Main(int argc, char** argv) {
   const auto t_start = Clock::now();
 
   double raw_best = 0;
+  int best_batch = 0;
   if (f.Has("raw")) {
     std::printf("\n[1] raw: Runtime::Run directly, %.1f s per batch size\n", f.raw_s_per_batch);
-    auto raw = RunRaw(f, *config, **tok, sentences, threads);
+    auto raw = RunRaw(f.raw_batches, f.raw_s_per_batch, *config, **tok, sentences, threads);
     if (!raw.ok()) return fail(raw.status());
     json pts = json::array();
-    int best_batch = 0;
     for (const auto& p : *raw) {
       pts.push_back({{"batch", p.batch}, {"tokens_per_s", p.tokens_per_s}, {"ms_per_batch", p.ms_per_batch},
                      {"padding_fraction", p.padded_fraction}, {"calls", p.calls}});
@@ -607,6 +626,26 @@ int Main(int argc, char** argv) {
     if (p->load.RequestsPerS() > 0)
       std::printf("  per-request cost of gateway+queue+worker: %.0f us of CPU (shoal process excl. client + nats-server)\n",
                   1e6 * (p->proc_cores - p->client_cores + p->nats_cores) / p->load.RequestsPerS());
+  }
+
+  // The machine may be shared: measure the limit again after the served
+  // phases and keep the higher figure, so served/raw is not flattered.
+  if (f.Has("raw") && best_batch > 0) {
+    std::printf("\n[5] raw again at batch %d (the machine may have changed)\n", best_batch);
+    auto again = RunRaw({best_batch}, 2 * f.raw_s_per_batch, *config, **tok, sentences, threads);
+    if (!again.ok()) return fail(again.status());
+    const double second = again->front().tokens_per_s;
+    results["raw"]["recheck_tokens_per_s"] = second;
+    if (second > raw_best) {
+      raw_best = second;
+      results["raw"]["best_tokens_per_s"] = raw_best;
+    }
+    if (results.contains("served")) {
+      const double ratio = results["served"]["tokens_per_s"].get<double>() / raw_best;
+      results["served_over_raw"] = ratio;
+      std::printf("\nserved/raw = %.0f / %.0f = %.3f (raw: the higher of the two raw measurements)\n",
+                  results["served"]["tokens_per_s"].get<double>(), raw_best, ratio);
+    }
   }
 
   const double total_s = Seconds(Clock::now() - t_start);

@@ -17,6 +17,7 @@
 #include "common/metrics.h"
 #include "gateway/gateway.h"
 #include "gateway/http_server.h"
+#include "gateway/routes.h"
 #include "queue/nats_client.h"
 #include "queue/nats_server_process.h"
 #include "worker/worker.h"
@@ -157,8 +158,7 @@ Result<std::unique_ptr<HttpServer>> WorkerMetricsServer(int port, MetricsRegistr
     } else if (req.path == "/healthz") {
       r.body = "{\"status\":\"ok\"}";
     } else {
-      r.status = 404;
-      r.body = "{\"error\":{\"message\":\"not found\",\"type\":\"invalid_request_error\",\"code\":\"route_not_found\"}}";
+      r = ErrorResponse(NotFound("no route for " + req.method + " " + req.path, "route_not_found"));
     }
     respond(std::move(r));
   });

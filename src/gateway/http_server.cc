@@ -40,6 +40,7 @@ std::string ErrorBody(const Status& status) {
   nlohmann::ordered_json j;
   j["error"] = {{"message", status.message()},
                 {"type", ErrorTypeFor(status.code())},
+                {"param", nullptr},
                 {"code", status.ReasonOrDefault()}};
   // Messages may quote client bytes or exception text: never throw on bad
   // UTF-8.

@@ -437,7 +437,7 @@ TEST(HttpServer, BodyOverTheLimitIs413AndCloses) {
   }
   const std::string expected =
       R"({"error":{"message":"request body exceeds 1024 bytes",)"
-      R"("type":"invalid_request_error","code":"payload_too_large"}})";
+      R"("type":"invalid_request_error","param":null,"code":"payload_too_large"}})";
   {
     Client client(server->port());
     Response res = client.RoundTrip(Client::Post("/", std::string(64 * 1024, 'a')));

@@ -67,14 +67,20 @@ void ModelServer::Start() {
 void ModelServer::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stop_.exchange(true)) {
-      // Already stopping; fall through to join in case another call did not.
-    }
+    stop_ = true;
   }
   work_cv_.notify_all();
   space_cv_.notify_all();
   if (fetcher_.joinable()) fetcher_.join();
   if (executor_.joinable()) executor_.join();
+  // Pulled but never run: hand it back now rather than after AckWait.
+  std::vector<std::unique_ptr<PendingWork>> left;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (batcher_.size() > 0)
+      for (auto& w : batcher_.Take()) left.push_back(std::move(w));
+  }
+  for (auto& w : left) (void)w->delivery.Nak();
 }
 
 void ModelServer::Reply(const wire::WorkReply& reply, const std::string& reply_to) {

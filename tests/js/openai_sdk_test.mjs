@@ -1,11 +1,12 @@
 // Shoal's /v1/embeddings driven by the official OpenAI Node SDK: the SDK's
 // default base64 path, explicit float, and its typed errors.
 //
-//   npm install --prefix tests/js
-//   SHOAL_BIN=build/src/cli/shoal node --test tests/js/openai_sdk_test.mjs
+//   npm ci --prefix tests/js
+//   SHOAL_BIN=$PWD/build/src/cli/shoal node --test tests/js/openai_sdk_test.mjs
 //
-// SHOAL_BIN: the built `shoal` binary (required). SHOAL_MODELS_DIR: the
-// generated demo models (default: <repo>/models).
+// SHOAL_BIN: the built `shoal` binary (required; relative paths resolve
+// against the working directory). SHOAL_MODELS_DIR: the generated demo
+// models (default: <repo>/models).
 import { spawn } from 'node:child_process';
 import fs from 'node:fs';
 import os from 'node:os';

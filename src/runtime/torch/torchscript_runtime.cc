@@ -72,8 +72,10 @@ struct TorchScriptRuntime::Impl {
   int64_t vocab_size = 0;  // 0: unknown, only negative ids are rejected
   int threads = 1;
   int64_t memory_bytes = 0;
-  // OpenMP keeps the thread count per calling thread: re-apply it when Run()
-  // is called from a thread other than the one that last applied it.
+  // OpenMP keeps the thread count per thread, and libtorch copies its global
+  // value into a thread only at that thread's first parallel op; a thread
+  // that ran torch work before Load() keeps its old count. Re-apply whenever
+  // Run() comes from a thread other than the one that last applied it.
   std::thread::id threads_applied_on;
 
   void ApplyThreads() {
