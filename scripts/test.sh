@@ -14,6 +14,6 @@ if [ -f tests/js/package.json ]; then
   echo "test: official OpenAI SDK (Node.js) against shoal serve"
   npm ci --prefix tests/js --no-audit --no-fund --loglevel=error
   SHOAL_BIN="$(pwd)/${BUILD_DIR}/src/cli/shoal" SHOAL_MODELS_DIR="$(pwd)/models" \
-    node --test tests/js/
+    node --test tests/js/openai_sdk_test.mjs
 fi
 echo "test: all passed"
