@@ -94,6 +94,16 @@ HttpResponse JsonResponse(int status, std::string body) {
   return r;
 }
 
+Status ParseJsonObject(const std::string& text, json* out) {
+  try {
+    *out = json::parse(text);
+  } catch (const json::exception& e) {
+    return InvalidArgument(std::string("request body is not valid JSON: ") + e.what(), "invalid_json");
+  }
+  if (!out->is_object()) return InvalidArgument("request body must be a JSON object", "invalid_json");
+  return Status::Ok();
+}
+
 // Fills job->texts or job->token_ids from an OpenAI-style `input` value:
 // string | [string] | [int] | [[int]].
 Status InputsFromJson(const json& input, int max_inputs, EmbedJob* job) {
@@ -332,12 +342,7 @@ Status Router::CheckModel(const std::string& model, int* dim) const {
 void Router::Embeddings(HttpRequest&& req, HttpResponder respond) {
   const int64_t retry = options_.retry_after_s;
   json body;
-  try {
-    body = json::parse(req.body);
-  } catch (const json::exception& e) {
-    return respond(ErrorResponse(InvalidArgument(std::string("request body is not valid JSON: ") + e.what(), "invalid_json")));
-  }
-  if (!body.is_object()) return respond(ErrorResponse(InvalidArgument("request body must be a JSON object", "invalid_json")));
+  if (Status st = ParseJsonObject(req.body, &body); !st.ok()) return respond(ErrorResponse(st));
   EmbedJob job;
   auto model_it = body.find("model");
   if (model_it == body.end() || !model_it->is_string() || model_it->get_ref<const std::string&>().empty())
@@ -437,12 +442,7 @@ void Router::Encode(const std::string& model, HttpRequest&& req, HttpResponder r
     if (!st.ok()) return respond(ErrorResponse(st));
   } else {
     json body;
-    try {
-      body = json::parse(req.body);
-    } catch (const json::exception& e) {
-      return respond(ErrorResponse(InvalidArgument(std::string("request body is not valid JSON: ") + e.what(), "invalid_json")));
-    }
-    if (!body.is_object()) return respond(ErrorResponse(InvalidArgument("request body must be a JSON object", "invalid_json")));
+    if (Status st = ParseJsonObject(req.body, &body); !st.ok()) return respond(ErrorResponse(st));
     auto in = body.find("inputs");
     if (in == body.end()) return respond(ErrorResponse(InvalidArgument("'inputs' is required", "missing_input")));
     if (auto t = body.find("truncate"); t != body.end() && !t->is_null()) {
