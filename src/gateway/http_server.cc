@@ -135,7 +135,8 @@ class HttpServer::Impl::Connection
                                             shared_from_this()));
   }
 
-  // Runs on the strand, posted by Reply.
+  // Writes the answer to the current request. On the strand: from
+  // Dispatch() when the handler answered inline, else posted by Reply.
   void Respond(HttpResponse response);
 
   // The connection's strand. Safe from any thread.
@@ -176,6 +177,8 @@ class HttpServer::Impl::Connection
   char drain_[4096];
 };
 
+namespace {
+
 // Set on an io thread while it runs the handler for one request: a response
 // given before the handler returns is handed back here instead of being
 // posted, which saves a lock and a trip through the strand's queue.
@@ -184,6 +187,8 @@ struct InlineReply {
   std::optional<HttpResponse>* response = nullptr;
 };
 thread_local InlineReply t_inline;
+
+}  // namespace
 
 // State shared by the copies of one HttpResponder.
 class HttpServer::Impl::Reply {
