@@ -1,0 +1,612 @@
+#include "worker/model_manager.h"
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <filesystem>
+#include <limits>
+#include <set>
+#include <system_error>
+#include <utility>
+
+namespace shoal {
+namespace {
+
+// Waiters re-read the injected clock at least this often, so a deadline on a
+// clock that is not wall time (FakeClock) is still noticed.
+constexpr int64_t kWaitSliceUs = 20'000;
+constexpr int64_t kNoDeadline = std::numeric_limits<int64_t>::max();
+
+Status NoRoom(const std::string& msg) { return ResourceExhausted(msg, "no_room_for_model"); }
+
+}  // namespace
+
+std::string_view ModelStateName(ModelState state) {
+  switch (state) {
+    case ModelState::kNotLoaded: return "not_loaded";
+    case ModelState::kLoading: return "loading";
+    case ModelState::kLoaded: return "loaded";
+    case ModelState::kFailed: return "failed";
+  }
+  return "unknown";
+}
+
+Status ModelManagerOptions::Validate() const {
+  if (memory_budget_bytes < 0) return InvalidArgument("memory_budget_bytes must be >= 0");
+  if (max_models < 0) return InvalidArgument("max_models must be >= 0");
+  if (!(file_size_factor > 0)) return InvalidArgument("file_size_factor must be > 0");
+  if (retry_failed_after_us < 0) return InvalidArgument("retry_failed_after_us must be >= 0");
+  if (load_threads < 1) return InvalidArgument("load_threads must be >= 1");
+  std::set<std::string> seen;
+  for (const std::string& name : pinned) {
+    if (name.empty()) return InvalidArgument("pinned model name is empty");
+    if (!seen.insert(name).second) return InvalidArgument("model '" + name + "' is pinned twice");
+  }
+  if (max_models > 0 && static_cast<int>(pinned.size()) > max_models) {
+    return InvalidArgument("more pinned models (" + std::to_string(pinned.size()) +
+                           ") than max_models (" + std::to_string(max_models) + ")");
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------
+
+struct ModelManager::LoadAttempt {
+  bool done = false;  // guarded by mu_
+  Status status;      // guarded by mu_
+};
+
+struct ModelManager::Entry {
+  ModelConfig config;
+  int64_t file_estimate_bytes = 0;  // model file size x factor, fixed
+  ModelState state = ModelState::kNotLoaded;
+  bool pinned = false;
+  std::unique_ptr<LoadedModel> model;  // set iff kLoaded
+  int64_t measured_bytes = 0;          // last measured footprint; 0: never loaded
+  int64_t reserved_bytes = 0;          // while kLoading
+  uint64_t last_use_seq = 0;
+  int64_t last_used_unix_ms = 0;
+  int leases = 0;
+  Status error;                        // while kFailed
+  int64_t failed_mono_us = 0;
+  std::shared_ptr<LoadAttempt> attempt;  // the current or last load
+
+  Counter* loads_ok = nullptr;
+  Counter* loads_failed = nullptr;
+  Histogram* load_seconds = nullptr;
+  Counter* evictions = nullptr;
+  Gauge* memory = nullptr;
+  Counter* load_waits = nullptr;
+};
+
+struct ModelManager::Job {
+  Entry* entry = nullptr;
+  std::shared_ptr<LoadAttempt> attempt;
+  std::vector<std::unique_ptr<LoadedModel>> victims;  // unloaded before the load
+  // What the victims hold beyond the new model's reservation, accounted as
+  // unloading until they are gone.
+  int64_t excess_bytes = 0;
+  int excess_count = 0;
+};
+
+// ---------------------------------------------------------------------------
+
+ModelLease::ModelLease(ModelLease&& other) noexcept
+    : manager_(std::exchange(other.manager_, nullptr)),
+      entry_(std::exchange(other.entry_, nullptr)),
+      model_(std::exchange(other.model_, nullptr)) {}
+
+ModelLease& ModelLease::operator=(ModelLease&& other) noexcept {
+  if (this != &other) {
+    Release();
+    manager_ = std::exchange(other.manager_, nullptr);
+    entry_ = std::exchange(other.entry_, nullptr);
+    model_ = std::exchange(other.model_, nullptr);
+  }
+  return *this;
+}
+
+void ModelLease::Release() {
+  if (manager_ != nullptr) manager_->ReleaseLease(entry_);
+  manager_ = nullptr;
+  entry_ = nullptr;
+  model_ = nullptr;
+}
+
+// ---------------------------------------------------------------------------
+
+ModelManager::ModelManager(ModelManagerOptions options, std::vector<ModelConfig> catalog,
+                           ModelLoader loader, const Clock* clock, MetricsRegistry* metrics)
+    : options_(std::move(options)),
+      loader_(std::move(loader)),
+      clock_(clock != nullptr ? clock : SystemClock::Get()) {
+  if (metrics == nullptr) {
+    own_metrics_ = std::make_unique<MetricsRegistry>();
+    metrics = own_metrics_.get();
+  }
+  metrics_ = metrics;
+  models_loaded_ = metrics_->GetGauge("shoal_worker_models_loaded", "Models resident on this worker.");
+  load_wait_seconds_ = metrics_->GetHistogram(
+      "shoal_worker_load_wait_seconds", "How long requests waited for a model to load.", {},
+      LatencyBuckets());
+  for (ModelConfig& config : catalog) {
+    if (entries_.count(config.name) != 0) {
+      duplicate_names_.push_back(config.name);
+      continue;
+    }
+    auto e = std::make_unique<Entry>();
+    std::error_code ec;
+    const auto file_bytes = std::filesystem::file_size(config.ModelPath(), ec);
+    if (!ec) {
+      e->file_estimate_bytes =
+          static_cast<int64_t>(static_cast<double>(file_bytes) * options_.file_size_factor);
+    }
+    const Labels l = {{"model", config.name}};
+    e->loads_ok = metrics_->GetCounter("shoal_worker_model_loads_total", "Model loads, by result.",
+                                       {{"model", config.name}, {"result", "ok"}});
+    e->loads_failed = metrics_->GetCounter("shoal_worker_model_loads_total",
+                                           "Model loads, by result.",
+                                           {{"model", config.name}, {"result", "error"}});
+    e->load_seconds = metrics_->GetHistogram("shoal_worker_model_load_seconds",
+                                             "Time to load a model.", l, LatencyBuckets());
+    e->evictions = metrics_->GetCounter("shoal_worker_model_evictions_total",
+                                        "Models unloaded to make room for another.", l);
+    e->memory = metrics_->GetGauge("shoal_worker_model_memory_bytes",
+                                   "Measured footprint of a resident model.", l);
+    e->load_waits = metrics_->GetCounter("shoal_worker_load_waits_total",
+                                         "Requests that waited for a model to load.", l);
+    e->config = std::move(config);
+    std::string name = e->config.name;
+    entries_.emplace(std::move(name), std::move(e));
+  }
+  const int threads = std::max(1, options_.load_threads);
+  for (int i = 0; i < threads; ++i) loader_threads_.emplace_back([this] { LoaderLoop(); });
+}
+
+ModelManager::~ModelManager() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (std::thread& t : loader_threads_) t.join();
+
+  std::vector<std::unique_ptr<LoadedModel>> victims;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] {
+      for (const auto& [name, e] : entries_) {
+        if (e->leases > 0) return false;
+      }
+      return true;
+    });
+    for (auto& [name, e] : entries_) {
+      if (e->state == ModelState::kLoaded) EvictLocked(*e, &victims, /*automatic=*/false);
+    }
+  }
+  UnloadVictims(std::move(victims), 0, 0);
+}
+
+Status ModelManager::Start() {
+  RETURN_IF_ERROR(options_.Validate());
+  if (!duplicate_names_.empty()) {
+    return InvalidArgument("model '" + duplicate_names_.front() + "' is in the catalog twice");
+  }
+  for (const std::string& name : options_.pinned) {
+    if (Find(name) == nullptr) {
+      return NotFound("pinned model '" + name + "' is not in the catalog", "model_not_found");
+    }
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  for (const std::string& name : options_.pinned) Find(name)->pinned = true;
+  for (const std::string& name : options_.pinned) {
+    Entry& e = *Find(name);
+    Status s = WaitLoadedLocked(lock, e, kNoDeadline, /*retry_failed=*/true, /*count_wait=*/false);
+    if (!s.ok()) {
+      return Status(s.code(), "pinned model '" + name + "': " + s.message(), s.reason());
+    }
+    TouchLocked(e);
+  }
+  const int64_t used = UsedLocked();
+  if (options_.memory_budget_bytes > 0 && used > options_.memory_budget_bytes) {
+    return ResourceExhausted("pinned models use " + std::to_string(used) +
+                                 " bytes, over the memory budget of " +
+                                 std::to_string(options_.memory_budget_bytes),
+                             "pinned_models_exceed_budget");
+  }
+  return Status::Ok();
+}
+
+Result<ModelLease> ModelManager::Acquire(const std::string& name, int64_t deadline_mono_us) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Entry* e = Find(name);
+  if (e == nullptr) return NotFound("model '" + name + "' is not served here", "model_not_found");
+  RETURN_IF_ERROR(WaitLoadedLocked(lock, *e, deadline_mono_us, /*retry_failed=*/false,
+                                   /*count_wait=*/true));
+  ++e->leases;
+  TouchLocked(*e);
+  return ModelLease(this, e, e->model.get());
+}
+
+bool ModelManager::IsLoaded(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Entry* e = Find(name);
+  return e != nullptr && e->state == ModelState::kLoaded;
+}
+
+Status ModelManager::StartLoad(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry* e = Find(name);
+  if (e == nullptr) return NotFound("model '" + name + "' is not served here", "model_not_found");
+  if (e->state == ModelState::kLoaded || e->state == ModelState::kLoading) return Status::Ok();
+  if (stopping_) return Unavailable("the model manager is shutting down", "shutting_down");
+  const bool retry_due = options_.retry_failed_after_us > 0 &&
+                         clock_->NowMonoUs() - e->failed_mono_us >= options_.retry_failed_after_us;
+  if (e->state == ModelState::kFailed && !retry_due) return e->error;
+  ASSIGN_OR_RETURN(Step step, BeginLoadLocked(*e));
+  if (step == Step::kWait) {
+    return Unavailable("memory for model '" + name + "' is still being freed",
+                       "memory_being_freed");
+  }
+  return Status::Ok();
+}
+
+Status ModelManager::Load(const std::string& name) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Entry* e = Find(name);
+  if (e == nullptr) return NotFound("model '" + name + "' is not served here", "model_not_found");
+  RETURN_IF_ERROR(
+      WaitLoadedLocked(lock, *e, kNoDeadline, /*retry_failed=*/true, /*count_wait=*/false));
+  TouchLocked(*e);
+  return Status::Ok();
+}
+
+Status ModelManager::Unload(const std::string& name) {
+  std::vector<std::unique_ptr<LoadedModel>> victims;
+  int64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Entry* e = Find(name);
+    if (e == nullptr) return NotFound("model '" + name + "' is not served here", "model_not_found");
+    if (e->pinned) return InvalidArgument("model '" + name + "' is pinned; unpin it first", "model_pinned");
+    if (e->state == ModelState::kLoading) {
+      return Unavailable("model '" + name + "' is loading", "model_busy");
+    }
+    if (e->leases > 0) return Unavailable("model '" + name + "' is in use", "model_busy");
+    if (e->state == ModelState::kFailed) {
+      e->state = ModelState::kNotLoaded;
+      e->error = Status::Ok();
+    }
+    if (e->state != ModelState::kLoaded) return Status::Ok();
+    bytes = EvictLocked(*e, &victims, /*automatic=*/false);
+    unloading_bytes_ += bytes;
+    ++unloading_count_;
+  }
+  UnloadVictims(std::move(victims), bytes, 1);
+  return Status::Ok();
+}
+
+Status ModelManager::Pin(const std::string& name) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Entry* e = Find(name);
+  if (e == nullptr) return NotFound("model '" + name + "' is not served here", "model_not_found");
+  const bool was_pinned = e->pinned;
+  e->pinned = true;
+  Status s = WaitLoadedLocked(lock, *e, kNoDeadline, /*retry_failed=*/true, /*count_wait=*/false);
+  if (!s.ok()) {
+    if (!was_pinned) e->pinned = false;
+    return s;
+  }
+  TouchLocked(*e);
+  return Status::Ok();
+}
+
+Status ModelManager::Unpin(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry* e = Find(name);
+  if (e == nullptr) return NotFound("model '" + name + "' is not served here", "model_not_found");
+  e->pinned = false;
+  return Status::Ok();
+}
+
+std::vector<ModelStatus> ModelManager::Statuses() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<ModelStatus> out;
+  out.reserve(entries_.size());
+  for (const auto& [name, e] : entries_) {
+    ModelStatus s;
+    s.name = name;
+    s.state = e->state;
+    s.pinned = e->pinned;
+    if (e->state == ModelState::kLoaded) s.memory_bytes = e->measured_bytes;
+    if (e->state == ModelState::kLoading) s.memory_bytes = e->reserved_bytes;
+    s.last_used_unix_ms = e->last_used_unix_ms;
+    s.leases = e->leases;
+    if (e->state == ModelState::kFailed) s.error = e->error.message();
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+int64_t ModelManager::memory_used_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return UsedLocked();
+}
+
+// ---------------------------------------------------------------------------
+
+ModelManager::Entry* ModelManager::Find(const std::string& name) const {
+  auto it = entries_.find(name);
+  return it == entries_.end() ? nullptr : it->second.get();
+}
+
+int64_t ModelManager::EstimateLocked(const Entry& e) const {
+  return e.measured_bytes > 0 ? e.measured_bytes : e.file_estimate_bytes;
+}
+
+int64_t ModelManager::UsedLocked() const {
+  int64_t used = unloading_bytes_;
+  for (const auto& [name, e] : entries_) {
+    if (e->state == ModelState::kLoaded) used += e->measured_bytes;
+    if (e->state == ModelState::kLoading) used += e->reserved_bytes;
+  }
+  return used;
+}
+
+int ModelManager::CountLocked() const {
+  int count = unloading_count_;
+  for (const auto& [name, e] : entries_) {
+    if (e->state == ModelState::kLoaded || e->state == ModelState::kLoading) ++count;
+  }
+  return count;
+}
+
+Result<ModelManager::Step> ModelManager::BeginLoadLocked(Entry& e) {
+  const int64_t need = EstimateLocked(e);
+  const int64_t budget = options_.memory_budget_bytes;
+  const int max_models = options_.max_models;
+  if (budget > 0 && need > budget) {
+    return NoRoom("model '" + e.config.name + "' needs about " + std::to_string(need) +
+                  " bytes, more than the whole budget of " + std::to_string(budget));
+  }
+  auto fits = [&](int64_t used, int count) {
+    return (budget == 0 || used + need <= budget) && (max_models == 0 || count < max_models);
+  };
+  int64_t used = UsedLocked();
+  int count = CountLocked();
+  std::vector<Entry*> chosen;
+  if (!fits(used, count)) {
+    std::vector<Entry*> candidates;
+    for (auto& [name, c] : entries_) {
+      if (c->state == ModelState::kLoaded && !c->pinned && c->leases == 0) {
+        candidates.push_back(c.get());
+      }
+    }
+    std::sort(candidates.begin(), candidates.end(),
+              [](const Entry* a, const Entry* b) { return a->last_use_seq < b->last_use_seq; });
+    for (Entry* c : candidates) {
+      if (fits(used, count)) break;
+      chosen.push_back(c);
+      used -= c->measured_bytes;
+      --count;
+    }
+    if (!fits(used, count)) {
+      // Evictions already under way will free enough: wait for them rather
+      // than fail, and evict nothing now.
+      if (fits(used - unloading_bytes_, count - unloading_count_)) return Step::kWait;
+      return NoRoom("no room for model '" + e.config.name + "' (needs about " +
+                    std::to_string(need) + " bytes): every resident model is pinned or in use");
+    }
+  }
+  auto job = std::make_unique<Job>();
+  job->entry = &e;
+  // The victims' memory becomes the new model's reservation (the loader
+  // thread unloads them before it loads); only what exceeds it is
+  // accounted as unloading.
+  int64_t victim_bytes = 0;
+  for (Entry* c : chosen) victim_bytes += EvictLocked(*c, &job->victims, /*automatic=*/true);
+  job->excess_bytes = std::max<int64_t>(0, victim_bytes - need);
+  job->excess_count = std::max(0, static_cast<int>(chosen.size()) - 1);
+  unloading_bytes_ += job->excess_bytes;
+  unloading_count_ += job->excess_count;
+  e.state = ModelState::kLoading;
+  e.reserved_bytes = need;
+  e.error = Status::Ok();
+  e.attempt = std::make_shared<LoadAttempt>();
+  job->attempt = e.attempt;
+  jobs_.push_back(std::move(job));
+  cv_.notify_all();
+  return Step::kReady;
+}
+
+int64_t ModelManager::EvictLocked(Entry& e, std::vector<std::unique_ptr<LoadedModel>>* victims,
+                                  bool automatic) {
+  victims->push_back(std::move(e.model));
+  e.state = ModelState::kNotLoaded;
+  e.memory->Set(0);
+  if (automatic) e.evictions->Inc();
+  UpdateLoadedGaugeLocked();
+  return e.measured_bytes;
+}
+
+Status ModelManager::WaitLoadedLocked(std::unique_lock<std::mutex>& lock, Entry& e,
+                                      int64_t deadline_mono_us, bool retry_failed,
+                                      bool count_wait) {
+  std::shared_ptr<LoadAttempt> attempt;  // the load this caller waits on
+  bool waited = false;
+  int64_t wait_start_us = 0;
+  Status result;
+  while (true) {
+    if (e.state == ModelState::kLoaded) break;
+    // Checked before the state: the model may have failed again since, and
+    // each caller reports the failure of the load it waited for.
+    if (attempt != nullptr && attempt->done && !attempt->status.ok()) {
+      result = attempt->status;
+      break;
+    }
+    if (stopping_) {
+      result = Unavailable("the model manager is shutting down", "shutting_down");
+      break;
+    }
+    if (e.state == ModelState::kLoading) {
+      attempt = e.attempt;
+    } else {
+      const bool retry_due =
+          options_.retry_failed_after_us > 0 &&
+          clock_->NowMonoUs() - e.failed_mono_us >= options_.retry_failed_after_us;
+      if (e.state == ModelState::kFailed && !retry_failed && !retry_due) {
+        result = e.error;
+        break;
+      }
+      Result<Step> step = BeginLoadLocked(e);
+      if (!step.ok()) {
+        result = step.status();
+        break;
+      }
+      if (*step == Step::kReady) attempt = e.attempt;
+    }
+    const int64_t now = clock_->NowMonoUs();
+    if (!waited) {
+      waited = true;
+      wait_start_us = now;
+      if (count_wait) e.load_waits->Inc();
+    }
+    if (now >= deadline_mono_us) {
+      result = DeadlineExceeded("deadline passed while model '" + e.config.name + "' was loading");
+      break;
+    }
+    cv_.wait_for(lock, std::chrono::microseconds(std::min(deadline_mono_us - now, kWaitSliceUs)));
+  }
+  if (waited && count_wait) {
+    load_wait_seconds_->Observe(static_cast<double>(clock_->NowMonoUs() - wait_start_us) / 1e6);
+  }
+  return result;
+}
+
+void ModelManager::TouchLocked(Entry& e) {
+  e.last_use_seq = ++use_seq_;
+  e.last_used_unix_ms = clock_->NowUnixMs();
+}
+
+void ModelManager::ReleaseLease(void* entry) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& e = *static_cast<Entry*>(entry);
+  --e.leases;
+  TouchLocked(e);
+  if (e.leases == 0) cv_.notify_all();
+}
+
+void ModelManager::UpdateLoadedGaugeLocked() {
+  int loaded = 0;
+  for (const auto& [name, e] : entries_) loaded += e->state == ModelState::kLoaded ? 1 : 0;
+  models_loaded_->Set(loaded);
+}
+
+void ModelManager::UnloadVictims(std::vector<std::unique_ptr<LoadedModel>> victims,
+                                 int64_t accounted_bytes, int accounted_count) {
+  for (auto& v : victims) {
+    if (v->runtime != nullptr) v->runtime->Unload();
+    v.reset();
+  }
+  if (accounted_bytes == 0 && accounted_count == 0) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    unloading_bytes_ -= accounted_bytes;
+    unloading_count_ -= accounted_count;
+  }
+  cv_.notify_all();
+}
+
+void ModelManager::LoaderLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+    if (jobs_.empty()) return;  // stopping, and nothing left to fail
+    std::unique_ptr<Job> job = std::move(jobs_.front());
+    jobs_.pop_front();
+    Entry& e = *job->entry;
+    lock.unlock();
+
+    UnloadVictims(std::move(job->victims), job->excess_bytes, job->excess_count);
+    lock.lock();
+    const bool stop = stopping_;
+    lock.unlock();
+
+    const int64_t start_us = clock_->NowMonoUs();
+    Result<std::unique_ptr<LoadedModel>> loaded =
+        Unavailable("the model manager is shutting down", "shutting_down");
+    if (!stop) {
+      try {
+        loaded = loader_(e.config);  // config is fixed after construction
+      } catch (const std::exception& ex) {
+        loaded = Internal(std::string("loader threw: ") + ex.what());
+      } catch (...) {
+        loaded = Internal("loader threw");
+      }
+      if (loaded.ok() && loaded.value() == nullptr) loaded = Internal("loader returned no model");
+    }
+    const double seconds = static_cast<double>(clock_->NowMonoUs() - start_us) / 1e6;
+
+    lock.lock();
+    e.reserved_bytes = 0;
+    std::vector<std::unique_ptr<LoadedModel>> over_budget;
+    int64_t over_budget_bytes = 0;
+    if (loaded.ok()) {
+      std::unique_ptr<LoadedModel> m = std::move(loaded).value();
+      if (m->memory_bytes <= 0) m->memory_bytes = m->runtime ? m->runtime->MemoryBytes() : 0;
+      e.measured_bytes = m->memory_bytes;
+      e.model = std::move(m);
+      e.state = ModelState::kLoaded;
+      e.error = Status::Ok();
+      TouchLocked(e);
+      e.memory->Set(static_cast<double>(e.measured_bytes));
+      e.loads_ok->Inc();
+      e.load_seconds->Observe(seconds);
+      job->attempt->status = Status::Ok();
+      // The estimate was low: give back the excess from idle models.
+      const int64_t budget = options_.memory_budget_bytes;
+      if (budget > 0 && UsedLocked() > budget) {
+        std::vector<Entry*> candidates;
+        for (auto& [name, c] : entries_) {
+          if (c.get() != &e && c->state == ModelState::kLoaded && !c->pinned && c->leases == 0) {
+            candidates.push_back(c.get());
+          }
+        }
+        std::sort(candidates.begin(), candidates.end(),
+                  [](const Entry* a, const Entry* b) { return a->last_use_seq < b->last_use_seq; });
+        int64_t used = UsedLocked();
+        for (Entry* c : candidates) {
+          if (used <= budget) break;
+          const int64_t bytes = EvictLocked(*c, &over_budget, /*automatic=*/true);
+          used -= bytes;
+          over_budget_bytes += bytes;
+        }
+        unloading_bytes_ += over_budget_bytes;
+        unloading_count_ += static_cast<int>(over_budget.size());
+      }
+    } else if (stop) {
+      e.state = ModelState::kNotLoaded;
+      job->attempt->status = loaded.status();
+    } else {
+      e.state = ModelState::kFailed;
+      e.failed_mono_us = clock_->NowMonoUs();
+      e.error = Status(StatusCode::kBadGateway,
+                       "model '" + e.config.name + "' failed to load: " + loaded.status().message(),
+                       "model_load_failed");
+      e.loads_failed->Inc();
+      e.load_seconds->Observe(seconds);
+      job->attempt->status = e.error;
+    }
+    job->attempt->done = true;
+    UpdateLoadedGaugeLocked();
+    cv_.notify_all();
+    if (!over_budget.empty()) {
+      lock.unlock();
+      const int count = static_cast<int>(over_budget.size());
+      UnloadVictims(std::move(over_budget), over_budget_bytes, count);
+      lock.lock();
+    }
+  }
+}
+
+}  // namespace shoal

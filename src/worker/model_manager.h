@@ -1,0 +1,240 @@
+// ModelManager: decides which of a worker's catalog models are resident on
+// its device. Loads lazily on first use, keeps pinned models resident, fits
+// the rest into a memory budget (and an optional model count) by evicting the
+// least recently used idle model, and hands out leases that keep a model
+// resident while a batch runs. Thread-safe.
+//
+// Policies:
+// - Footprint. Every decision uses a model's measured footprint once it has
+//   loaded (LoadedModel::memory_bytes, else Runtime::MemoryBytes()). Before
+//   its first load a model is estimated at model file size x
+//   file_size_factor (0 when the file cannot be read); after an unload its
+//   last measured footprint is the estimate. A loading model reserves its
+//   estimate. If the measured footprint turns out larger than the estimate
+//   and the total exceeds the budget, idle unpinned models are evicted
+//   (least recently used first) until it fits again, or none is left.
+// - Eviction takes only loaded, unpinned models with no live lease, least
+//   recently used first, and only as many as the new model needs. If that
+//   cannot make room, the request fails with ResourceExhausted
+//   "no_room_for_model" without evicting anything; it never blocks on a
+//   lease. It waits only for memory that an eviction already in progress is
+//   about to free.
+// - Loads run on the manager's own loader threads, never on a caller's and
+//   never under the lock, so a caller's deadline holds however long a load
+//   takes. All callers asking for the same cold model share one load. The
+//   models evicted for a load are unloaded before it starts.
+// - A failed load puts the model in kFailed. Every caller that was waiting on
+//   that load gets the same kBadGateway "model_load_failed" error, once; later
+//   Acquire()/StartLoad() calls fail fast with it (no new load) until Load()
+//   or Pin() asks again explicitly, Unload() clears the failure, or
+//   retry_failed_after_us passes.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/metrics.h"
+#include "common/model_config.h"
+#include "common/status.h"
+#include "runtime/runtime.h"
+
+namespace shoal {
+
+struct ModelManagerOptions {
+  int64_t memory_budget_bytes = 0;  // 0: unlimited
+  std::vector<std::string> pinned;  // loaded by Start(), never evicted
+  int max_models = 0;               // resident (or loading) models; 0: unlimited
+  // Estimate for a model that has never loaded: model file size x this.
+  double file_size_factor = 1.3;
+  // A failed model may be loaded again by Acquire() after this long;
+  // 0: only an explicit Load()/Pin()/Unload() clears the failure.
+  int64_t retry_failed_after_us = 0;
+  int load_threads = 1;             // loads (and evictions) run on these
+
+  Status Validate() const;
+};
+
+// Everything a worker keeps for one resident model (runtime, and whatever
+// else a model needs, such as its tokenizer). The loader fills it; the
+// manager owns it until the model is unloaded.
+struct LoadedModel {
+  ModelConfig config;
+  std::unique_ptr<Runtime> runtime;  // loaded; Unload() is called on eviction
+  // Measured footprint in bytes. 0: the manager takes runtime->MemoryBytes().
+  int64_t memory_bytes = 0;
+};
+
+// Loads one model, blocking for as long as it takes. Called on a loader
+// thread, never under the manager's lock; may be called concurrently for
+// different models when load_threads > 1. An exception counts as a failure.
+using ModelLoader = std::function<Result<std::unique_ptr<LoadedModel>>(const ModelConfig&)>;
+
+enum class ModelState { kNotLoaded, kLoading, kLoaded, kFailed };
+std::string_view ModelStateName(ModelState state);  // "not_loaded", "loading", ...
+
+struct ModelStatus {
+  std::string name;
+  ModelState state = ModelState::kNotLoaded;
+  bool pinned = false;
+  // Loaded: measured footprint. Loading: the reserved estimate. Else 0.
+  int64_t memory_bytes = 0;
+  int64_t last_used_unix_ms = 0;  // 0: never used
+  int leases = 0;
+  std::string error;  // the load error while kFailed
+};
+
+class ModelManager;
+
+// Keeps one loaded model resident (not evictable, not unloadable) while it
+// lives and marks it used when taken and when released. Movable, not
+// copyable. Must not outlive its manager. Accessors need a valid lease.
+class ModelLease {
+ public:
+  ModelLease() = default;
+  ModelLease(ModelLease&& other) noexcept;
+  ModelLease& operator=(ModelLease&& other) noexcept;
+  ModelLease(const ModelLease&) = delete;
+  ModelLease& operator=(const ModelLease&) = delete;
+  ~ModelLease() { Release(); }
+
+  bool valid() const { return model_ != nullptr; }
+  explicit operator bool() const { return valid(); }
+  LoadedModel& model() const { return *model_; }
+  Runtime& runtime() const { return *model_->runtime; }
+  const ModelConfig& config() const { return model_->config; }
+  // Gives the model back early; the lease is then empty. Idempotent.
+  void Release();
+
+ private:
+  friend class ModelManager;
+  ModelLease(ModelManager* manager, void* entry, LoadedModel* model)
+      : manager_(manager), entry_(entry), model_(model) {}
+
+  ModelManager* manager_ = nullptr;
+  void* entry_ = nullptr;  // ModelManager::Entry
+  LoadedModel* model_ = nullptr;
+};
+
+class ModelManager {
+ public:
+  // `catalog`: every model this worker may serve (names must be unique).
+  // `clock` and `metrics` must outlive the manager; null means the system
+  // clock and a private registry. Starts the loader threads.
+  ModelManager(ModelManagerOptions options, std::vector<ModelConfig> catalog, ModelLoader loader,
+               const Clock* clock, MetricsRegistry* metrics);
+  // Call only once no other thread calls into the manager. Fails loads still
+  // queued, waits for outstanding leases to be released, then unloads every
+  // model.
+  ~ModelManager();
+  ModelManager(const ModelManager&) = delete;
+  ModelManager& operator=(const ModelManager&) = delete;
+
+  // Validates options and catalog, then loads the pinned models one by one.
+  // Blocks until they are loaded. Fails if a pinned model is unknown or fails
+  // to load, or if the pinned models together exceed the budget
+  // (ResourceExhausted "pinned_models_exceed_budget"). Call once, first.
+  Status Start();
+
+  // A lease on `name`, loading it first if needed (see the policies above).
+  // Blocks until the model is loaded or deadline_mono_us (clock monotonic
+  // time) passes: then DeadlineExceeded, while the load carries on for later
+  // callers. A loaded model is returned even past the deadline. Errors:
+  // NotFound "model_not_found", ResourceExhausted "no_room_for_model",
+  // BadGateway "model_load_failed", Unavailable "shutting_down".
+  Result<ModelLease> Acquire(const std::string& name, int64_t deadline_mono_us);
+
+  // Whether `name` is loaded right now. Never blocks on a load.
+  bool IsLoaded(const std::string& name) const;
+
+  // Starts loading `name` if it is not loaded or loading; never waits for
+  // the load. OK when loaded or loading; else the error Acquire() would
+  // give, or Unavailable "memory_being_freed" while an eviction in progress
+  // must finish first. For servers that answer 503 instead of waiting.
+  Status StartLoad(const std::string& name);
+
+  // Loads `name` and blocks until it is loaded, retrying a failed model.
+  // OK if it is already loaded.
+  Status Load(const std::string& name);
+
+  // Unloads `name` now, blocking while its runtime unloads. OK if it is not
+  // loaded (a kFailed model goes back to kNotLoaded). Errors:
+  // InvalidArgument "model_pinned", Unavailable "model_busy" (live leases, or
+  // a load in progress), NotFound "model_not_found".
+  Status Unload(const std::string& name);
+
+  // Pins `name`, loading it (blocking) if needed; on a load failure the model
+  // is left unpinned and the error returned. Idempotent.
+  Status Pin(const std::string& name);
+  // Makes `name` evictable again; does not unload it. Idempotent.
+  Status Unpin(const std::string& name);
+
+  // One entry per catalog model, by name.
+  std::vector<ModelStatus> Statuses() const;
+  // Loaded footprints + loading reservations (which cover the models evicted
+  // for them until they are gone) + other unloads still in progress.
+  int64_t memory_used_bytes() const;
+  int64_t memory_budget_bytes() const { return options_.memory_budget_bytes; }
+
+ private:
+  friend class ModelLease;
+  struct Entry;
+  struct LoadAttempt;
+  struct Job;
+
+  enum class Step { kReady, kWait };
+
+  Entry* Find(const std::string& name) const;
+  int64_t EstimateLocked(const Entry& e) const;
+  int64_t UsedLocked() const;
+  int CountLocked() const;
+  // Makes sure `e` is loaded or loading. kWait: an eviction in progress must
+  // finish first.
+  Result<Step> BeginLoadLocked(Entry& e);
+  // Moves the model out of `e` onto `victims`; returns its footprint. The
+  // caller accounts it (unloading_bytes_ or a reservation).
+  int64_t EvictLocked(Entry& e, std::vector<std::unique_ptr<LoadedModel>>* victims, bool automatic);
+  // Loops until `e` is loaded (OK, lock held), its load failed, or the
+  // deadline passes. `retry_failed`: a kFailed model is loaded again.
+  Status WaitLoadedLocked(std::unique_lock<std::mutex>& lock, Entry& e, int64_t deadline_mono_us,
+                          bool retry_failed, bool count_wait);
+  void TouchLocked(Entry& e);
+  void ReleaseLease(void* entry);
+  void LoaderLoop();
+  // Unloads victims outside the lock, then takes the accounted amounts off
+  // unloading_bytes_/unloading_count_.
+  void UnloadVictims(std::vector<std::unique_ptr<LoadedModel>> victims, int64_t accounted_bytes,
+                     int accounted_count);
+  void UpdateLoadedGaugeLocked();
+
+  const ModelManagerOptions options_;
+  const ModelLoader loader_;
+  const Clock* clock_;
+  std::unique_ptr<MetricsRegistry> own_metrics_;
+  MetricsRegistry* metrics_;
+  Gauge* models_loaded_;
+  Histogram* load_wait_seconds_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;  // any state change; loader threads wait on it too
+  std::map<std::string, std::unique_ptr<Entry>> entries_;  // guarded by mu_ (map itself is fixed)
+  std::vector<std::string> duplicate_names_;               // reported by Start()
+  std::deque<std::unique_ptr<Job>> jobs_;                  // guarded by mu_
+  int64_t unloading_bytes_ = 0;                            // guarded by mu_
+  int unloading_count_ = 0;                                // guarded by mu_
+  uint64_t use_seq_ = 0;                                   // guarded by mu_; LRU order
+  bool stopping_ = false;                                  // guarded by mu_
+  std::vector<std::thread> loader_threads_;
+};
+
+}  // namespace shoal
