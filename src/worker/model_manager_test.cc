@@ -1,0 +1,750 @@
+#include "worker/model_manager.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
+
+namespace shoal {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Polls `pred` until it holds; false after 10 s. Synchronisation only, never
+// a timing assertion.
+template <typename Pred>
+bool Eventually(Pred pred) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+class FakeLoader;
+
+class FakeRuntime final : public Runtime {
+ public:
+  FakeRuntime(FakeLoader* owner, std::string name, int64_t bytes)
+      : owner_(owner), name_(std::move(name)), bytes_(bytes) {}
+  Status Load(const ModelConfig&) override { return Status::Ok(); }
+  Result<Embeddings> Run(const TokenBatch&) override {
+    if (unloaded_) return Internal("ran an unloaded model");
+    return Embeddings{};
+  }
+  void Unload() override;
+  int64_t MemoryBytes() const override { return bytes_; }
+  int Dim() const override { return 4; }
+
+ private:
+  FakeLoader* owner_;
+  std::string name_;
+  int64_t bytes_;
+  std::atomic<bool> unloaded_{false};
+};
+
+// Makes FakeRuntimes with a configured footprint, or fails; can hold a
+// model's loads open until the test lets them finish. Must outlive the
+// manager that uses it.
+class FakeLoader {
+ public:
+  struct Spec {
+    int64_t bytes = 100;
+    bool fail = false;
+    bool report_via_runtime = false;  // leave LoadedModel::memory_bytes at 0
+  };
+
+  void Set(const std::string& name, Spec spec) {
+    std::lock_guard<std::mutex> lock(mu_);
+    specs_[name] = spec;
+  }
+  void Hold(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_.insert(name);
+  }
+  void Open(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_.erase(name);
+    cv_.notify_all();
+  }
+  // Blocks until `n` loads of `name` have started (false after 10 s).
+  bool WaitStarted(const std::string& name, int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(10), [&] { return started_[name] >= n; });
+  }
+  int loads(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return started_[name];
+  }
+  int unloads(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return unloads_[name];
+  }
+  void OnUnload(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++unloads_[name];
+  }
+
+  ModelLoader AsLoader() {
+    return [this](const ModelConfig& config) -> Result<std::unique_ptr<LoadedModel>> {
+      std::unique_lock<std::mutex> lock(mu_);
+      ++started_[config.name];
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return held_.count(config.name) == 0; });
+      const Spec spec = specs_[config.name];
+      lock.unlock();
+      if (spec.fail) return NotFound("no such file: " + config.ModelPath());
+      auto m = std::make_unique<LoadedModel>();
+      m->config = config;
+      m->runtime = std::make_unique<FakeRuntime>(this, config.name, spec.bytes);
+      m->memory_bytes = spec.report_via_runtime ? 0 : spec.bytes;
+      return m;
+    };
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, Spec> specs_;
+  std::set<std::string> held_;
+  std::map<std::string, int> started_;
+  std::map<std::string, int> unloads_;
+};
+
+void FakeRuntime::Unload() {
+  if (!unloaded_.exchange(true)) owner_->OnUnload(name_);
+}
+
+class ModelManagerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) /
+           ("model_manager_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // A catalog model whose file is `file_bytes` long (-1: no file) and which
+  // measures `measured_bytes` once loaded.
+  ModelConfig Model(const std::string& name, int64_t measured_bytes, int64_t file_bytes = -2) {
+    if (file_bytes == -2) file_bytes = measured_bytes;
+    ModelConfig c;
+    c.name = name;
+    c.runtime = "null";
+    c.dir = (dir_ / name).string();
+    if (file_bytes >= 0) {
+      fs::create_directories(c.dir);
+      std::ofstream(c.ModelPath()).close();
+      fs::resize_file(c.ModelPath(), static_cast<uintmax_t>(file_bytes));
+    }
+    loader_.Set(name, {.bytes = measured_bytes});
+    return c;
+  }
+
+  // Estimates equal file sizes unless a test says otherwise.
+  static ModelManagerOptions Options(int64_t budget, std::vector<std::string> pinned = {},
+                                     int max_models = 0) {
+    ModelManagerOptions o;
+    o.memory_budget_bytes = budget;
+    o.pinned = std::move(pinned);
+    o.max_models = max_models;
+    o.file_size_factor = 1.0;
+    return o;
+  }
+
+  std::unique_ptr<ModelManager> Make(ModelManagerOptions options,
+                                     std::vector<ModelConfig> catalog) {
+    return std::make_unique<ModelManager>(std::move(options), std::move(catalog),
+                                          loader_.AsLoader(), &clock_, &metrics_);
+  }
+
+  int64_t Far() const { return clock_.NowMonoUs() + 3'600'000'000LL; }
+
+  static ModelStatus StatusOf(const ModelManager& mm, const std::string& name) {
+    for (ModelStatus& s : mm.Statuses()) {
+      if (s.name == name) return s;
+    }
+    ADD_FAILURE() << "no status for " << name;
+    return {};
+  }
+  static ModelState StateOf(const ModelManager& mm, const std::string& name) {
+    return StatusOf(mm, name).state;
+  }
+
+  // Acquires and immediately releases: one use of the model.
+  void Use(ModelManager& mm, const std::string& name) {
+    Result<ModelLease> lease = mm.Acquire(name, Far());
+    ASSERT_TRUE(lease.ok()) << name << ": " << lease.status().ToString();
+    EXPECT_TRUE(lease->runtime().Run(TokenBatch{}).ok());
+  }
+
+  int64_t Evictions(const std::string& model) {
+    return metrics_.GetCounter("shoal_worker_model_evictions_total", "", {{"model", model}})
+        ->Value();
+  }
+  int64_t LoadWaits(const std::string& model) {
+    return metrics_.GetCounter("shoal_worker_load_waits_total", "", {{"model", model}})->Value();
+  }
+  int64_t Loads(const std::string& model, const std::string& result) {
+    return metrics_
+        .GetCounter("shoal_worker_model_loads_total", "", {{"model", model}, {"result", result}})
+        ->Value();
+  }
+
+  fs::path dir_;
+  FakeLoader loader_;  // outlives every manager a test makes
+  FakeClock clock_;
+  MetricsRegistry metrics_;
+};
+
+TEST(ModelManagerOptions, Validate) {
+  EXPECT_TRUE(ModelManagerOptions{}.Validate().ok());
+  ModelManagerOptions o;
+  o.memory_budget_bytes = -1;
+  EXPECT_EQ(o.Validate().code(), StatusCode::kInvalidArgument);
+  o = {};
+  o.pinned = {"a", "a"};
+  EXPECT_EQ(o.Validate().code(), StatusCode::kInvalidArgument);
+  o = {};
+  o.pinned = {"a", "b"};
+  o.max_models = 1;
+  EXPECT_EQ(o.Validate().code(), StatusCode::kInvalidArgument);
+  o = {};
+  o.load_threads = 0;
+  EXPECT_EQ(o.Validate().code(), StatusCode::kInvalidArgument);
+  o = {};
+  o.file_size_factor = 0;
+  EXPECT_EQ(o.Validate().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(ModelManagerTest, LazyLoadsOnFirstAcquire) {
+  auto mm = Make(Options(0), {Model("a", 100)});
+  ASSERT_TRUE(mm->Start().ok());
+  EXPECT_FALSE(mm->IsLoaded("a"));
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kNotLoaded);
+  Result<ModelLease> lease = mm->Acquire("a", Far());
+  ASSERT_TRUE(lease.ok()) << lease.status().ToString();
+  EXPECT_TRUE(mm->IsLoaded("a"));
+  EXPECT_EQ(lease->config().name, "a");
+  EXPECT_EQ(lease->model().memory_bytes, 100);
+  EXPECT_EQ(StatusOf(*mm, "a").leases, 1);
+  EXPECT_EQ(StatusOf(*mm, "a").last_used_unix_ms, clock_.NowUnixMs());
+  EXPECT_EQ(loader_.loads("a"), 1);
+  EXPECT_EQ(Loads("a", "ok"), 1);
+  EXPECT_EQ(LoadWaits("a"), 1);
+}
+
+TEST_F(ModelManagerTest, UnknownModelIsNotFound) {
+  auto mm = Make(Options(0), {Model("a", 100)});
+  Result<ModelLease> lease = mm->Acquire("nope", Far());
+  EXPECT_EQ(lease.status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(lease.status().reason(), "model_not_found");
+  EXPECT_EQ(mm->Load("nope").code(), StatusCode::kNotFound);
+  EXPECT_EQ(mm->Unload("nope").code(), StatusCode::kNotFound);
+  EXPECT_EQ(mm->Pin("nope").code(), StatusCode::kNotFound);
+  EXPECT_EQ(mm->Unpin("nope").code(), StatusCode::kNotFound);
+  EXPECT_EQ(mm->StartLoad("nope").code(), StatusCode::kNotFound);
+  EXPECT_FALSE(mm->IsLoaded("nope"));
+}
+
+TEST_F(ModelManagerTest, BudgetForTwoWithTrafficForThreeEvictsLeastRecentlyUsedNeverPinned) {
+  // Room for the pinned model and two more.
+  auto mm = Make(Options(300, {"p"}),
+                 {Model("p", 100), Model("a", 100), Model("b", 100), Model("c", 100)});
+  ASSERT_TRUE(mm->Start().ok());
+  EXPECT_TRUE(mm->IsLoaded("p"));
+  Use(*mm, "a");
+  Use(*mm, "b");
+  Use(*mm, "a");  // b is now the least recently used unpinned model
+  Use(*mm, "c");
+  EXPECT_EQ(StateOf(*mm, "b"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("a"));
+  EXPECT_TRUE(mm->IsLoaded("c"));
+  EXPECT_TRUE(mm->IsLoaded("p"));  // least recently used of all, but pinned
+  EXPECT_EQ(Evictions("b"), 1);
+  EXPECT_EQ(loader_.unloads("b"), 1);
+  EXPECT_EQ(mm->memory_used_bytes(), 300);
+
+  Use(*mm, "b");  // a is now the least recently used unpinned model
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("b"));
+  EXPECT_TRUE(mm->IsLoaded("c"));
+  EXPECT_TRUE(mm->IsLoaded("p"));
+  EXPECT_EQ(Evictions("a"), 1);
+  EXPECT_EQ(Evictions("c"), 0);
+  EXPECT_EQ(Evictions("p"), 0);
+  EXPECT_EQ(loader_.unloads("p"), 0);
+  EXPECT_EQ(metrics_.GetGauge("shoal_worker_models_loaded", "")->Value(), 3);
+  EXPECT_EQ(mm->memory_used_bytes(), 300);
+}
+
+TEST_F(ModelManagerTest, EvictsOnlyAsManyAsNeeded) {
+  auto mm = Make(Options(300), {Model("a", 100), Model("b", 100), Model("c", 100),
+                                Model("big", 200)});
+  Use(*mm, "a");
+  Use(*mm, "b");
+  Use(*mm, "c");
+  Use(*mm, "big");  // needs two slots' worth: a and b go, c stays
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kNotLoaded);
+  EXPECT_EQ(StateOf(*mm, "b"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("c"));
+  EXPECT_TRUE(mm->IsLoaded("big"));
+  EXPECT_EQ(mm->memory_used_bytes(), 300);
+}
+
+TEST_F(ModelManagerTest, LeasedModelIsNeverEvicted) {
+  auto mm = Make(Options(200), {Model("a", 100), Model("b", 100), Model("c", 100)});
+  Result<ModelLease> lease_a = mm->Acquire("a", Far());
+  ASSERT_TRUE(lease_a.ok());
+  Use(*mm, "b");
+  Result<ModelLease> lease_c = mm->Acquire("c", Far());  // a is older but leased: b goes
+  ASSERT_TRUE(lease_c.ok());
+  EXPECT_TRUE(mm->IsLoaded("a"));
+  EXPECT_EQ(StateOf(*mm, "b"), ModelState::kNotLoaded);
+  EXPECT_TRUE(lease_a->runtime().Run(TokenBatch{}).ok());
+
+  // Everything resident is leased: no room, fail fast, no load, no eviction.
+  Result<ModelLease> lease_b = mm->Acquire("b", Far());
+  EXPECT_EQ(lease_b.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(lease_b.status().reason(), "no_room_for_model");
+  EXPECT_EQ(loader_.loads("b"), 1);
+  EXPECT_TRUE(mm->IsLoaded("a"));
+  EXPECT_TRUE(mm->IsLoaded("c"));
+
+  lease_a->Release();
+  EXPECT_FALSE(lease_a->valid());
+  Use(*mm, "b");  // a is free now and the least recently used
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("c"));
+  EXPECT_TRUE(lease_c->runtime().Run(TokenBatch{}).ok());
+}
+
+TEST_F(ModelManagerTest, LeaseMovesAndCountsOnce) {
+  auto mm = Make(Options(0), {Model("a", 100)});
+  Result<ModelLease> r = mm->Acquire("a", Far());
+  ASSERT_TRUE(r.ok());
+  ModelLease lease = std::move(r).value();
+  ModelLease other = std::move(lease);
+  EXPECT_FALSE(lease.valid());
+  EXPECT_TRUE(other.valid());
+  EXPECT_EQ(StatusOf(*mm, "a").leases, 1);
+  ModelLease third;
+  third = std::move(other);
+  EXPECT_EQ(StatusOf(*mm, "a").leases, 1);
+  third.Release();
+  third.Release();
+  EXPECT_EQ(StatusOf(*mm, "a").leases, 0);
+}
+
+TEST_F(ModelManagerTest, ConcurrentAcquiresForAColdModelShareOneLoad) {
+  auto mm = Make(Options(0), {Model("a", 100)});
+  loader_.Hold("a");
+  constexpr int kCallers = 8;
+  std::vector<Status> results(kCallers);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kCallers; ++i) {
+    threads.emplace_back([&, i] {
+      Result<ModelLease> lease = mm->Acquire("a", Far());
+      results[i] = lease.status();
+      if (lease.ok() && !lease->runtime().Run(TokenBatch{}).ok()) results[i] = Internal("run");
+    });
+  }
+  ASSERT_TRUE(loader_.WaitStarted("a", 1));
+  ASSERT_TRUE(Eventually([&] { return LoadWaits("a") == kCallers; }));
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kLoading);
+  EXPECT_FALSE(mm->IsLoaded("a"));
+  loader_.Open("a");
+  for (std::thread& t : threads) t.join();
+  for (const Status& s : results) EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(loader_.loads("a"), 1);
+  EXPECT_EQ(Loads("a", "ok"), 1);
+  EXPECT_EQ(metrics_.GetHistogram("shoal_worker_load_wait_seconds", "", {}, LatencyBuckets())
+                ->Count(),
+            kCallers);
+}
+
+TEST_F(ModelManagerTest, LoadFailureReachesEveryWaiterOnceThenFailsFast) {
+  ModelConfig a = Model("a", 100);
+  loader_.Set("a", {.fail = true});
+  auto mm = Make(Options(0), {a});
+  loader_.Hold("a");
+  constexpr int kCallers = 5;
+  std::vector<Status> results(kCallers);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kCallers; ++i) {
+    threads.emplace_back([&, i] { results[i] = mm->Acquire("a", Far()).status(); });
+  }
+  ASSERT_TRUE(loader_.WaitStarted("a", 1));
+  ASSERT_TRUE(Eventually([&] { return LoadWaits("a") == kCallers; }));
+  loader_.Open("a");
+  for (std::thread& t : threads) t.join();
+  for (const Status& s : results) {
+    EXPECT_EQ(s.code(), StatusCode::kBadGateway) << s.ToString();
+    EXPECT_EQ(s.reason(), "model_load_failed");
+    EXPECT_NE(s.message().find("no such file"), std::string::npos) << s.message();
+  }
+  EXPECT_EQ(loader_.loads("a"), 1);
+  EXPECT_EQ(Loads("a", "error"), 1);
+
+  // Later callers fail fast with the same error and cause no second load.
+  Status again = mm->Acquire("a", Far()).status();
+  EXPECT_EQ(again.code(), StatusCode::kBadGateway);
+  EXPECT_EQ(again.reason(), "model_load_failed");
+  EXPECT_EQ(mm->StartLoad("a").reason(), "model_load_failed");
+  EXPECT_EQ(loader_.loads("a"), 1);
+  ModelStatus st = StatusOf(*mm, "a");
+  EXPECT_EQ(st.state, ModelState::kFailed);
+  EXPECT_NE(st.error.find("failed to load"), std::string::npos);
+  EXPECT_EQ(st.memory_bytes, 0);
+  EXPECT_EQ(mm->memory_used_bytes(), 0);
+
+  // An explicit Load() tries again.
+  loader_.Set("a", {.bytes = 100});
+  EXPECT_TRUE(mm->Load("a").ok());
+  EXPECT_EQ(loader_.loads("a"), 2);
+  Use(*mm, "a");
+}
+
+TEST_F(ModelManagerTest, ExplicitLoadOfAFailingModelReportsTheError) {
+  ModelConfig a = Model("a", 100);
+  loader_.Set("a", {.fail = true});
+  auto mm = Make(Options(0), {a});
+  Status s = mm->Load("a");
+  EXPECT_EQ(s.code(), StatusCode::kBadGateway);
+  EXPECT_EQ(s.reason(), "model_load_failed");
+  s = mm->Load("a");  // explicit: tries again
+  EXPECT_EQ(s.reason(), "model_load_failed");
+  EXPECT_EQ(loader_.loads("a"), 2);
+  // Unload clears the failure; the next Acquire loads again.
+  EXPECT_TRUE(mm->Unload("a").ok());
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kNotLoaded);
+  loader_.Set("a", {.bytes = 100});
+  Use(*mm, "a");
+  EXPECT_EQ(loader_.loads("a"), 3);
+}
+
+TEST_F(ModelManagerTest, FailedModelIsRetriedAfterRetryInterval) {
+  ModelConfig a = Model("a", 100);
+  loader_.Set("a", {.fail = true});
+  ModelManagerOptions o = Options(0);
+  o.retry_failed_after_us = 1000;
+  auto mm = Make(o, {a});
+  EXPECT_EQ(mm->Acquire("a", Far()).status().reason(), "model_load_failed");
+  loader_.Set("a", {.bytes = 100});
+  clock_.AdvanceUs(999);
+  EXPECT_EQ(mm->Acquire("a", Far()).status().reason(), "model_load_failed");
+  EXPECT_EQ(loader_.loads("a"), 1);
+  clock_.AdvanceUs(1);
+  Use(*mm, "a");
+  EXPECT_EQ(loader_.loads("a"), 2);
+}
+
+TEST_F(ModelManagerTest, NoRoomWhenEverythingIsPinned) {
+  auto mm = Make(Options(200, {"a", "b"}), {Model("a", 100), Model("b", 100), Model("c", 100)});
+  ASSERT_TRUE(mm->Start().ok());
+  Result<ModelLease> lease = mm->Acquire("c", Far());
+  EXPECT_EQ(lease.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(lease.status().reason(), "no_room_for_model");
+  EXPECT_EQ(mm->StartLoad("c").reason(), "no_room_for_model");
+  EXPECT_EQ(mm->Load("c").reason(), "no_room_for_model");
+  EXPECT_EQ(loader_.loads("c"), 0);
+  EXPECT_EQ(StateOf(*mm, "c"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("a"));
+  EXPECT_TRUE(mm->IsLoaded("b"));
+}
+
+TEST_F(ModelManagerTest, ModelLargerThanTheBudgetHasNoRoom) {
+  auto mm = Make(Options(200), {Model("a", 100), Model("huge", 500)});
+  Use(*mm, "a");
+  EXPECT_EQ(mm->Acquire("huge", Far()).status().reason(), "no_room_for_model");
+  EXPECT_TRUE(mm->IsLoaded("a"));  // nothing evicted for a hopeless load
+  EXPECT_EQ(loader_.loads("huge"), 0);
+}
+
+TEST_F(ModelManagerTest, MaxModelsIsRespected) {
+  auto mm = Make(Options(0, {}, /*max_models=*/2), {Model("a", 100), Model("b", 100),
+                                                    Model("c", 100)});
+  Use(*mm, "a");
+  Use(*mm, "b");
+  Use(*mm, "c");
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("b"));
+  EXPECT_TRUE(mm->IsLoaded("c"));
+  EXPECT_EQ(Evictions("a"), 1);
+  Result<ModelLease> lb = mm->Acquire("b", Far());
+  Result<ModelLease> lc = mm->Acquire("c", Far());
+  ASSERT_TRUE(lb.ok() && lc.ok());
+  EXPECT_EQ(mm->Acquire("a", Far()).status().reason(), "no_room_for_model");
+}
+
+TEST_F(ModelManagerTest, UnloadRefusesPinnedAndBusyModels) {
+  auto mm = Make(Options(0, {"p"}), {Model("p", 100), Model("a", 100)});
+  ASSERT_TRUE(mm->Start().ok());
+  Status s = mm->Unload("p");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.reason(), "model_pinned");
+  EXPECT_TRUE(mm->IsLoaded("p"));
+
+  Result<ModelLease> lease = mm->Acquire("a", Far());
+  ASSERT_TRUE(lease.ok());
+  s = mm->Unload("a");
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(s.reason(), "model_busy");
+  EXPECT_TRUE(mm->IsLoaded("a"));
+  lease->Release();
+
+  EXPECT_TRUE(mm->Unload("a").ok());
+  EXPECT_FALSE(mm->IsLoaded("a"));
+  EXPECT_EQ(loader_.unloads("a"), 1);
+  EXPECT_EQ(Evictions("a"), 0);  // an explicit unload is not an eviction
+  EXPECT_EQ(StatusOf(*mm, "a").memory_bytes, 0);
+  EXPECT_EQ(mm->memory_used_bytes(), 100);
+  EXPECT_TRUE(mm->Unload("a").ok());  // not loaded: nothing to do
+}
+
+TEST_F(ModelManagerTest, UnloadRefusesALoadingModel) {
+  auto mm = Make(Options(0), {Model("a", 100)});
+  loader_.Hold("a");
+  ASSERT_TRUE(mm->StartLoad("a").ok());
+  ASSERT_TRUE(loader_.WaitStarted("a", 1));
+  EXPECT_EQ(mm->Unload("a").reason(), "model_busy");
+  loader_.Open("a");
+  EXPECT_TRUE(mm->Load("a").ok());
+  EXPECT_EQ(loader_.loads("a"), 1);
+}
+
+TEST_F(ModelManagerTest, PinLoadsAndProtectsUnpinMakesEvictable) {
+  auto mm = Make(Options(200), {Model("a", 100), Model("b", 100), Model("c", 100)});
+  ASSERT_TRUE(mm->Pin("a").ok());
+  EXPECT_TRUE(mm->IsLoaded("a"));
+  EXPECT_TRUE(StatusOf(*mm, "a").pinned);
+  EXPECT_TRUE(mm->Pin("a").ok());  // idempotent
+  EXPECT_EQ(loader_.loads("a"), 1);
+  Use(*mm, "b");
+  Use(*mm, "c");  // a is older but pinned: b goes
+  EXPECT_TRUE(mm->IsLoaded("a"));
+  EXPECT_EQ(StateOf(*mm, "b"), ModelState::kNotLoaded);
+
+  ASSERT_TRUE(mm->Unpin("a").ok());
+  EXPECT_FALSE(StatusOf(*mm, "a").pinned);
+  EXPECT_TRUE(mm->IsLoaded("a"));  // unpinning does not unload
+  Use(*mm, "b");                   // now a is the least recently used
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("c"));
+}
+
+TEST_F(ModelManagerTest, PinOfAFailingModelLeavesItUnpinned) {
+  ModelConfig a = Model("a", 100);
+  loader_.Set("a", {.fail = true});
+  auto mm = Make(Options(0), {a});
+  EXPECT_EQ(mm->Pin("a").reason(), "model_load_failed");
+  EXPECT_FALSE(StatusOf(*mm, "a").pinned);
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kFailed);
+}
+
+TEST_F(ModelManagerTest, StatusesAndAccountingUseMeasuredBytesAfterLoad) {
+  // File of 100 bytes: estimate 130 with the default factor; measures 500.
+  ModelConfig a = Model("a", 500, /*file_bytes=*/100);
+  ModelManagerOptions o;
+  auto mm = Make(o, {a});
+  loader_.Hold("a");
+  ASSERT_TRUE(mm->StartLoad("a").ok());
+  ASSERT_TRUE(loader_.WaitStarted("a", 1));
+  EXPECT_EQ(StatusOf(*mm, "a").state, ModelState::kLoading);
+  EXPECT_EQ(StatusOf(*mm, "a").memory_bytes, 130);  // the reservation
+  EXPECT_EQ(mm->memory_used_bytes(), 130);
+  loader_.Open("a");
+  ASSERT_TRUE(mm->Load("a").ok());
+  EXPECT_EQ(StatusOf(*mm, "a").memory_bytes, 500);
+  EXPECT_EQ(mm->memory_used_bytes(), 500);
+  EXPECT_EQ(metrics_.GetGauge("shoal_worker_model_memory_bytes", "", {{"model", "a"}})->Value(),
+            500);
+  EXPECT_TRUE(mm->Unload("a").ok());
+  EXPECT_EQ(metrics_.GetGauge("shoal_worker_model_memory_bytes", "", {{"model", "a"}})->Value(),
+            0);
+  EXPECT_EQ(mm->memory_used_bytes(), 0);
+}
+
+TEST_F(ModelManagerTest, FootprintFromRuntimeWhenLoaderLeavesItZero) {
+  ModelConfig a = Model("a", 0, /*file_bytes=*/-1);
+  loader_.Set("a", {.bytes = 321, .report_via_runtime = true});
+  auto mm = Make(Options(0), {a});
+  Use(*mm, "a");
+  EXPECT_EQ(StatusOf(*mm, "a").memory_bytes, 321);
+  EXPECT_EQ(mm->memory_used_bytes(), 321);
+}
+
+TEST_F(ModelManagerTest, LastMeasuredFootprintDecidesTheNextLoad) {
+  // a's file says 100 but it measures 400. Budget 450.
+  auto mm = Make(Options(450), {Model("a", 400, /*file_bytes=*/100), Model("b", 100)});
+  Use(*mm, "a");
+  ASSERT_TRUE(mm->Unload("a").ok());
+  Use(*mm, "b");
+  // By its file a would fit beside b; by its measured footprint b must go
+  // before a loads.
+  loader_.Hold("a");
+  ASSERT_TRUE(mm->StartLoad("a").ok());
+  ASSERT_TRUE(loader_.WaitStarted("a", 2));
+  EXPECT_EQ(StateOf(*mm, "b"), ModelState::kNotLoaded);
+  EXPECT_EQ(loader_.unloads("b"), 1);
+  EXPECT_EQ(StatusOf(*mm, "a").memory_bytes, 400);
+  loader_.Open("a");
+  ASSERT_TRUE(mm->Load("a").ok());
+  EXPECT_EQ(mm->memory_used_bytes(), 400);
+}
+
+TEST_F(ModelManagerTest, LowEstimateIsCorrectedByEvictingAfterLoad) {
+  // No model files: nothing is known until a model loads.
+  auto mm = Make(Options(250), {Model("a", 100, -1), Model("b", 100, -1), Model("c", 100, -1)});
+  Use(*mm, "a");
+  Use(*mm, "b");
+  Use(*mm, "c");  // estimated 0, measured 100: a (least recently used) goes
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("b"));
+  EXPECT_TRUE(mm->IsLoaded("c"));
+  EXPECT_EQ(Evictions("a"), 1);
+  // a's memory counts as used until its unload on the loader thread is done.
+  EXPECT_TRUE(Eventually([&] { return mm->memory_used_bytes() == 200; }));
+  EXPECT_EQ(loader_.unloads("a"), 1);
+}
+
+TEST_F(ModelManagerTest, DeadlineWhileWaitingForASlowLoadThenLoadCompletes) {
+  auto mm = Make(Options(0), {Model("a", 100)});
+  loader_.Hold("a");
+  Status waited;
+  std::thread caller([&] { waited = mm->Acquire("a", clock_.NowMonoUs() + 1000).status(); });
+  ASSERT_TRUE(loader_.WaitStarted("a", 1));
+  ASSERT_TRUE(Eventually([&] { return LoadWaits("a") == 1; }));
+  clock_.AdvanceUs(1000);
+  caller.join();
+  EXPECT_EQ(waited.code(), StatusCode::kDeadlineExceeded) << waited.ToString();
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kLoading);
+
+  loader_.Open("a");
+  Use(*mm, "a");
+  EXPECT_EQ(loader_.loads("a"), 1);
+}
+
+TEST_F(ModelManagerTest, PastDeadlineStillServesALoadedModel) {
+  auto mm = Make(Options(0), {Model("a", 100)});
+  ASSERT_TRUE(mm->Load("a").ok());
+  EXPECT_TRUE(mm->Acquire("a", clock_.NowMonoUs() - 1).ok());
+}
+
+TEST_F(ModelManagerTest, StartLoadDoesNotWait) {
+  auto mm = Make(Options(0), {Model("a", 100)});
+  loader_.Hold("a");
+  EXPECT_TRUE(mm->StartLoad("a").ok());
+  EXPECT_TRUE(mm->StartLoad("a").ok());  // already loading: same load
+  EXPECT_FALSE(mm->IsLoaded("a"));
+  loader_.Open("a");
+  ASSERT_TRUE(Eventually([&] { return mm->IsLoaded("a"); }));
+  EXPECT_EQ(loader_.loads("a"), 1);
+  EXPECT_EQ(LoadWaits("a"), 0);
+}
+
+TEST_F(ModelManagerTest, StartRejectsBadPinnedSets) {
+  {
+    auto mm = Make(Options(0, {"ghost"}), {Model("a", 100)});
+    EXPECT_EQ(mm->Start().code(), StatusCode::kNotFound);
+  }
+  {
+    ModelConfig a = Model("a", 100);
+    loader_.Set("a", {.fail = true});
+    auto mm = Make(Options(0, {"a"}), {a});
+    Status s = mm->Start();
+    EXPECT_EQ(s.code(), StatusCode::kBadGateway);
+    EXPECT_EQ(s.reason(), "model_load_failed");
+  }
+  {
+    // Estimates fit (no files), measured footprints do not.
+    auto mm = Make(Options(300, {"x", "y"}), {Model("x", 200, -1), Model("y", 200, -1)});
+    Status s = mm->Start();
+    EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+    EXPECT_EQ(s.reason(), "pinned_models_exceed_budget");
+  }
+  {
+    auto mm = Make(Options(0), {Model("a", 100), Model("a", 100)});
+    EXPECT_EQ(mm->Start().code(), StatusCode::kInvalidArgument);
+  }
+}
+
+TEST_F(ModelManagerTest, DestructorFinishesTheLoadInFlightAndUnloadsEverything) {
+  auto mm = Make(Options(0), {Model("a", 100), Model("b", 100)});
+  Use(*mm, "a");
+  loader_.Hold("b");
+  ASSERT_TRUE(mm->StartLoad("b").ok());
+  ASSERT_TRUE(loader_.WaitStarted("b", 1));
+  std::thread destroyer([&] { mm.reset(); });
+  loader_.Open("b");
+  destroyer.join();
+  EXPECT_EQ(loader_.unloads("a"), 1);
+  EXPECT_EQ(loader_.unloads("b"), 1);
+}
+
+TEST_F(ModelManagerTest, ConcurrentTrafficNeverUnloadsALeasedModelNorExceedsBudget) {
+  std::vector<ModelConfig> catalog;
+  const std::vector<std::string> names = {"m0", "m1", "m2", "m3", "m4"};
+  for (const std::string& n : names) catalog.push_back(Model(n, 100));
+  ModelManagerOptions o = Options(300);
+  o.load_threads = 2;
+  auto mm = Make(o, catalog);
+  std::atomic<int> served{0};
+  std::atomic<int> bad{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 150; ++i) {
+        const std::string& name = names[(t * 7 + i * (t + 1)) % names.size()];
+        Result<ModelLease> lease = mm->Acquire(name, Far());
+        if (!lease.ok()) {
+          // All resident models leased by the other callers: allowed.
+          if (lease.status().reason() != "no_room_for_model") {
+            ++bad;
+            ADD_FAILURE() << lease.status().ToString();
+          }
+          continue;
+        }
+        if (!lease->runtime().Run(TokenBatch{}).ok()) {
+          ++bad;
+          ADD_FAILURE() << "ran an unloaded model";
+        }
+        if (mm->memory_used_bytes() > 300) {
+          ++bad;
+          std::string dump;
+          for (const ModelStatus& st : mm->Statuses()) {
+            dump += st.name + ":" + std::string(ModelStateName(st.state)) + ":" +
+                    std::to_string(st.memory_bytes) + " ";
+          }
+          ADD_FAILURE() << "over budget: " << mm->memory_used_bytes() << " " << dump;
+        }
+        ++served;
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_GT(served.load(), 0);
+  EXPECT_LE(mm->memory_used_bytes(), 300);
+  int loaded = 0;
+  for (const ModelStatus& s : mm->Statuses()) {
+    EXPECT_EQ(s.leases, 0);
+    loaded += s.state == ModelState::kLoaded ? 1 : 0;
+  }
+  EXPECT_LE(loaded, 3);
+}
+
+}  // namespace
+}  // namespace shoal
