@@ -59,6 +59,7 @@ struct ThreadState {
   std::vector<Conn*> idle;  // open loop: connected and free
   std::vector<double> latencies_ms;
   int64_t completed = 0, errors = 0, dropped = 0, prompt_tokens = 0;
+  int64_t due = 0;  // open loop: arrivals in the window
   std::string first_error;
 
   const std::string& NextRequest();
@@ -84,7 +85,11 @@ const std::string& ThreadState::NextRequest() {
 
 class Conn : public std::enable_shared_from_this<Conn> {
  public:
-  explicit Conn(ThreadState* ts) : ts_(ts), sock_(ts->io), retry_(ts->io) {}
+  static constexpr size_t kReadBytes = 64 << 10;
+
+  // The buffer is sized for a whole response: Beast reads at most the free
+  // capacity per call, 512 bytes when it starts empty.
+  explicit Conn(ThreadState* ts) : ts_(ts), sock_(ts->io), retry_(ts->io) { buf_.reserve(kReadBytes); }
 
   // Connects, then (closed loop) starts sending or (open loop) sends the
   // request scheduled at `pending` if set, else joins the idle pool.
@@ -148,8 +153,9 @@ class Conn : public std::enable_shared_from_this<Conn> {
   }
 
   void Fail(const std::string& what) {
-    const Time now = Clock::now();
-    if (now >= ts_->shared->window_start && now < ts_->shared->window_end) ts_->Error(what);
+    const Shared& sh = *ts_->shared;
+    const Time key = sh.open_loop ? start_ : Clock::now();  // as in OnResponse
+    if (key >= sh.window_start && key < sh.window_end) ts_->Error(what);
     Close();
     if (!ts_->shared->open_loop) Reconnect();
   }
@@ -168,6 +174,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
       if (ec) return;
       self->sock_ = tcp::socket(self->ts_->io);
       self->buf_.clear();
+      self->buf_.reserve(kReadBytes);
       self->Connect();
     });
   }
@@ -178,7 +185,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
   beast::flat_buffer buf_;
   std::optional<http::response_parser<http::string_body>> parser_;
   std::optional<Time> pending_;
-  Time start_;
+  Time start_{};
 };
 
 // Open loop: Poisson arrivals on thread 0 until the window ends.
@@ -206,6 +213,7 @@ class Arrivals {
   }
 
   void Dispatch(Time due) {
+    if (due >= ts_->shared->window_start) ++ts_->due;
     if (!ts_->idle.empty()) {
       Conn* c = ts_->idle.back();
       ts_->idle.pop_back();
@@ -326,6 +334,7 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
     r.completed += t->completed;
     r.errors += t->errors;
     r.dropped += t->dropped;
+    r.due += t->due;
     r.prompt_tokens += t->prompt_tokens;
     r.connections_used += static_cast<int>(t->conns.size());
     if (r.first_error.empty()) r.first_error = t->first_error;

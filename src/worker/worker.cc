@@ -81,7 +81,12 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
     ASSIGN_OR_RETURN(auto runtime, options.runtime_factory ? options.runtime_factory(config)
                                                            : CreateRuntime(config.runtime));
     const int64_t t0 = clock->NowMonoUs();
-    Status loaded = runtime->Load(config);
+    // Load on a thread that ends with the load: libtorch's warm-up passes
+    // would otherwise leave an idle OpenMP team on the caller's thread for
+    // the life of the process, and two teams on the same cores throttle
+    // each other (docs/BENCHMARKS.md, "What limits the ratio").
+    Status loaded;
+    std::thread([&] { loaded = runtime->Load(config); }).join();
     if (!loaded.ok()) return Status(loaded.code(), "loading model '" + config.name + "': " + loaded.message());
     if (config.dim == 0) config.dim = runtime->Dim();
     LOG_INFO("worker", "loaded " << config.name << " (" << config.runtime << ", dim " << config.dim << ", "
