@@ -81,6 +81,7 @@ struct WorkerFlags {
   WorkerOptions options;
   std::string models_csv;
   int metrics_port = -1;
+  std::string omp_wait_policy = "inherit";
 };
 
 void AddWorker(CLI::App* app, WorkerFlags& w) {
@@ -91,6 +92,9 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
   Opt(app, "--max-batch-tokens", w.options.max_batch_tokens, "SHOAL_MAX_BATCH_TOKENS", "Padded tokens per forward pass, every model (0: model config)");
   Opt(app, "--max-batch-size", w.options.max_batch_size, "SHOAL_MAX_BATCH_SIZE", "Rows per forward pass, every model (0: model config)");
   Opt(app, "--max-wait-us", w.options.max_wait_us, "SHOAL_MAX_WAIT_US", "Longest wait to fill a batch, every model (-1: model config)");
+  Opt(app, "--omp-wait-policy", w.omp_wait_policy, "SHOAL_OMP_WAIT_POLICY",
+      "OpenMP idle threads: inherit (OMP_WAIT_POLICY as set), passive, or active (only on a machine dedicated to this worker)")
+      ->check(CLI::IsMember({"inherit", "passive", "active"}));
   Opt(app, "--worker-id", w.options.worker_id, "SHOAL_WORKER_ID", "Worker id (default: host-pid-random)");
   Opt(app, "--ack-wait-ms", w.options.consumer.ack_wait_ms, "SHOAL_ACK_WAIT_MS", "Redeliver work unacked this long (crashed worker)");
   Opt(app, "--max-deliver", w.options.consumer.max_deliver, "SHOAL_MAX_DELIVER", "Deliveries before work goes to the dead-letter stream");
@@ -129,6 +133,19 @@ int WaitForSignal() {
   int sig = 0;
   sigwait(&set, &sig);
   return sig;
+}
+
+// libgomp reads OMP_WAIT_POLICY once, when the process loads it, so a
+// policy chosen by flag takes effect by re-executing this binary with the
+// variable set. Returns only when no re-exec is needed (or it failed).
+void ApplyOmpWaitPolicy(const std::string& policy, char** argv) {
+  if (policy == "inherit") return;
+  std::string want = policy == "active" ? "ACTIVE" : "PASSIVE";
+  const char* have = std::getenv("OMP_WAIT_POLICY");
+  if (have && want == have) return;
+  ::setenv("OMP_WAIT_POLICY", want.c_str(), 1);
+  ::execv("/proc/self/exe", argv);
+  LOG_WARN("shoal", "cannot re-execute to apply --omp-wait-policy; continuing without it");
 }
 
 int Fail(const Status& s) {
@@ -222,6 +239,8 @@ int main(int argc, char** argv) {
   Opt(worker, "--metrics-port", wk.metrics_port, "SHOAL_METRICS_PORT", "Serve /metrics on this port (-1: off)");
 
   CLI11_PARSE(app, argc, argv);
+  if (serve->parsed()) ApplyOmpWaitPolicy(serve_wk.omp_wait_policy, argv);
+  if (worker->parsed()) ApplyOmpWaitPolicy(wk.omp_wait_policy, argv);
   BlockSignals();
 
   auto set_level = [](const std::string& text) {

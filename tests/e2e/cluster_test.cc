@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 
 #include <atomic>
+#include <fstream>
 #include <future>
 #include <mutex>
 #include <string>
@@ -287,6 +288,36 @@ TEST(E2eCluster, TwoGatewaysShareTheWorkers) {
   };
   EXPECT_EQ(workers_of(g1.port), workers_of(g2.port));
   EXPECT_EQ(workers_of(g1.port).size(), 1u) << HttpGet(g1.port, "/v1/models").body;
+}
+
+}  // namespace
+}  // namespace shoal::e2e
+
+namespace shoal::e2e {
+namespace {
+
+std::string ProcessEnv(pid_t pid, const std::string& name) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/environ", std::ios::binary);
+  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string key = name + "=";
+  for (size_t start = 0; start < all.size();) {
+    size_t end = all.find('\0', start);
+    if (end == std::string::npos) end = all.size();
+    if (all.compare(start, key.size(), key) == 0) return all.substr(start + key.size(), end - start - key.size());
+    start = end + 1;
+  }
+  return "<unset>";
+}
+
+// --omp-wait-policy re-executes the worker with OMP_WAIT_POLICY set (libgomp
+// reads it only at load time); the worker then serves as usual.
+TEST(E2eCluster, OmpWaitPolicyFlagReachesTheWorkerProcess) {
+  shoal::testing::TestNatsServer nats;
+  Shoal worker = StartWorker(nats.url(), {"--omp-wait-policy", "active", "--threads", "1"});
+  EXPECT_EQ(ProcessEnv(worker.process->pid(), "OMP_WAIT_POLICY"), "ACTIVE");
+  Shoal gateway = StartGateway(nats.url());
+  ASSERT_EQ(WaitForReadyz(gateway.port, 200, 30s), 200);
+  EXPECT_EQ(EmbedOrThrow(gateway.port, kModel, {"after re-exec"}).rows.size(), 1u);
 }
 
 }  // namespace
