@@ -161,7 +161,6 @@ void Dispatcher::OnMessage(natsConnection*, natsSubscription*, natsMsg* raw, voi
   auto* self = static_cast<Dispatcher*>(closure);
   std::string_view subject = natsMsg_GetSubject(raw);
   std::string_view data(natsMsg_GetData(raw), static_cast<size_t>(natsMsg_GetDataLength(raw)));
-  LOG_DEBUG("gateway", "message on " << subject << " (" << data.size() << " bytes)");
   if (subject == self->reply_subject_) {
     self->HandleReply(data);
   } else if (subject.substr(0, self->ack_prefix_.size()) == self->ack_prefix_) {

@@ -33,6 +33,9 @@ struct HttpResponse {
   std::string content_type = "application/json";
   std::string body;
   std::vector<std::pair<std::string, std::string>> headers;  // extra headers
+  // The OpenAI error code of an error body ("model_not_found"); not sent,
+  // kept so metrics need not parse the body again.
+  std::string error_code;
 };
 
 // Completes one request. Call exactly once, from any thread.

@@ -241,6 +241,7 @@ HttpResponse ErrorResponse(const Status& status, int64_t retry_after_s) {
   AppendJsonString(body, status.ReasonOrDefault());
   body += "}}";
   r.body = std::move(body);
+  r.error_code = status.ReasonOrDefault();
   if (r.status == 429 || r.status == 503) r.headers.emplace_back("Retry-After", std::to_string(retry_after_s));
   return r;
 }
@@ -248,24 +249,22 @@ HttpResponse ErrorResponse(const Status& status, int64_t retry_after_s) {
 Router::Router(const RouterOptions& options, WorkSubmitter* submitter, FleetSnapshotFn fleet,
                MetricsRegistry* metrics, const Clock* clock)
     : options_(options), submitter_(submitter), fleet_(std::move(fleet)), metrics_(metrics),
-      clock_(clock ? clock : SystemClock::Get()) {}
+      clock_(clock ? clock : SystemClock::Get()) {
+  for (const char* route : {"/v1/embeddings", "/v1/encode", "/v1/models"})
+    latency_[route] = metrics_->GetHistogram("shoal_http_request_seconds", "HTTP request latency by route.",
+                                             {{"route", route}}, LatencyBuckets());
+}
 
 HttpResponder Router::Instrument(const std::string& route, HttpResponder respond) {
   const int64_t start = clock_->NowMonoUs();
-  auto* latency = metrics_->GetHistogram("shoal_http_request_seconds", "HTTP request latency by route.",
-                                         {{"route", route}}, LatencyBuckets());
+  Histogram* latency = latency_.at(route);
   return [this, route, start, latency, respond = std::move(respond)](HttpResponse r) {
     latency->Observe(static_cast<double>(clock_->NowMonoUs() - start) / 1e6);
     metrics_->GetCounter("shoal_http_requests_total", "HTTP requests by route and status.",
                          {{"route", route}, {"code", std::to_string(r.status)}})->Inc();
     if (r.status >= 400) {
-      std::string code = "unknown";
-      try {
-        code = json::parse(r.body).at("error").at("code").get<std::string>();
-      } catch (...) {
-      }
       metrics_->GetCounter("shoal_http_errors_total", "HTTP error responses by error code.",
-                           {{"code", code}})->Inc();
+                           {{"code", r.error_code.empty() ? "unknown" : r.error_code}})->Inc();
     }
     respond(std::move(r));
   };

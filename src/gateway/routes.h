@@ -5,6 +5,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -49,6 +50,7 @@ class Router {
   FleetSnapshotFn fleet_;
   MetricsRegistry* metrics_;
   const Clock* clock_;
+  std::map<std::string, Histogram*> latency_;  // by route, made once
 };
 
 // The OpenAI-shaped error body and status for `status`; adds Retry-After on

@@ -84,7 +84,6 @@ void ModelServer::Stop() {
 }
 
 void ModelServer::Reply(const wire::WorkReply& reply, const std::string& reply_to) {
-  LOG_DEBUG("worker", "reply " << reply.request_id << "/" << reply.chunk_index << " to " << reply_to);
   Status s = d_.client->Publish(reply_to, wire::EncodeWorkReply(reply));
   if (!s.ok()) LOG_WARN("worker", "reply to " << reply_to << " failed: " << s.ToString());
 }

@@ -28,13 +28,17 @@ Status WorkerOptions::Validate() const {
 
 namespace {
 
-std::string DefaultWorkerId() {
+std::string HostName() {
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
+  return host;
+}
+
+std::string DefaultWorkerId(const std::string& host) {
   std::random_device rd;
   char suffix[8];
   std::snprintf(suffix, sizeof suffix, "%04x", rd() & 0xffff);
-  std::string id = std::string(host) + "-" + std::to_string(::getpid()) + "-" + suffix;
+  std::string id = host + "-" + std::to_string(::getpid()) + "-" + suffix;
   // KV keys allow [-/_=.a-zA-Z0-9]; keep it simple.
   for (char& c : id)
     if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_') c = '-';
@@ -49,7 +53,8 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   if (clock == nullptr) clock = SystemClock::Get();
   auto w = std::unique_ptr<Worker>(new Worker());
   w->options_ = options;
-  w->id_ = options.worker_id.empty() ? DefaultWorkerId() : options.worker_id;
+  w->host_ = HostName();
+  w->id_ = options.worker_id.empty() ? DefaultWorkerId(w->host_) : options.worker_id;
   w->client_ = client;
   w->metrics_ = metrics;
   w->started_unix_ms_ = clock->NowUnixMs();
@@ -153,10 +158,8 @@ std::string Worker::HeartbeatJson() const {
     models.push_back({{"name", s->config().name}, {"state", "loaded"}, {"memory_bytes", s->memory_bytes()}});
     used += s->memory_bytes();
   }
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
   nlohmann::json j = {{"id", id_},
-                      {"host", host},
+                      {"host", host_},
                       {"pid", ::getpid()},
                       {"started_unix_ms", started_unix_ms_},
                       {"heartbeat_unix_ms", SystemClock::Get()->NowUnixMs()},

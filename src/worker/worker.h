@@ -75,6 +75,7 @@ class Worker {
   std::unique_ptr<KvBucket> models_kv_;
   std::vector<std::unique_ptr<ModelServer>> servers_;
   int64_t started_unix_ms_ = 0;
+  std::string host_;
   std::atomic<bool> stop_{false};
   std::mutex hb_mu_;
   std::condition_variable hb_cv_;
