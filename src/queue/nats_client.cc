@@ -1,6 +1,8 @@
 #include "queue/nats_client.h"
 
+#include <cstdio>
 #include <cstring>
+#include <ctime>
 
 #include <nats/nats.h>
 
@@ -100,6 +102,18 @@ Status NatsClient::Publish(std::string_view subject, std::string_view data) {
                   "publish " + subj);
 }
 
+Result<std::string> NatsClient::Request(const std::string& subject, std::string_view data,
+                                        int64_t timeout_ms) {
+  natsMsg* reply = nullptr;
+  natsStatus s = natsConnection_Request(&reply, conn_.get(), subject.c_str(), data.data(),
+                                        static_cast<int>(data.size()), timeout_ms);
+  if (s == NATS_NO_RESPONDERS) return Unavailable("nobody answers on " + subject, "no_responders");
+  if (s == NATS_TIMEOUT) return DeadlineExceeded("no reply on " + subject + " within " + std::to_string(timeout_ms) + " ms");
+  if (s != NATS_OK) return FromNats(s, "request " + subject);
+  NatsMsgPtr owned(reply);
+  return std::string(natsMsg_GetData(reply), static_cast<size_t>(natsMsg_GetDataLength(reply)));
+}
+
 Result<NatsSubscriptionPtr> NatsClient::Subscribe(const std::string& subject, NatsMsgHandler handler,
                                                   void* closure) {
   natsSubscription* sub = nullptr;
@@ -176,6 +190,7 @@ Status EnsureWorkStream(NatsClient& client, const WorkStreamOptions& o) {
   cfg.MaxMsgSize = o.max_msg_bytes;
   cfg.Discard = js_DiscardNew;  // a full queue refuses new work: explicit 429
   cfg.Duplicates = o.duplicate_window_ms * int64_t{1000000};
+  cfg.AllowDirect = true;  // workers read the oldest message's age per model
   RETURN_IF_ERROR(EnsureStream(client, cfg, o.owner));
 
   // Dead letters: the server's MaxDeliver advisory for each work consumer.
@@ -205,6 +220,58 @@ Result<StreamState> GetStreamState(NatsClient& client, const std::string& stream
   return st;
 }
 
+Result<std::map<std::string, uint64_t>> GetSubjectCounts(NatsClient& client, const std::string& stream,
+                                                         const std::string& filter) {
+  jsOptions o;
+  jsOptions_Init(&o);
+  o.Stream.Info.SubjectsFilter = filter.c_str();
+  jsStreamInfo* si = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  natsStatus s = js_GetStreamInfo(&si, client.js(), stream.c_str(), &o, &jerr);
+  if (s != NATS_OK) return FromNats(s, "stream info " + stream, jerr);
+  std::map<std::string, uint64_t> out;
+  if (si->State.Subjects != nullptr) {
+    for (int i = 0; i < si->State.Subjects->Count; ++i) {
+      const jsStreamStateSubject& e = si->State.Subjects->List[i];
+      if (e.Msgs > 0) out[e.Subject] = e.Msgs;
+    }
+  }
+  jsStreamInfo_Destroy(si);
+  return out;
+}
+
+Result<int64_t> OldestMessageUnixMs(NatsClient& client, const std::string& stream,
+                                    const std::string& subject) {
+  jsDirectGetMsgOptions dg;
+  jsDirectGetMsgOptions_Init(&dg);
+  dg.Sequence = 1;
+  dg.NextBySubject = subject.c_str();
+  natsMsg* msg = nullptr;
+  natsStatus s = js_DirectGetMsg(&msg, client.js(), stream.c_str(), nullptr, &dg);
+  if (s == NATS_NOT_FOUND) return NotFound("no message on " + subject);
+  if (s != NATS_OK) return FromNats(s, "direct get " + subject);
+  NatsMsgPtr owned(msg);
+  const char* ts = nullptr;
+  if (natsMsgHeader_Get(msg, "Nats-Time-Stamp", &ts) != NATS_OK || ts == nullptr) {
+    return Internal("direct get reply without Nats-Time-Stamp");
+  }
+  // RFC 3339 with nanoseconds, UTC: 2026-11-30T18:20:23.123456789Z
+  std::tm tm{};
+  int year = 0, mon = 0, day = 0, hour = 0, min = 0;
+  double sec = 0;
+  if (std::sscanf(ts, "%d-%d-%dT%d:%d:%lfZ", &year, &mon, &day, &hour, &min, &sec) != 6) {
+    return Internal(std::string("unreadable Nats-Time-Stamp ") + ts);
+  }
+  tm.tm_year = year - 1900;
+  tm.tm_mon = mon - 1;
+  tm.tm_mday = day;
+  tm.tm_hour = hour;
+  tm.tm_min = min;
+  tm.tm_sec = 0;
+  const int64_t base = static_cast<int64_t>(timegm(&tm));
+  return base * 1000 + static_cast<int64_t>(sec * 1000.0);
+}
+
 // ----- Deliveries ---------------------------------------------------------------
 
 std::string_view Delivery::Data() const {
@@ -223,6 +290,14 @@ uint64_t Delivery::NumDelivered() const {
   uint64_t n = meta->NumDelivered;
   jsMsgMetaData_Destroy(meta);
   return n;
+}
+
+int64_t Delivery::PublishedUnixMs() const {
+  jsMsgMetaData* meta = nullptr;
+  if (natsMsg_GetMetaData(&meta, msg_.get()) != NATS_OK) return 0;
+  int64_t ms = meta->Timestamp / 1000000;
+  jsMsgMetaData_Destroy(meta);
+  return ms;
 }
 
 uint64_t Delivery::StreamSeq() const { return natsMsg_GetSequence(msg_.get()); }
@@ -347,6 +422,20 @@ Result<std::string> KvBucket::Get(const std::string& key) {
   std::string v(static_cast<const char*>(kvEntry_Value(e)), kvEntry_ValueLen(e));
   kvEntry_Destroy(e);
   return v;
+}
+
+Result<bool> KvBucket::Create(const std::string& key, std::string_view value) {
+  uint64_t rev = 0;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  natsStatus s = kvStore_Create(&rev, kv_.get(), key.c_str(), value.data(), static_cast<int>(value.size()));
+  if (s == NATS_OK) return true;
+  // An existing key: "wrong last sequence" from the server.
+  const char* text = nats_GetLastError(nullptr);
+  if (s == NATS_ERR && text != nullptr && std::string_view(text).find("wrong last sequence") != std::string_view::npos) {
+    return false;
+  }
+  (void)jerr;
+  return FromNats(s, "kv create " + key);
 }
 
 Status KvBucket::Delete(const std::string& key) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -72,6 +73,9 @@ class NatsClient {
   Status Flush(int64_t timeout_ms);
   // A fresh unique inbox subject.
   std::string NewInbox();
+  // Core-NATS request/reply: the reply's data. Unavailable when nobody
+  // listens on `subject`, DeadlineExceeded after timeout_ms.
+  Result<std::string> Request(const std::string& subject, std::string_view data, int64_t timeout_ms);
 
  private:
   NatsClient() = default;
@@ -110,6 +114,17 @@ struct StreamState {
 };
 Result<StreamState> GetStreamState(NatsClient& client, const std::string& stream);
 
+// Messages held per subject (waiting or delivered but not yet acked) for
+// the subjects matching `filter`, from one stream-info request. Subjects with
+// no messages are absent.
+Result<std::map<std::string, uint64_t>> GetSubjectCounts(NatsClient& client, const std::string& stream,
+                                                         const std::string& filter);
+
+// Publish time (Unix ms) of the oldest message on `subject`, by a direct get
+// (the stream allows it). NotFound when the subject holds none.
+Result<int64_t> OldestMessageUnixMs(NatsClient& client, const std::string& stream,
+                                    const std::string& subject);
+
 // ----- Pull consumers and deliveries ----------------------------------------
 
 // One message delivered by a pull consumer. Exactly one of Ack/Term/Nak
@@ -124,6 +139,8 @@ class Delivery {
   // Times this message has been delivered (1 on first delivery).
   uint64_t NumDelivered() const;
   uint64_t StreamSeq() const;
+  // When the message was published into the stream (Unix ms); 0 if unknown.
+  int64_t PublishedUnixMs() const;
   Status Ack();          // done; asynchronous (no round trip)
   Status Term();         // done for good; never redeliver (bad input)
   Status Nak(int64_t delay_ms = 0);  // redeliver (after delay)
@@ -169,6 +186,9 @@ class KvBucket {
   static Result<std::unique_ptr<KvBucket>> Open(NatsClient& client, const std::string& bucket,
                                                 int64_t ttl_ms);
   Status Put(const std::string& key, std::string_view value);
+  // Writes `key` only if it holds no value now: true when this call created
+  // it, false when it already existed (someone else holds it).
+  Result<bool> Create(const std::string& key, std::string_view value);
   // NotFound when absent.
   Result<std::string> Get(const std::string& key);
   Status Delete(const std::string& key);

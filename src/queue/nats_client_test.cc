@@ -3,6 +3,9 @@
 
 #include <nats/nats.h>
 
+#include <chrono>
+#include <thread>
+
 #include <gtest/gtest.h>
 
 #include "support/test_env.h"
@@ -101,6 +104,74 @@ TEST_F(NatsClientTest, KvPutGetKeysAndTtl) {
   auto keys = (*kv)->Keys();
   ASSERT_TRUE(keys.ok());
   EXPECT_EQ(*keys, std::vector<std::string>{"w1"});
+}
+
+TEST_F(NatsClientTest, KvCreateOnlyOnceUntilDeletedOrExpired) {
+  auto kv = KvBucket::Open(*client_, "SHOAL_TEST_CLAIM", 800);
+  ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+  auto first = (*kv)->Create("m", "w1");
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_TRUE(*first);
+  auto second = (*kv)->Create("m", "w2");
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_FALSE(*second);  // held by w1
+  EXPECT_EQ(*(*kv)->Get("m"), "w1");
+  ASSERT_TRUE((*kv)->Delete("m").ok());
+  EXPECT_TRUE(*(*kv)->Create("m", "w2"));  // free again after a delete
+  // ... and after the bucket's TTL.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  EXPECT_TRUE(*(*kv)->Create("m", "w3"));
+}
+
+TEST_F(NatsClientTest, SubjectCountsAndOldestMessage) {
+  ASSERT_TRUE(EnsureWorkStream(*client_, {}).ok());
+  auto none = GetSubjectCounts(*client_, "SHOAL_WORK", "shoal.work.>");
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_TRUE(none->empty());
+  EXPECT_EQ(OldestMessageUnixMs(*client_, "SHOAL_WORK", "shoal.work.a").status().code(), StatusCode::kNotFound);
+
+  const int64_t before_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  for (const char* subj : {"shoal.work.a", "shoal.work.a", "shoal.work.b"}) {
+    ASSERT_EQ(js_Publish(nullptr, client_->js(), subj, "x", 1, nullptr, &jerr), NATS_OK);
+  }
+  auto counts = GetSubjectCounts(*client_, "SHOAL_WORK", "shoal.work.>");
+  ASSERT_TRUE(counts.ok()) << counts.status().ToString();
+  EXPECT_EQ(counts->at("shoal.work.a"), 2u);
+  EXPECT_EQ(counts->at("shoal.work.b"), 1u);
+  EXPECT_EQ(counts->size(), 2u);
+  auto oldest = OldestMessageUnixMs(*client_, "SHOAL_WORK", "shoal.work.a");
+  ASSERT_TRUE(oldest.ok()) << oldest.status().ToString();
+  EXPECT_GE(*oldest, before_ms - 1000);  // the server's clock is this machine's
+  EXPECT_LE(*oldest, before_ms + 5000);
+
+  ConsumerOptions co;
+  auto pc = PullConsumer::Create(*client_, "SHOAL_WORK", "shoal.work.b", "shoal_b", co);
+  ASSERT_TRUE(pc.ok());
+  auto got = (*pc)->Fetch(1, 1000);
+  ASSERT_TRUE(got.ok());
+  ASSERT_EQ(got->size(), 1u);
+  EXPECT_GE((*got)[0].PublishedUnixMs(), before_ms - 1000);
+}
+
+void Echo(natsConnection* nc, natsSubscription*, natsMsg* msg, void*) {
+  const char* reply = natsMsg_GetReply(msg);
+  if (reply != nullptr) {
+    std::string out = "echo:" + std::string(natsMsg_GetData(msg), natsMsg_GetDataLength(msg));
+    natsConnection_Publish(nc, reply, out.data(), static_cast<int>(out.size()));
+  }
+  natsMsg_Destroy(msg);
+}
+
+TEST_F(NatsClientTest, RequestReply) {
+  EXPECT_EQ(client_->Request("ctl.nobody", "x", 500).status().code(), StatusCode::kUnavailable);
+  auto sub = client_->Subscribe("ctl.echo", &Echo, nullptr);
+  ASSERT_TRUE(sub.ok());
+  ASSERT_TRUE(client_->Flush(1000).ok());
+  auto r = client_->Request("ctl.echo", "hi", 2000);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, "echo:hi");
 }
 
 }  // namespace
