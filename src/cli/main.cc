@@ -13,6 +13,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli/models_command.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "gateway/gateway.h"
@@ -75,11 +76,16 @@ void AddGateway(CLI::App* app, GatewayOptions& g) {
   Opt(app, "--request-timeout-ms", g.router.default_timeout_ms, "SHOAL_REQUEST_TIMEOUT_MS",
       "Deadline of a request without a Shoal-Timeout-Ms header (then: 504)");
   Opt(app, "--gateway-id", g.dispatcher.gateway_id, "SHOAL_GATEWAY_ID", "Gateway id (default: random)");
+  Opt(app, "--wait-for-load", g.router.wait_for_load, "SHOAL_WAIT_FOR_LOAD",
+      "A request for a model no worker has loaded waits for the load (true) or gets 503 model_loading with Retry-After (false)");
 }
 
 struct WorkerFlags {
   WorkerOptions options;
   std::string models_csv;
+  std::string memory_budget = "0";
+  std::string pin_csv;
+  std::string preload_csv = "all";
   int metrics_port = -1;
   std::string omp_wait_policy = "inherit";
 };
@@ -95,6 +101,19 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
   Opt(app, "--omp-wait-policy", w.omp_wait_policy, "SHOAL_OMP_WAIT_POLICY",
       "OpenMP idle threads: inherit (OMP_WAIT_POLICY as set), passive, or active (only on a machine dedicated to this worker)")
       ->check(CLI::IsMember({"inherit", "passive", "active"}));
+  Opt(app, "--memory-budget", w.memory_budget, "SHOAL_MEMORY_BUDGET",
+      "Memory for resident models on this device, e.g. 2GiB, 512MiB, 3000000000 (0: unlimited)");
+  Opt(app, "--max-models", w.options.max_models, "SHOAL_MAX_MODELS", "Most models resident at once (0: unlimited)");
+  Opt(app, "--pin", w.pin_csv, "SHOAL_PIN", "Comma-separated models loaded at start and never evicted");
+  Opt(app, "--preload", w.preload_csv, "SHOAL_PRELOAD",
+      "Models loaded at start while they fit without evicting: all, none, or comma-separated names");
+  Opt(app, "--device-slots", w.options.device_slots, "SHOAL_DEVICE_SLOTS", "Forward passes running at once on this device");
+  Opt(app, "--scale-out-backlog", w.options.scale_out_backlog, "SHOAL_SCALE_OUT_BACKLOG",
+      "Load another replica of a model when its waiting messages per replica exceed this and there is room (0: never)");
+  Opt(app, "--demand-poll-ms", w.options.demand_poll_ms, "SHOAL_DEMAND_POLL_MS", "How often the queue's backlog per model is read");
+  Opt(app, "--claim-ttl-ms", w.options.claim_ttl_ms, "SHOAL_CLAIM_TTL_MS", "Life of a placement claim for a cold model");
+  Opt(app, "--retry-failed-after-ms", w.options.retry_failed_after_ms, "SHOAL_RETRY_FAILED_AFTER_MS",
+      "A model that failed to load is tried again on demand after this long");
   Opt(app, "--worker-id", w.options.worker_id, "SHOAL_WORKER_ID", "Worker id (default: host-pid-random)");
   Opt(app, "--ack-wait-ms", w.options.consumer.ack_wait_ms, "SHOAL_ACK_WAIT_MS", "Redeliver work unacked this long (crashed worker)");
   Opt(app, "--max-deliver", w.options.consumer.max_deliver, "SHOAL_MAX_DELIVER", "Deliveries before work goes to the dead-letter stream");
@@ -113,6 +132,38 @@ std::vector<std::string> SplitCsv(const std::string& s) {
     start = end + 1;
   }
   return out;
+}
+
+// "2GiB", "512MiB", "1.5GB", "3000000000" -> bytes.
+Result<int64_t> ParseBytes(const std::string& text) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    return InvalidArgument("bad byte size '" + text + "'");
+  }
+  std::string unit = text.substr(used);
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1},          {"B", 1},         {"KB", 1e3},  {"MB", 1e6},  {"GB", 1e9},
+      {"KiB", 1024.0},  {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"K", 1024.0},
+      {"M", 1048576.0}, {"G", 1073741824.0}};
+  for (const auto& [name, factor] : kUnits) {
+    if (unit == name) {
+      if (value < 0) return InvalidArgument("byte size must be >= 0: '" + text + "'");
+      return static_cast<int64_t>(value * factor);
+    }
+  }
+  return InvalidArgument("bad byte size unit in '" + text + "' (use B, KB, MB, GB, KiB, MiB, GiB)");
+}
+
+// Fills the worker options that need parsing from their flags.
+Status ApplyWorkerFlags(WorkerFlags& w) {
+  w.options.models = SplitCsv(w.models_csv);
+  ASSIGN_OR_RETURN(w.options.memory_budget_bytes, ParseBytes(w.memory_budget));
+  w.options.pinned = SplitCsv(w.pin_csv);
+  w.options.preload = w.preload_csv == "none" ? std::vector<std::string>{} : SplitCsv(w.preload_csv);
+  return Status::Ok();
 }
 
 // Blocks SIGINT/SIGTERM in every thread (call before starting any), then
@@ -238,7 +289,12 @@ int main(int argc, char** argv) {
   AddStream(worker, wk_stream);
   Opt(worker, "--metrics-port", wk.metrics_port, "SHOAL_METRICS_PORT", "Serve /metrics on this port (-1: off)");
 
+  // --- models ------------------------------------------------------------------
+  ModelsCommandFlags models_flags;
+  CLI::App* models = AddModelsCommand(&app, &models_flags);
+
   CLI11_PARSE(app, argc, argv);
+  if (models->parsed()) return RunModelsCommand(models_flags);
   if (serve->parsed()) ApplyOmpWaitPolicy(serve_wk.omp_wait_policy, argv);
   if (worker->parsed()) ApplyOmpWaitPolicy(wk.omp_wait_policy, argv);
   BlockSignals();
@@ -261,7 +317,7 @@ int main(int argc, char** argv) {
     auto client = ConnectNats((*server)->url(), "shoal-serve");
     if (!client.ok()) return Fail(client.status());
     MetricsRegistry metrics;
-    serve_wk.options.models = SplitCsv(serve_wk.models_csv);
+    if (Status s = ApplyWorkerFlags(serve_wk); !s.ok()) return Fail(s);
     ApplyStream(serve_stream, &serve_wk.options.stream);
     auto w = Worker::Create(serve_wk.options, client->get(), &metrics);
     if (!w.ok()) return Fail(w.status());
@@ -309,7 +365,7 @@ int main(int argc, char** argv) {
     auto client = ConnectNats(wk_common.nats_url, "shoal-worker");
     if (!client.ok()) return Fail(client.status());
     MetricsRegistry metrics;
-    wk.options.models = SplitCsv(wk.models_csv);
+    if (Status s = ApplyWorkerFlags(wk); !s.ok()) return Fail(s);
     ApplyStream(wk_stream, &wk.options.stream);
     auto w = Worker::Create(wk.options, client->get(), &metrics);
     if (!w.ok()) return Fail(w.status());

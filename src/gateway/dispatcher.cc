@@ -156,6 +156,21 @@ void Dispatcher::SubmitEmbed(EmbedJob job, EmbedCallback done) {
   }
 }
 
+void Dispatcher::RequestLoad(const std::string& model) {
+  const std::string subject = wire::WorkSubject(model);
+  natsMsg* raw = nullptr;
+  if (natsMsg_Create(&raw, subject.c_str(), nullptr, nullptr, 0) != NATS_OK) return;
+  NatsMsgPtr msg(raw);
+  // One hint per model per 10 s window, whichever gateway sends it: the
+  // stream drops the rest as duplicates.
+  const std::string dedupe = "load-hint." + wire::ModelToToken(model) + "." +
+                             std::to_string(clock_->NowUnixMs() / 10000);
+  natsMsgHeader_Set(raw, wire::kHdrLoadHint, "1");
+  natsMsgHeader_Set(raw, wire::kHdrMsgId, dedupe.c_str());
+  Status s = client_->PublishMsg(raw);
+  if (!s.ok()) LOG_WARN("gateway", "load hint for " << model << ": " << s.ToString());
+}
+
 void Dispatcher::OnMessage(natsConnection*, natsSubscription*, natsMsg* raw, void* closure) {
   NatsMsgPtr msg(raw);
   auto* self = static_cast<Dispatcher*>(closure);

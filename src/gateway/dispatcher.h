@@ -51,6 +51,9 @@ class WorkSubmitter {
   virtual ~WorkSubmitter() = default;
   // Completes `done` exactly once, from any thread, possibly inline.
   virtual void SubmitEmbed(EmbedJob job, EmbedCallback done) = 0;
+  // Asks the fleet to load `model` without sending work (a gateway that
+  // answers 503 instead of waiting). Best effort; repeated asks coalesce.
+  virtual void RequestLoad(const std::string& model) { (void)model; }
 };
 
 struct DispatcherOptions {
@@ -67,6 +70,8 @@ class Dispatcher final : public WorkSubmitter {
                                                     MetricsRegistry* metrics, const Clock* clock = nullptr);
   ~Dispatcher() override;
   void SubmitEmbed(EmbedJob job, EmbedCallback done) override;
+  // Queues a load hint on the model's subject (de-duplicated per 10 s).
+  void RequestLoad(const std::string& model) override;
   // Fails every pending request with Unavailable and stops the timer.
   void Stop();
   size_t InFlight() const;

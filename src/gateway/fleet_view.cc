@@ -8,6 +8,29 @@
 
 namespace shoal {
 
+bool ParseWorkerHeartbeat(const std::string& json_text, WorkerInfo* out) {
+  try {
+    auto j = nlohmann::json::parse(json_text);
+    out->id = j.value("id", "");
+    out->memory_used_bytes = j.value("memory_used_bytes", int64_t{0});
+    out->memory_budget_bytes = j.value("memory_budget_bytes", int64_t{0});
+    out->max_models = j.value("max_models", 0);
+    for (const auto& m : j.value("models", nlohmann::json::array())) {
+      WorkerModel wm;
+      wm.state = m.value("state", "loaded");
+      wm.pinned = m.value("pinned", false);
+      wm.memory_bytes = m.value("memory_bytes", int64_t{0});
+      wm.last_used_unix_ms = m.value("last_used_unix_ms", int64_t{0});
+      wm.error = m.value("error", "");
+      wm.backlog = m.value("backlog", uint64_t{0});
+      out->models[m.value("name", "")] = std::move(wm);
+    }
+    return !out->id.empty();
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 Result<std::unique_ptr<FleetView>> FleetView::Create(const FleetViewOptions& options, NatsClient* client,
                                                      MetricsRegistry* metrics) {
   auto f = std::unique_ptr<FleetView>(new FleetView());
@@ -64,7 +87,14 @@ void FleetView::Refresh() {
       if (keys.ok())
         for (const auto& k : *keys) {
           auto v = workers_kv_->Get(k);
-          if (v.ok()) s->worker_json.push_back(std::move(v).value());
+          if (!v.ok()) continue;
+          WorkerInfo info;
+          if (ParseWorkerHeartbeat(*v, &info)) {
+            s->workers.push_back(std::move(info));
+          } else {
+            LOG_WARN("gateway", "unreadable heartbeat " << k);
+          }
+          s->worker_json.push_back(std::move(v).value());
         }
     }
     if (models_kv_) {

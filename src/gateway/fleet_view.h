@@ -30,14 +30,48 @@ struct CatalogModel {
   std::string config_json;  // as registered
 };
 
+// One model as one worker's heartbeat reports it.
+struct WorkerModel {
+  std::string state;  // loaded | loading | failed | not_loaded
+  bool pinned = false;
+  int64_t memory_bytes = 0;
+  int64_t last_used_unix_ms = 0;
+  std::string error;
+  uint64_t backlog = 0;
+};
+
+// A live worker, from its heartbeat.
+struct WorkerInfo {
+  std::string id;
+  int64_t memory_used_bytes = 0;
+  int64_t memory_budget_bytes = 0;  // 0: unlimited
+  int max_models = 0;
+  std::map<std::string, WorkerModel> models;  // its whole catalog, by name
+  // Whether some live worker has `model` in this state.
+  bool Has(const std::string& model, const std::string& state) const {
+    auto it = models.find(model);
+    return it != models.end() && it->second.state == state;
+  }
+};
+
 struct FleetSnapshot {
   bool nats_connected = false;
   bool stream_ok = false;
   uint64_t queue_depth = 0;
   std::vector<std::string> worker_json;  // heartbeat documents of live workers
+  std::vector<WorkerInfo> workers;       // the same, parsed
   std::map<std::string, CatalogModel> models;
   int64_t refreshed_unix_ms = 0;
+  // Whether any live worker reports `model` in `state`.
+  bool AnyWorker(const std::string& model, const std::string& state) const {
+    for (const auto& w : workers)
+      if (w.Has(model, state)) return true;
+    return false;
+  }
 };
+
+// Parses one heartbeat document; false when it is unreadable.
+bool ParseWorkerHeartbeat(const std::string& json_text, WorkerInfo* out);
 
 struct FleetViewOptions {
   int64_t refresh_interval_ms = 1000;

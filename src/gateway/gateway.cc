@@ -5,6 +5,7 @@ namespace shoal {
 Status GatewayOptions::Validate() const {
   RETURN_IF_ERROR(http.Validate());
   RETURN_IF_ERROR(dispatcher.Validate());
+  RETURN_IF_ERROR(control.Validate());
   return router.Validate();
 }
 
@@ -17,6 +18,12 @@ Result<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& options, 
   FleetView* fleet = g->fleet_.get();
   g->router_ = std::make_unique<Router>(options.router, g->dispatcher_.get(),
                                         [fleet] { return fleet->Snapshot(); }, metrics);
+  // Operator actions plan on a fresh view of the registry.
+  ASSIGN_OR_RETURN(g->control_, FleetControl::Create(options.control, client, [fleet] {
+                     fleet->Refresh();
+                     return fleet->Snapshot();
+                   }));
+  g->router_->SetModelController(g->control_.get());
   Router* router = g->router_.get();
   ASSIGN_OR_RETURN(g->http_, HttpServer::Create(options.http, [router](HttpRequest&& req, HttpResponder respond) {
                      router->Handle(std::move(req), std::move(respond));
@@ -28,6 +35,7 @@ Gateway::~Gateway() { Stop(); }
 
 void Gateway::Stop() {
   if (http_) http_->Stop();
+  if (control_) control_->Stop();
   if (dispatcher_) dispatcher_->Stop();
   if (fleet_) fleet_->Stop();
 }

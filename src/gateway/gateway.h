@@ -8,6 +8,7 @@
 #include "common/metrics.h"
 #include "common/status.h"
 #include "gateway/dispatcher.h"
+#include "gateway/fleet_control.h"
 #include "gateway/fleet_view.h"
 #include "gateway/http_server.h"
 #include "gateway/routes.h"
@@ -20,6 +21,7 @@ struct GatewayOptions {
   DispatcherOptions dispatcher;
   RouterOptions router;
   FleetViewOptions fleet;
+  FleetControlOptions control;
   Status Validate() const;
 };
 
@@ -37,6 +39,7 @@ class Gateway {
   Gateway() = default;
   std::unique_ptr<Dispatcher> dispatcher_;
   std::unique_ptr<FleetView> fleet_;
+  std::unique_ptr<FleetControl> control_;
   std::unique_ptr<Router> router_;
   std::unique_ptr<HttpServer> http_;
 };

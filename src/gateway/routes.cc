@@ -87,6 +87,29 @@ void AppendBase64(std::string& out, const unsigned char* data, size_t len) {
   }
 }
 
+// Decodes %XX escapes; false on a malformed escape.
+bool PercentDecode(const std::string& in, std::string* out) {
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  out->clear();
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (in[i] != '%') {
+      out->push_back(in[i]);
+      continue;
+    }
+    if (i + 2 >= in.size()) return false;
+    const int hi = hex(in[i + 1]), lo = hex(in[i + 2]);
+    if (hi < 0 || lo < 0) return false;
+    out->push_back(static_cast<char>(hi * 16 + lo));
+    i += 2;
+  }
+  return true;
+}
+
 HttpResponse JsonResponse(int status, std::string body) {
   HttpResponse r;
   r.status = status;
@@ -250,7 +273,7 @@ Router::Router(const RouterOptions& options, WorkSubmitter* submitter, FleetSnap
                MetricsRegistry* metrics, const Clock* clock)
     : options_(options), submitter_(submitter), fleet_(std::move(fleet)), metrics_(metrics),
       clock_(clock ? clock : SystemClock::Get()) {
-  for (const char* route : {"/v1/embeddings", "/v1/encode", "/v1/models"})
+  for (const char* route : {"/v1/embeddings", "/v1/encode", "/v1/models", "/v1/models/{model}"})
     latency_[route] = metrics_->GetHistogram("shoal_http_request_seconds", "HTTP request latency by route.",
                                              {{"route", route}}, LatencyBuckets());
 }
@@ -296,6 +319,26 @@ void Router::Handle(HttpRequest&& req, HttpResponder respond) {
     if (!method_is("GET")) return done(not_allowed("GET"));
     return done(Models());
   }
+  static const std::string kModels = "/v1/models/";
+  if (path.compare(0, kModels.size(), kModels) == 0) {
+    // /v1/models/{model} (GET) or /v1/models/{model}/{action} (POST); the
+    // model name is percent-encoded and may itself hold '/'.
+    auto done = Instrument("/v1/models/{model}", std::move(respond));
+    const std::string rest = path.substr(kModels.size());
+    const size_t slash = rest.rfind('/');
+    std::string action = slash == std::string::npos ? "" : rest.substr(slash + 1);
+    const bool is_action = action == "load" || action == "unload" || action == "pin" || action == "unpin";
+    std::string model;
+    if (!PercentDecode(is_action ? rest.substr(0, slash) : rest, &model) || model.empty()) {
+      return done(ErrorResponse(InvalidArgument("bad model name in path " + path, "invalid_model")));
+    }
+    if (!is_action) {
+      if (!method_is("GET")) return done(not_allowed("GET"));
+      return done(Models(model));
+    }
+    if (!method_is("POST")) return done(not_allowed("POST"));
+    return ModelAction(model, action, std::move(req), std::move(done));
+  }
   if (path == "/healthz") {
     if (!method_is("GET") && !method_is("HEAD")) return respond(not_allowed("GET"));
     return respond(JsonResponse(200, "{\"status\":\"ok\"}"));
@@ -335,6 +378,10 @@ Status Router::CheckModel(const std::string& model, int* dim) const {
   if (it->second.task != "embed")
     return InvalidArgument("model '" + model + "' does not produce embeddings", "wrong_task");
   if (dim) *dim = it->second.dim;
+  if (!options_.wait_for_load && !snap->AnyWorker(model, "loaded")) {
+    submitter_->RequestLoad(model);
+    return Unavailable("model '" + model + "' is not loaded yet; it is being loaded, retry later", "model_loading");
+  }
   return Status::Ok();
 }
 
@@ -369,7 +416,7 @@ void Router::Embeddings(HttpRequest&& req, HttpResponder respond) {
   if (!st.ok()) return respond(ErrorResponse(st));
   int model_dim = 0;
   st = CheckModel(job.model, &model_dim);
-  if (!st.ok()) return respond(ErrorResponse(st));
+  if (!st.ok()) return respond(ErrorResponse(st, retry));
   if (dims > 0 && model_dim > 0 && dims > model_dim)
     return respond(ErrorResponse(InvalidArgument("dimensions " + std::to_string(dims) + " exceeds the model's " +
                                                      std::to_string(model_dim),
@@ -452,7 +499,7 @@ void Router::Encode(const std::string& model, HttpRequest&& req, HttpResponder r
     if (!st.ok()) return respond(ErrorResponse(st));
   }
   Status st = CheckModel(model, nullptr);
-  if (!st.ok()) return respond(ErrorResponse(st));
+  if (!st.ok()) return respond(ErrorResponse(st, options_.retry_after_s));
   auto deadline = Deadline(req);
   if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));
   job.deadline_unix_ms = *deadline;
@@ -496,22 +543,31 @@ void Router::Encode(const std::string& model, HttpRequest&& req, HttpResponder r
   });
 }
 
-HttpResponse Router::Models() const {
+HttpResponse Router::Models(const std::string& only) const {
   auto snap = fleet_();
   json data = json::array();
   for (const auto& [name, m] : snap->models) {
+    if (!only.empty() && name != only) continue;
     json where = json::array();
-    for (const auto& w : snap->worker_json) {
-      try {
-        auto j = json::parse(w);
-        for (const auto& wm : j.value("models", json::array()))
-          if (wm.value("name", "") == name)
-            where.push_back({{"worker", j.value("id", "")},
-                             {"state", wm.value("state", "loaded")},
-                             {"memory_bytes", wm.value("memory_bytes", 0)}});
-      } catch (...) {
-      }
+    bool loaded = false, loading = false, failed = false;
+    for (const WorkerInfo& w : snap->workers) {
+      auto it = w.models.find(name);
+      if (it == w.models.end()) continue;
+      const WorkerModel& wm = it->second;
+      json entry = {{"worker", w.id},
+                    {"state", wm.state},
+                    {"pinned", wm.pinned},
+                    {"memory_bytes", wm.memory_bytes},
+                    {"last_used_unix_ms", wm.last_used_unix_ms}};
+      if (!wm.error.empty()) entry["error"] = wm.error;
+      if (wm.backlog > 0) entry["backlog"] = wm.backlog;
+      where.push_back(std::move(entry));
+      loaded |= wm.state == "loaded";
+      loading |= wm.state == "loading";
+      failed |= wm.state == "failed";
     }
+    // The model's state in the fleet: the best any worker reports.
+    const char* state = loaded ? "loaded" : loading ? "loading" : failed ? "failed" : "not_loaded";
     data.push_back({{"id", name},
                     {"object", "model"},
                     {"owned_by", "shoal"},
@@ -519,9 +575,62 @@ HttpResponse Router::Models() const {
                     {"task", m.task},
                     {"dim", m.dim},
                     {"max_seq_len", m.max_seq_len},
+                    {"state", state},
                     {"workers", where}});
   }
+  if (!only.empty()) {
+    if (data.empty()) return ErrorResponse(NotFound("The model '" + only + "' does not exist", "model_not_found"));
+    return JsonResponse(200, data[0].dump());
+  }
   return JsonResponse(200, json({{"object", "list"}, {"data", data}}).dump());
+}
+
+void Router::ModelAction(const std::string& model, const std::string& action, HttpRequest&& req,
+                         HttpResponder respond) {
+  if (control_ == nullptr) {
+    return respond(ErrorResponse(Unavailable("model control is not enabled on this gateway", "control_unavailable"),
+                                 options_.retry_after_s));
+  }
+  std::string worker;
+  if (!req.body.empty()) {
+    json body;
+    if (Status st = ParseJsonObject(req.body, &body); !st.ok()) return respond(ErrorResponse(st));
+    if (auto w = body.find("worker"); w != body.end() && !w->is_null()) {
+      if (!w->is_string()) return respond(ErrorResponse(InvalidArgument("worker must be a string", "invalid_worker")));
+      worker = w->get<std::string>();
+    }
+  }
+  const int64_t retry = options_.retry_after_s;
+  control_->Act(action, model, worker, [respond = std::move(respond), retry](Result<ControlOutcome> r) {
+    if (!r.ok()) return respond(ErrorResponse(r.status(), retry));
+    json results = json::array();
+    const Status* first_error = nullptr;
+    for (const ControlResult& c : r->results) {
+      json e = {{"worker", c.worker}, {"ok", c.status.ok()}};
+      if (c.status.ok()) {
+        e["status"] = json::parse(c.status_json.empty() ? "{}" : c.status_json, nullptr, false);
+      } else {
+        e["error"] = {{"message", c.status.message()},
+                      {"type", std::string(ErrorTypeFor(c.status.code()))},
+                      {"code", std::string(c.status.ReasonOrDefault())}};
+        if (first_error == nullptr) first_error = &c.status;
+      }
+      results.push_back(std::move(e));
+    }
+    json body = {{"model", r->model}, {"action", r->action}, {"results", results}};
+    HttpResponse out;
+    if (first_error != nullptr) {
+      // Any worker failing fails the request, with that worker's status;
+      // the body still says what every worker did.
+      out = ErrorResponse(*first_error, retry);
+      json err = json::parse(out.body);
+      body["error"] = err["error"];
+      out.body = body.dump();
+    } else {
+      out = JsonResponse(200, body.dump());
+    }
+    respond(std::move(out));
+  });
 }
 
 HttpResponse Router::Ready() const {

@@ -13,6 +13,7 @@
 #include "common/metrics.h"
 #include "common/status.h"
 #include "gateway/dispatcher.h"
+#include "gateway/fleet_control.h"
 #include "gateway/fleet_view.h"
 #include "gateway/http.h"
 
@@ -23,6 +24,10 @@ struct RouterOptions {
   int64_t default_timeout_ms = 30000;   // deadline when the client sets none
   int64_t max_timeout_ms = 300000;
   int64_t retry_after_s = 1;            // on 429 / 503
+  // A request for a model no live worker has loaded waits in the queue
+  // while a worker loads it (true), or gets 503 model_loading with
+  // Retry-After at once while the load is asked for (false).
+  bool wait_for_load = true;
   Status Validate() const;
 };
 
@@ -34,11 +39,15 @@ class Router {
   Router(const RouterOptions& options, WorkSubmitter* submitter, FleetSnapshotFn fleet,
          MetricsRegistry* metrics, const Clock* clock = nullptr);
   void Handle(HttpRequest&& request, HttpResponder respond);
+  // Enables POST /v1/models/{model}/{load|unload|pin|unpin}; must outlive
+  // the router. Without it those routes answer 503.
+  void SetModelController(ModelController* control) { control_ = control; }
 
  private:
   void Embeddings(HttpRequest&& req, HttpResponder respond);
   void Encode(const std::string& model, HttpRequest&& req, HttpResponder respond);
-  HttpResponse Models() const;
+  HttpResponse Models(const std::string& only = {}) const;
+  void ModelAction(const std::string& model, const std::string& action, HttpRequest&& req, HttpResponder respond);
   HttpResponse Ready() const;
   // Deadline from the Shoal-Timeout-Ms header or the default.
   Result<int64_t> Deadline(const HttpRequest& req) const;
@@ -47,6 +56,7 @@ class Router {
 
   RouterOptions options_;
   WorkSubmitter* submitter_;
+  ModelController* control_ = nullptr;
   FleetSnapshotFn fleet_;
   MetricsRegistry* metrics_;
   const Clock* clock_;

@@ -31,8 +31,28 @@ class FakeSubmitter : public WorkSubmitter {
     }
     done(std::move(r));
   }
+  void RequestLoad(const std::string& model) override { load_requests.push_back(model); }
   EmbedJob last;
   int calls = 0;
+  Status error;
+  std::vector<std::string> load_requests;
+};
+
+// Records what it was asked and answers with a canned outcome.
+class FakeController : public ModelController {
+ public:
+  void Act(const std::string& action, const std::string& model, const std::string& worker,
+           ControlCallback done) override {
+    asked.push_back(action + " " + model + " @" + worker);
+    if (!error.ok()) return done(error);
+    ControlOutcome o;
+    o.model = model;
+    o.action = action;
+    o.results = results;
+    done(o);
+  }
+  std::vector<std::string> asked;
+  std::vector<ControlResult> results;
   Status error;
 };
 
@@ -71,6 +91,16 @@ class RoutesTest : public ::testing::Test {
     });
     EXPECT_TRUE(called);
     return out;
+  }
+
+  // Adds a live worker with this heartbeat to the fleet view.
+  void AddWorker(const std::string& heartbeat) {
+    auto snap = std::make_shared<FleetSnapshot>(*snapshot_);
+    snap->worker_json.push_back(heartbeat);
+    WorkerInfo info;
+    EXPECT_TRUE(ParseWorkerHeartbeat(heartbeat, &info));
+    snap->workers.push_back(info);
+    snapshot_ = snap;
   }
 
   static std::string ErrorCode(const HttpResponse& r) {
@@ -236,9 +266,7 @@ TEST_F(RoutesTest, RoutesMethodsAndProbes) {
   // No worker heartbeat yet: not ready.
   auto r = Call("GET", "/readyz", "");
   EXPECT_EQ(r.status, 503);
-  auto snap = std::make_shared<FleetSnapshot>(*snapshot_);
-  snap->worker_json.push_back(R"({"id":"w1","models":[{"name":"m","state":"loaded","memory_bytes":5}]})");
-  snapshot_ = snap;
+  AddWorker(R"({"id":"w1","models":[{"name":"m","state":"loaded","memory_bytes":5}]})");
   EXPECT_EQ(Call("GET", "/readyz", "").status, 200);
   auto models = json::parse(Call("GET", "/v1/models", "").body);
   ASSERT_EQ(models["data"].size(), 1u);
@@ -248,6 +276,81 @@ TEST_F(RoutesTest, RoutesMethodsAndProbes) {
   auto text = Call("GET", "/metrics", "").body;
   EXPECT_NE(text.find("shoal_http_requests_total{route=\"/v1/embeddings\",code=\"400\"}"), std::string::npos);
   EXPECT_NE(text.find("shoal_http_errors_total{code=\"empty_input\"}"), std::string::npos);
+}
+
+TEST_F(RoutesTest, ModelsShowEachWorkersStateAndTheFleetState) {
+  AddWorker(R"({"id":"w1","models":[{"name":"m","state":"failed","error":"bad file"}]})");
+  auto one = json::parse(Call("GET", "/v1/models/m", "").body);
+  EXPECT_EQ(one["state"], "failed");
+  EXPECT_EQ(one["workers"][0]["error"], "bad file");
+  AddWorker(R"({"id":"w2","models":[{"name":"m","state":"loaded","pinned":true,"memory_bytes":7,"last_used_unix_ms":9}]})");
+  one = json::parse(Call("GET", "/v1/models/m", "").body);
+  EXPECT_EQ(one["state"], "loaded");  // the best any worker has
+  ASSERT_EQ(one["workers"].size(), 2u);
+  EXPECT_EQ(one["workers"][1]["pinned"], true);
+  EXPECT_EQ(one["workers"][1]["memory_bytes"], 7);
+  EXPECT_EQ(one["workers"][1]["last_used_unix_ms"], 9);
+  auto r = Call("GET", "/v1/models/nope", "");
+  EXPECT_EQ(r.status, 404);
+  EXPECT_EQ(ErrorCode(r), "model_not_found");
+  EXPECT_EQ(Call("POST", "/v1/models/m", "").status, 405);
+  r = Call("GET", "/v1/models/bad%zz", "");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(ErrorCode(r), "invalid_model");
+}
+
+TEST_F(RoutesTest, ModelActionsGoToTheControllerAndReportEveryWorker) {
+  // Without a controller: 503.
+  auto r = Call("POST", "/v1/models/m/load", "");
+  EXPECT_EQ(r.status, 503);
+  EXPECT_EQ(ErrorCode(r), "control_unavailable");
+  FakeController control;
+  router_->SetModelController(&control);
+  control.results = {{"w1", Status::Ok(), R"({"state":"loaded"})"}};
+  r = Call("POST", "/v1/models/org%2Fm%20x/pin", R"({"worker":"w1"})");
+  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(control.asked.back(), "pin org/m x @w1");
+  auto body = json::parse(r.body);
+  EXPECT_EQ(body["results"][0]["status"]["state"], "loaded");
+  EXPECT_EQ(Call("GET", "/v1/models/m/unload", "").status, 405);
+  r = Call("POST", "/v1/models/m/load", R"({"worker":5})");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(ErrorCode(r), "invalid_worker");
+  r = Call("POST", "/v1/models/m/load", "[1]");
+  EXPECT_EQ(ErrorCode(r), "invalid_json");
+  // One worker failing fails the request with its status; both are reported.
+  control.results = {{"w1", Status::Ok(), "{}"},
+                     {"w2", Status(StatusCode::kInvalidArgument, "pinned", "model_pinned"), ""}};
+  r = Call("POST", "/v1/models/m/unload", "");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(ErrorCode(r), "model_pinned");
+  body = json::parse(r.body);
+  EXPECT_EQ(body["results"].size(), 2u);
+  EXPECT_EQ(body["results"][1]["ok"], false);
+  control.error = Unavailable("no live worker serves model 'm'", "no_worker");
+  r = Call("POST", "/v1/models/m/load", "");
+  EXPECT_EQ(r.status, 503);
+  EXPECT_FALSE(r.headers.empty());  // Retry-After
+  EXPECT_EQ(ErrorCode(r), "no_worker");
+}
+
+TEST_F(RoutesTest, NoWaitGatewayAnswers503AndAsksForTheLoad) {
+  RouterOptions o;
+  o.wait_for_load = false;
+  o.retry_after_s = 3;
+  router_ = std::make_unique<Router>(o, &submitter_, [this] { return snapshot_; }, &metrics_, &clock_);
+  auto r = Call("POST", "/v1/embeddings", R"({"model":"m","input":"hi"})");
+  EXPECT_EQ(r.status, 503);
+  EXPECT_EQ(ErrorCode(r), "model_loading");
+  ASSERT_EQ(r.headers.size(), 1u);
+  EXPECT_EQ(r.headers[0].first, "Retry-After");
+  EXPECT_EQ(r.headers[0].second, "3");
+  EXPECT_EQ(submitter_.load_requests, std::vector<std::string>{"m"});
+  EXPECT_EQ(submitter_.calls, 0);  // no work was queued
+  AddWorker(R"({"id":"w1","models":[{"name":"m","state":"loading"}]})");
+  EXPECT_EQ(Call("POST", "/v1/encode/m", R"({"inputs":["a"]})").status, 503);
+  AddWorker(R"({"id":"w2","models":[{"name":"m","state":"loaded"}]})");
+  EXPECT_EQ(Call("POST", "/v1/embeddings", R"({"model":"m","input":"hi"})").status, 200);
 }
 
 }  // namespace

@@ -260,6 +260,13 @@ Result<std::string> TokenToModel(std::string_view token) {
   return out;
 }
 
+std::string ModelKvKey(std::string_view model) {
+  std::string key = ModelToToken(model);
+  for (char& c : key)
+    if (c == '~') c = '=';
+  return key;
+}
+
 std::string WorkSubject(std::string_view model) { return kWorkSubjectPrefix + ModelToToken(model); }
 std::string ConsumerName(std::string_view model) { return "shoal_" + ModelToToken(model); }
 

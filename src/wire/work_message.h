@@ -20,10 +20,20 @@ inline constexpr const char* kHdrTokenEstimate = "Shoal-Token-Estimate";
 inline constexpr const char* kHdrReplyTo = "Shoal-Reply-To";
 inline constexpr const char* kHdrPayloadRef = "Shoal-Payload-Ref";
 inline constexpr const char* kHdrMsgId = "Nats-Msg-Id";             // JetStream de-duplication
+// A message with this header carries no work: it only says that someone
+// wants the model loaded (a gateway that answers 503 instead of waiting).
+// Workers ack it without a reply.
+inline constexpr const char* kHdrLoadHint = "Shoal-Load-Hint";
 
 inline constexpr const char* kStreamName = "SHOAL_WORK";
 inline constexpr const char* kWorkersBucket = "SHOAL_WORKERS";  // heartbeats, TTL
 inline constexpr const char* kModelsBucket = "SHOAL_MODELS";    // model catalog
+// Placement claims: a worker that decides to load a cold model first creates
+// the key "<model-token>.<replica>" here; whoever fails to create it leaves
+// the load to the holder. Entries expire (TTL), so a dead claimant's claim goes.
+inline constexpr const char* kPlacementBucket = "SHOAL_PLACEMENT";
+// Control requests to one worker (load/unload/pin/unpin/status), JSON.
+inline std::string ControlSubject(const std::string& worker_id) { return "shoal.ctl." + worker_id; }
 inline constexpr const char* kWorkSubjectPrefix = "shoal.work.";
 
 // Body of a work message: {task, model, inputs, params}.
@@ -72,6 +82,9 @@ Result<WorkReply> DecodeWorkReply(std::string_view data);
 // [A-Za-z0-9_-] stay as they are, every other byte becomes "~XX" (hex).
 std::string ModelToToken(std::string_view model);
 Result<std::string> TokenToModel(std::string_view token);
+// The model's key in a KV bucket (keys allow [-/_=.a-zA-Z0-9]): its subject
+// token with '=' in place of '~', so it is reversible too.
+std::string ModelKvKey(std::string_view model);
 std::string WorkSubject(std::string_view model);   // shoal.work.<token>
 std::string ConsumerName(std::string_view model);  // shoal_<token>
 

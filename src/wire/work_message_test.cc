@@ -1,5 +1,7 @@
 #include "wire/work_message.h"
 
+#include <set>
+
 #include <gtest/gtest.h>
 
 namespace shoal::wire {
@@ -98,6 +100,17 @@ TEST(SubjectToken, IsReversibleAndSafe) {
   EXPECT_EQ(ConsumerName("a.b"), "shoal_a~2Eb");
   EXPECT_FALSE(TokenToModel("bad~Z").ok());
   EXPECT_FALSE(TokenToModel("bad~4").ok());
+}
+
+TEST(SubjectToken, KvKeysUseOnlyKeyCharacters) {
+  std::set<std::string> keys;
+  for (std::string name : {"bge-small-en-v1.5", "org/model.v2", "a b*c>d", "x~y", "ümlaut", "x=y"}) {
+    std::string key = ModelKvKey(name);
+    EXPECT_EQ(key.find_first_not_of("-_=abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"),
+              std::string::npos) << key;
+    EXPECT_TRUE(keys.insert(key).second) << "collision: " << key;
+  }
+  EXPECT_EQ(ModelKvKey("bge-small-en-v1.5"), "bge-small-en-v1=2E5");
 }
 
 }  // namespace

@@ -29,7 +29,8 @@ struct PendingWork {
   std::vector<int32_t> token_counts;       // per row (after truncation)
   bool truncated_any = false;
   int64_t tokens = 0;                      // sum of row lengths
-  int64_t enqueued_mono_us = 0;
+  int64_t enqueued_mono_us = 0;           // when the worker pulled it
+  int64_t published_mono_us = 0;          // when the gateway queued it (clock's monotonic time)
 };
 
 class Batcher {

@@ -77,6 +77,7 @@ struct ModelManager::Entry {
   Counter* evictions = nullptr;
   Gauge* memory = nullptr;
   Counter* load_waits = nullptr;
+  Histogram* load_wait_seconds = nullptr;
 };
 
 struct ModelManager::Job {
@@ -126,9 +127,6 @@ ModelManager::ModelManager(ModelManagerOptions options, std::vector<ModelConfig>
   }
   metrics_ = metrics;
   models_loaded_ = metrics_->GetGauge("shoal_worker_models_loaded", "Models resident on this worker.");
-  load_wait_seconds_ = metrics_->GetHistogram(
-      "shoal_worker_load_wait_seconds", "How long requests waited for a model to load.", {},
-      LatencyBuckets());
   for (ModelConfig& config : catalog) {
     if (entries_.count(config.name) != 0) {
       duplicate_names_.push_back(config.name);
@@ -153,6 +151,9 @@ ModelManager::ModelManager(ModelManagerOptions options, std::vector<ModelConfig>
                                         "Models unloaded to make room for another.", l);
     e->memory = metrics_->GetGauge("shoal_worker_model_memory_bytes",
                                    "Measured footprint of a resident model.", l);
+    e->load_wait_seconds = metrics_->GetHistogram("shoal_worker_load_wait_seconds",
+                                                  "How long requests waited for a model to load.", l,
+                                                  LatencyBuckets());
     e->load_waits = metrics_->GetCounter("shoal_worker_load_waits_total",
                                          "Requests that waited for a model to load.", l);
     e->config = std::move(config);
@@ -232,6 +233,21 @@ bool ModelManager::IsLoaded(const std::string& name) const {
   std::lock_guard<std::mutex> lock(mu_);
   const Entry* e = Find(name);
   return e != nullptr && e->state == ModelState::kLoaded;
+}
+
+void ModelManager::Touch(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry* e = Find(name);
+  if (e != nullptr && e->state == ModelState::kLoaded) TouchLocked(*e);
+}
+
+bool ModelManager::FitsWithoutEviction(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Entry* e = Find(name);
+  if (e == nullptr) return false;
+  const int64_t need = EstimateLocked(*e);
+  return (options_.memory_budget_bytes == 0 || UsedLocked() + need <= options_.memory_budget_bytes) &&
+         (options_.max_models == 0 || CountLocked() < options_.max_models);
 }
 
 Status ModelManager::StartLoad(const std::string& name) {
@@ -478,7 +494,7 @@ Status ModelManager::WaitLoadedLocked(std::unique_lock<std::mutex>& lock, Entry&
     cv_.wait_for(lock, std::chrono::microseconds(std::min(deadline_mono_us - now, kWaitSliceUs)));
   }
   if (waited && count_wait) {
-    load_wait_seconds_->Observe(static_cast<double>(clock_->NowMonoUs() - wait_start_us) / 1e6);
+    e.load_wait_seconds->Observe(static_cast<double>(clock_->NowMonoUs() - wait_start_us) / 1e6);
   }
   return result;
 }
@@ -505,6 +521,7 @@ void ModelManager::UpdateLoadedGaugeLocked() {
 void ModelManager::UnloadVictims(std::vector<std::unique_ptr<LoadedModel>> victims,
                                  int64_t accounted_bytes, int accounted_count) {
   for (auto& v : victims) {
+    v->attachment.reset();  // stops every use of the model first
     if (v->runtime != nullptr) v->runtime->Unload();
     v.reset();
   }
@@ -600,12 +617,13 @@ void ModelManager::LoaderLoop() {
     job->attempt->done = true;
     UpdateLoadedGaugeLocked();
     cv_.notify_all();
+    lock.unlock();
     if (!over_budget.empty()) {
-      lock.unlock();
       const int count = static_cast<int>(over_budget.size());
       UnloadVictims(std::move(over_budget), over_budget_bytes, count);
-      lock.lock();
     }
+    if (on_change_) on_change_();
+    lock.lock();
   }
 }
 

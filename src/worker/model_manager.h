@@ -41,7 +41,6 @@
 #include <string_view>
 #include <thread>
 #include <vector>
-#include <vector>
 
 #include "common/clock.h"
 #include "common/metrics.h"
@@ -65,6 +64,14 @@ struct ModelManagerOptions {
   Status Validate() const;
 };
 
+// Something that uses a resident model, such as a worker's pull loop for it.
+// The manager destroys it first when the model is unloaded, before the
+// runtime unloads, so its destructor must stop all use of the model.
+class ModelAttachment {
+ public:
+  virtual ~ModelAttachment() = default;
+};
+
 // Everything a worker keeps for one resident model (runtime, and whatever
 // else a model needs, such as its tokenizer). The loader fills it; the
 // manager owns it until the model is unloaded.
@@ -73,6 +80,7 @@ struct LoadedModel {
   std::unique_ptr<Runtime> runtime;  // loaded; Unload() is called on eviction
   // Measured footprint in bytes. 0: the manager takes runtime->MemoryBytes().
   int64_t memory_bytes = 0;
+  std::unique_ptr<ModelAttachment> attachment;  // destroyed before the runtime unloads
 };
 
 // Loads one model, blocking for as long as it takes. Called on a loader
@@ -156,6 +164,15 @@ class ModelManager {
 
   // Whether `name` is loaded right now. Never blocks on a load.
   bool IsLoaded(const std::string& name) const;
+  // Marks a loaded model used now (LRU order) without a lease; for users
+  // that keep it busy through an attachment. No-op when not loaded.
+  void Touch(const std::string& name);
+  // Whether `name` could start loading now without evicting anything.
+  bool FitsWithoutEviction(const std::string& name) const;
+  // Called after every finished load (success or failure) and the
+  // evictions that came with it, outside the lock, on a loader thread. Set
+  // before Start().
+  void SetOnChange(std::function<void()> on_change) { on_change_ = std::move(on_change); }
 
   // Starts loading `name` if it is not loaded or loading; never waits for
   // the load. OK when loaded or loading; else the error Acquire() would
@@ -219,11 +236,11 @@ class ModelManager {
 
   const ModelManagerOptions options_;
   const ModelLoader loader_;
+  std::function<void()> on_change_;
   const Clock* clock_;
   std::unique_ptr<MetricsRegistry> own_metrics_;
   MetricsRegistry* metrics_;
   Gauge* models_loaded_;
-  Histogram* load_wait_seconds_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;  // any state change; loader threads wait on it too

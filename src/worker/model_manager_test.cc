@@ -370,7 +370,7 @@ TEST_F(ModelManagerTest, ConcurrentAcquiresForAColdModelShareOneLoad) {
   for (const Status& s : results) EXPECT_TRUE(s.ok()) << s.ToString();
   EXPECT_EQ(loader_.loads("a"), 1);
   EXPECT_EQ(Loads("a", "ok"), 1);
-  EXPECT_EQ(metrics_.GetHistogram("shoal_worker_load_wait_seconds", "", {}, LatencyBuckets())
+  EXPECT_EQ(metrics_.GetHistogram("shoal_worker_load_wait_seconds", "", {{"model", "a"}}, LatencyBuckets())
                 ->Count(),
             kCallers);
 }
@@ -744,6 +744,69 @@ TEST_F(ModelManagerTest, ConcurrentTrafficNeverUnloadsALeasedModelNorExceedsBudg
     loaded += s.state == ModelState::kLoaded ? 1 : 0;
   }
   EXPECT_LE(loaded, 3);
+}
+
+}  // namespace
+}  // namespace shoal
+
+namespace shoal {
+namespace {
+
+// Records when it is destroyed relative to its model's runtime unload.
+class OrderAttachment final : public ModelAttachment {
+ public:
+  OrderAttachment(FakeLoader* loader, std::string name, std::vector<std::string>* log, std::mutex* mu)
+      : loader_(loader), name_(std::move(name)), log_(log), mu_(mu) {}
+  ~OrderAttachment() override {
+    std::lock_guard<std::mutex> lock(*mu_);
+    log_->push_back("detach " + name_ + " after " + std::to_string(loader_->unloads(name_)) + " unloads");
+  }
+
+ private:
+  FakeLoader* loader_;
+  std::string name_;
+  std::vector<std::string>* log_;
+  std::mutex* mu_;
+};
+
+TEST_F(ModelManagerTest, AttachmentGoesBeforeUnloadTouchOrdersLruAndChangesAreReported) {
+  std::vector<ModelConfig> catalog = {Model("a", 100), Model("b", 100), Model("c", 100)};
+  std::vector<std::string> log;
+  std::mutex log_mu;
+  ModelLoader inner = loader_.AsLoader();
+  ModelLoader loader = [&](const ModelConfig& c) -> Result<std::unique_ptr<LoadedModel>> {
+    ASSIGN_OR_RETURN(auto m, inner(c));
+    m->attachment = std::make_unique<OrderAttachment>(&loader_, c.name, &log, &log_mu);
+    return m;
+  };
+  ModelManager mm(Options(250), catalog, loader, &clock_, &metrics_);
+  std::atomic<int> changes{0};
+  mm.SetOnChange([&] { ++changes; });
+  ASSERT_TRUE(mm.Start().ok());
+  ASSERT_TRUE(mm.Load("a").ok());
+  ASSERT_TRUE(mm.Load("b").ok());
+  EXPECT_TRUE(Eventually([&] { return changes.load() == 2; }));
+  EXPECT_FALSE(mm.FitsWithoutEviction("c"));  // 200 used + 100 > 250
+  // "a" was loaded first, but a touch makes "b" the least recently used.
+  mm.Touch("a");
+  mm.Touch("nope");  // unknown: ignored
+  ASSERT_TRUE(mm.StartLoad("c").ok());
+  EXPECT_TRUE(Eventually([&] { return mm.IsLoaded("c"); }));
+  EXPECT_EQ(StateOf(mm, "b"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm.IsLoaded("a"));
+  EXPECT_TRUE(Eventually([&] { return changes.load() == 3; }));
+  std::lock_guard<std::mutex> lock(log_mu);
+  EXPECT_EQ(log, std::vector<std::string>{"detach b after 0 unloads"});
+}
+
+TEST_F(ModelManagerTest, FitsWithoutEvictionCountsModels) {
+  ModelManager mm(Options(0, {}, 1), {Model("a", 10), Model("b", 10)}, loader_.AsLoader(), &clock_,
+                  &metrics_);
+  ASSERT_TRUE(mm.Start().ok());
+  EXPECT_TRUE(mm.FitsWithoutEviction("a"));
+  EXPECT_FALSE(mm.FitsWithoutEviction("missing"));
+  ASSERT_TRUE(mm.Load("a").ok());
+  EXPECT_FALSE(mm.FitsWithoutEviction("b"));
 }
 
 }  // namespace

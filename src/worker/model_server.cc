@@ -55,6 +55,13 @@ ModelServer::ModelServer(ModelServerDeps deps)
   tokens_total_ = m->GetCounter("shoal_worker_tokens_total", "Real (unpadded) tokens embedded.", l);
   expired_ = m->GetCounter("shoal_worker_expired_total", "Work dropped because its deadline passed.", l);
   redelivered_ = m->GetCounter("shoal_worker_redelivered_total", "Work delivered more than once.", l);
+  load_waits_ = m->GetCounter("shoal_worker_load_waits_total", "Requests that waited for a model to load.", l);
+  load_wait_seconds_ = m->GetHistogram("shoal_worker_load_wait_seconds",
+                                       "How long requests waited for a model to load.", l,
+                                       LatencyBuckets());
+  turn_wait_seconds_ = m->GetHistogram("shoal_worker_device_wait_seconds",
+                                       "Time a formed batch waited for its turn on the device.", l,
+                                       LatencyBuckets());
 }
 
 ModelServer::~ModelServer() { Stop(); }
@@ -80,7 +87,11 @@ void ModelServer::Stop() {
     while (batcher_.size() > 0)
       for (auto& w : batcher_.Take()) left.push_back(std::move(w));
   }
-  for (auto& w : left) (void)w->delivery.Nak();
+  Release(std::move(left));
+}
+
+void ModelServer::Release(std::vector<std::unique_ptr<PendingWork>> work) {
+  for (auto& w : work) (void)w->delivery.Nak();
 }
 
 void ModelServer::Reply(const wire::WorkReply& reply, const std::string& reply_to) {
@@ -191,6 +202,10 @@ void ModelServer::FetchLoop() {
     const int64_t now_ms = d_.clock->NowUnixMs();
     std::vector<std::unique_ptr<PendingWork>> ready;
     for (Delivery& delivery : *fetched) {
+      if (!delivery.Header(wire::kHdrLoadHint).empty()) {
+        (void)delivery.Ack();  // the model is loaded: the hint has done its job
+        continue;
+      }
       auto headers = ParseWorkHeaders(delivery);
       if (!headers.ok()) {
         LOG_WARN("worker", "dropping malformed work message: " << headers.status().message());
@@ -208,10 +223,19 @@ void ModelServer::FetchLoop() {
         Fail(delivery, *headers, work.status());
         continue;
       }
+      const int64_t published_ms = delivery.PublishedUnixMs();
+      const int64_t now_mono = d_.clock->NowMonoUs();
+      if (published_ms > 0 && published_ms < d_.loaded_unix_ms && delivery.NumDelivered() == 1) {
+        // Queued before this model was loaded here: it waited for the load.
+        load_waits_->Inc();
+        load_wait_seconds_->Observe(static_cast<double>(d_.loaded_unix_ms - published_ms) / 1e3);
+      }
       (*work)->headers = std::move(*headers);
       (*work)->delivery = std::move(delivery);
       avg_tokens_per_msg_ = 0.9 * avg_tokens_per_msg_ + 0.1 * static_cast<double>((*work)->tokens);
-      (*work)->enqueued_mono_us = d_.clock->NowMonoUs();
+      (*work)->enqueued_mono_us = now_mono;
+      (*work)->published_mono_us =
+          published_ms > 0 ? now_mono - std::max<int64_t>(0, now_ms - published_ms) * 1000 : now_mono;
       ready.push_back(std::move(work).value());
     }
     if (ready.empty()) continue;
@@ -241,7 +265,29 @@ void ModelServer::ExecLoop() {
       batch = batcher_.Take();
     }
     space_cv_.notify_one();
-    RunBatch(std::move(batch));
+    if (d_.scheduler == nullptr) {
+      RunBatch(std::move(batch));
+    } else {
+      // One forward pass at a time per device, shared fairly between models:
+      // the turn goes to the oldest waiting work, weighted by backlog.
+      int64_t oldest = batch.front()->published_mono_us;
+      for (const auto& w : batch) oldest = std::min(oldest, w->published_mono_us);
+      int64_t backlog = 0;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        backlog = static_cast<int64_t>(batcher_.size());
+      }
+      if (d_.backlog) backlog = std::max(backlog, d_.backlog());
+      const int64_t t0 = d_.clock->NowMonoUs();
+      auto turn = d_.scheduler->Acquire(d_.config.name, oldest, backlog, &stop_);
+      if (!turn.ok()) {
+        Release(std::move(batch));  // stopping: another worker (or our successor) runs it
+        break;
+      }
+      turn_wait_seconds_->Observe(static_cast<double>(d_.clock->NowMonoUs() - t0) / 1e6);
+      RunBatch(std::move(batch));
+    }
+    if (d_.on_batch) d_.on_batch();
   }
 }
 

@@ -1,10 +1,14 @@
 // ModelServer: serves one loaded model inside a worker. Owns the model's
-// pull consumer, tokenizer, runtime, batcher and its two threads (fetcher,
-// executor). Created and stopped by Worker.
+// pull consumer, tokenizer, batcher and its two threads (fetcher, executor);
+// uses the runtime the worker's ModelManager owns, and runs each forward
+// pass in a turn of the worker's DeviceScheduler. It is the model's
+// attachment: the manager destroys it (stopping both threads) before it
+// unloads the runtime.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -17,12 +21,14 @@
 #include "runtime/runtime.h"
 #include "tokenize/wordpiece_tokenizer.h"
 #include "worker/batcher.h"
+#include "worker/device_scheduler.h"
+#include "worker/model_manager.h"
 
 namespace shoal {
 
 struct ModelServerDeps {
   ModelConfig config;
-  std::unique_ptr<Runtime> runtime;               // loaded
+  Runtime* runtime = nullptr;                      // loaded; outlives the server
   std::unique_ptr<WordPieceTokenizer> tokenizer;
   std::unique_ptr<PullConsumer> consumer;
   NatsClient* client = nullptr;                   // publishes replies
@@ -32,12 +38,16 @@ struct ModelServerDeps {
   int64_t fetch_poll_ms = 500;
   int64_t ack_wait_ms = 30000;
   int max_deliver = 5;
+  DeviceScheduler* scheduler = nullptr;           // null: run without turns
+  std::function<void()> on_batch;                 // after each batch (marks the model used)
+  std::function<int64_t()> backlog;               // messages waiting for this model in the stream
+  int64_t loaded_unix_ms = 0;                     // work queued before this waited for the load
 };
 
-class ModelServer {
+class ModelServer final : public ModelAttachment {
  public:
   explicit ModelServer(ModelServerDeps deps);
-  ~ModelServer();
+  ~ModelServer() override;
   // Starts the fetcher and executor threads. Call once.
   void Start();
   // Stops both threads; see Worker::Stop. Idempotent.
@@ -53,6 +63,8 @@ class ModelServer {
   void FetchLoop();
   void ExecLoop();
   void RunBatch(std::vector<std::unique_ptr<PendingWork>> batch);
+  // Hands pulled-but-unrun work back to the queue for redelivery.
+  static void Release(std::vector<std::unique_ptr<PendingWork>> work);
   // Publishes an error reply (when the caller can be reached) and terms.
   void Fail(Delivery& delivery, const wire::WorkHeaders& headers, const Status& status);
   void Reply(const wire::WorkReply& reply, const std::string& reply_to);
@@ -75,6 +87,9 @@ class ModelServer {
   Counter* tokens_total_ = nullptr;
   Counter* expired_ = nullptr;
   Counter* redelivered_ = nullptr;
+  Counter* load_waits_ = nullptr;
+  Histogram* load_wait_seconds_ = nullptr;
+  Histogram* turn_wait_seconds_ = nullptr;
 };
 
 // Parses the Shoal-* headers of a work message.

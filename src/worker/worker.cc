@@ -1,7 +1,11 @@
 #include "worker/worker.h"
 
+#include <nats/nats.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -11,6 +15,8 @@
 #include "runtime/runtime.h"
 #include "tokenize/wordpiece_tokenizer.h"
 #include "wire/work_message.h"
+#include "worker/device_scheduler.h"
+#include "worker/model_manager.h"
 #include "worker/model_server.h"
 
 namespace shoal {
@@ -22,11 +28,20 @@ Status WorkerOptions::Validate() const {
   if (heartbeat_interval_ms < 100) return InvalidArgument("worker: heartbeat_interval_ms must be >= 100");
   if (heartbeat_ttl_ms <= heartbeat_interval_ms)
     return InvalidArgument("worker: heartbeat_ttl_ms must exceed heartbeat_interval_ms");
+  if (memory_budget_bytes < 0) return InvalidArgument("worker: memory_budget_bytes must be >= 0");
+  if (max_models < 0) return InvalidArgument("worker: max_models must be >= 0");
+  if (device_slots < 1) return InvalidArgument("worker: device_slots must be >= 1");
+  if (demand_poll_ms < 10) return InvalidArgument("worker: demand_poll_ms must be >= 10");
+  if (claim_ttl_ms < 1000) return InvalidArgument("worker: claim_ttl_ms must be >= 1000");
+  if (scale_out_backlog < 0) return InvalidArgument("worker: scale_out_backlog must be >= 0");
+  if (retry_failed_after_ms < 0) return InvalidArgument("worker: retry_failed_after_ms must be >= 0");
   RETURN_IF_ERROR(consumer.Validate());
   return stream.Validate();
 }
 
 namespace {
+
+using nlohmann::json;
 
 std::string HostName() {
   char host[256] = {};
@@ -39,10 +54,25 @@ std::string DefaultWorkerId(const std::string& host) {
   char suffix[8];
   std::snprintf(suffix, sizeof suffix, "%04x", rd() & 0xffff);
   std::string id = host + "-" + std::to_string(::getpid()) + "-" + suffix;
-  // KV keys allow [-/_=.a-zA-Z0-9]; keep it simple.
+  // KV keys and subject tokens: keep to [-_a-zA-Z0-9].
   for (char& c : id)
     if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_') c = '-';
   return id;
+}
+
+// Resident set size of this process, from /proc/self/statm.
+int64_t ResidentBytes() {
+  std::ifstream in("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  if (!(in >> size >> resident)) return 0;
+  return resident * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+json ErrorJson(const Status& s) {
+  return {{"message", s.message()},
+          {"code", std::string(s.ReasonOrDefault())},
+          {"kind", std::string(StatusCodeName(s.code()))},
+          {"status", HttpStatusFor(s.code())}};
 }
 
 }  // namespace
@@ -57,11 +87,13 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   w->id_ = options.worker_id.empty() ? DefaultWorkerId(w->host_) : options.worker_id;
   w->client_ = client;
   w->metrics_ = metrics;
+  w->clock_ = clock;
   w->started_unix_ms_ = clock->NowUnixMs();
 
   RETURN_IF_ERROR(EnsureWorkStream(*client, options.stream));
   ASSIGN_OR_RETURN(w->workers_kv_, KvBucket::Open(*client, wire::kWorkersBucket, options.heartbeat_ttl_ms));
   ASSIGN_OR_RETURN(w->models_kv_, KvBucket::Open(*client, wire::kModelsBucket, 0));
+  ASSIGN_OR_RETURN(w->placement_kv_, KvBucket::Open(*client, wire::kPlacementBucket, options.claim_ttl_ms));
 
   ASSIGN_OR_RETURN(auto configs, LoadModelRepository(options.model_repository));
   std::vector<ModelConfig> selected;
@@ -73,8 +105,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   }
   if (options.models.empty()) selected = configs;
   if (selected.empty()) return NotFound("no models in repository " + options.model_repository);
-
-  for (ModelConfig config : selected) {
+  for (ModelConfig& config : selected) {
     if (!options.runtime_override.empty()) config.runtime = options.runtime_override;
     if (options.intra_op_threads > 0) config.intra_op_threads = options.intra_op_threads;
     if (options.max_batch_tokens > 0) config.batching.max_batch_tokens = options.max_batch_tokens;
@@ -83,51 +114,69 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
     RETURN_IF_ERROR(config.Validate());
     if (config.intra_op_threads == 0)
       config.intra_op_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    ASSIGN_OR_RETURN(auto runtime, options.runtime_factory ? options.runtime_factory(config)
-                                                           : CreateRuntime(config.runtime));
-    const int64_t t0 = clock->NowMonoUs();
-    // Load on a thread that ends with the load: libtorch's warm-up passes
-    // would otherwise leave an idle OpenMP team on the caller's thread for
-    // the life of the process, and two teams on the same cores throttle
-    // each other (docs/BENCHMARKS.md, "What limits the ratio").
-    Status loaded;
-    std::thread([&] { loaded = runtime->Load(config); }).join();
-    if (!loaded.ok()) return Status(loaded.code(), "loading model '" + config.name + "': " + loaded.message());
-    if (config.dim == 0) config.dim = runtime->Dim();
-    LOG_INFO("worker", "loaded " << config.name << " (" << config.runtime << ", dim " << config.dim << ", "
-                                 << runtime->MemoryBytes() / (1 << 20) << " MiB) in "
-                                 << (clock->NowMonoUs() - t0) / 1000 << " ms");
-    WordPieceOptions to;
-    to.lowercase = config.tokenizer.lowercase;
-    to.strip_accents = config.tokenizer.strip_accents;
-    to.tokenize_chinese_chars = config.tokenizer.tokenize_chinese_chars;
-    ASSIGN_OR_RETURN(auto tokenizer, WordPieceTokenizer::FromFile(config.VocabPath(), to));
-    ASSIGN_OR_RETURN(auto consumer,
-                     PullConsumer::Create(*client, options.stream.name, wire::WorkSubject(config.name),
-                                          wire::ConsumerName(config.name), options.consumer));
-    ModelServerDeps deps;
-    deps.config = config;
-    deps.runtime = std::move(runtime);
-    deps.tokenizer = std::move(tokenizer);
-    deps.consumer = std::move(consumer);
-    deps.client = client;
-    deps.metrics = metrics;
-    deps.clock = clock;
-    deps.worker_id = w->id_;
-    deps.fetch_poll_ms = options.fetch_poll_ms;
-    deps.ack_wait_ms = options.consumer.ack_wait_ms;
-    deps.max_deliver = options.consumer.max_deliver;
-    w->servers_.push_back(std::make_unique<ModelServer>(std::move(deps)));
-    metrics->GetGauge("shoal_worker_model_memory_bytes", "Measured memory of each loaded model.",
-                      {{"model", config.name}})->Set(static_cast<double>(w->servers_.back()->memory_bytes()));
+    Backlog& b = w->backlog_[config.name];
+    b.msgs_gauge = metrics->GetGauge("shoal_worker_model_backlog",
+                                     "Messages held in the work stream for a model (waiting or in flight).",
+                                     {{"model", config.name}});
+    b.age_gauge = metrics->GetGauge("shoal_worker_model_oldest_wait_seconds",
+                                    "Age of the oldest message held in the work stream for a model.",
+                                    {{"model", config.name}});
   }
-  for (auto& s : w->servers_) {
-    RETURN_IF_ERROR(w->models_kv_->Put(wire::ModelToToken(s->config().name), ModelConfigToJson(s->config())));
+  w->catalog_ = selected;
+  w->claims_won_ = metrics->GetCounter("shoal_worker_placement_claims_total",
+                                       "Placement claims for cold models, by result.", {{"result", "won"}});
+  w->claims_lost_ = metrics->GetCounter("shoal_worker_placement_claims_total",
+                                        "Placement claims for cold models, by result.", {{"result", "lost"}});
+  w->drained_ = metrics->GetCounter("shoal_worker_load_failed_answers_total",
+                                    "Waiting work answered with a model's load error.");
+
+  DeviceSchedulerOptions so;
+  so.slots = options.device_slots;
+  RETURN_IF_ERROR(so.Validate());
+  w->scheduler_ = std::make_unique<DeviceScheduler>(so, clock);
+
+  ModelManagerOptions mo;
+  mo.memory_budget_bytes = options.memory_budget_bytes;
+  mo.pinned = options.pinned;
+  mo.max_models = options.max_models;
+  mo.retry_failed_after_us = options.retry_failed_after_ms * 1000;
+  Worker* self = w.get();
+  w->manager_ = std::make_unique<ModelManager>(
+      mo, selected, [self](const ModelConfig& c) { return self->LoadModel(c); }, clock, metrics);
+  w->manager_->SetOnChange([self] {
+    {
+      std::lock_guard<std::mutex> lock(self->hb_mu_);
+      self->hb_now_ = true;
+    }
+    self->hb_cv_.notify_all();
+  });
+
+  for (const ModelConfig& c : w->catalog_) {
+    RETURN_IF_ERROR(w->models_kv_->Put(wire::ModelKvKey(c.name), ModelConfigToJson(c)));
   }
+  RETURN_IF_ERROR(w->manager_->Start());
+  std::vector<std::string> preload = options.preload;
+  if (preload.size() == 1 && preload.front() == "all") {
+    preload.clear();
+    for (const ModelConfig& c : w->catalog_) preload.push_back(c.name);
+  }
+  for (const std::string& name : preload) {
+    if (std::find(options.pinned.begin(), options.pinned.end(), name) != options.pinned.end()) continue;
+    if (!w->manager_->FitsWithoutEviction(name)) {
+      LOG_INFO("worker", "not preloading " << name << ": it would not fit without evicting");
+      continue;
+    }
+    Status s = w->manager_->Load(name);
+    if (s.code() == StatusCode::kNotFound) return s;  // a typo in --preload
+    if (!s.ok()) LOG_WARN("worker", "preloading " << name << ": " << s.ToString());
+  }
+
+  ASSIGN_OR_RETURN(w->control_sub_, client->Subscribe(wire::ControlSubject(w->id_), &Worker::OnControl, self));
   RETURN_IF_ERROR(w->workers_kv_->Put(w->id_, w->HeartbeatJson()));
-  for (auto& s : w->servers_) s->Start();
-  w->heartbeat_ = std::thread([p = w.get()] { p->HeartbeatLoop(); });
-  LOG_INFO("worker", "worker " << w->id_ << " serving " << w->servers_.size() << " model(s)");
+  w->heartbeat_ = std::thread([self] { self->HeartbeatLoop(); });
+  w->demand_ = std::thread([self] { self->DemandLoop(); });
+  LOG_INFO("worker", "worker " << w->id_ << ": " << w->LoadedModels().size() << " of " << w->catalog_.size()
+                               << " model(s) loaded");
   return w;
 }
 
@@ -140,43 +189,387 @@ void Worker::Stop() {
   }
   hb_cv_.notify_all();
   if (heartbeat_.joinable()) heartbeat_.join();
-  for (auto& s : servers_) s->Stop();
+  if (demand_.joinable()) demand_.join();
+  control_sub_.reset();
+  { std::lock_guard<std::mutex> wait_for_control(control_mu_); }  // one in progress finishes first
+  if (scheduler_) scheduler_->Shutdown();
+  manager_.reset();  // stops every model's threads, then unloads
+  drain_consumers_.clear();
   if (workers_kv_) (void)workers_kv_->Delete(id_);
   (void)client_->Flush(1000);
 }
 
 std::vector<std::string> Worker::ModelNames() const {
   std::vector<std::string> out;
-  for (const auto& s : servers_) out.push_back(s->config().name);
+  for (const auto& c : catalog_) out.push_back(c.name);
   return out;
 }
 
-std::string Worker::HeartbeatJson() const {
-  nlohmann::json models = nlohmann::json::array();
-  int64_t used = 0;
-  for (const auto& s : servers_) {
-    models.push_back({{"name", s->config().name}, {"state", "loaded"}, {"memory_bytes", s->memory_bytes()}});
-    used += s->memory_bytes();
+std::vector<std::string> Worker::LoadedModels() const {
+  std::vector<std::string> out;
+  for (const ModelStatus& s : manager_->Statuses())
+    if (s.state == ModelState::kLoaded) out.push_back(s.name);
+  return out;
+}
+
+Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config) {
+  ASSIGN_OR_RETURN(auto runtime, options_.runtime_factory ? options_.runtime_factory(config)
+                                                          : CreateRuntime(config.runtime));
+  const int64_t t0 = clock_->NowMonoUs();
+  const int64_t rss_before = ResidentBytes();
+  // Load on a thread that ends with the load: libtorch's warm-up passes
+  // would otherwise leave an idle OpenMP team on the loader thread for the
+  // life of the process, and two teams on the same cores throttle each
+  // other (docs/BENCHMARKS.md, "What limits the ratio").
+  Status loaded;
+  std::thread([&] { loaded = runtime->Load(config); }).join();
+  if (!loaded.ok()) return Status(loaded.code(), "loading model '" + config.name + "': " + loaded.message());
+  // The real footprint: what the load added to the process, but never less
+  // than the runtime's own count (memory reused from an evicted model does
+  // not show in the resident set).
+  const int64_t measured = std::max<int64_t>(ResidentBytes() - rss_before, runtime->MemoryBytes());
+
+  ModelConfig c = config;
+  if (c.dim == 0) {
+    c.dim = runtime->Dim();
+    (void)models_kv_->Put(wire::ModelKvKey(c.name), ModelConfigToJson(c));
   }
-  nlohmann::json j = {{"id", id_},
-                      {"host", host_},
-                      {"pid", ::getpid()},
-                      {"started_unix_ms", started_unix_ms_},
-                      {"heartbeat_unix_ms", SystemClock::Get()->NowUnixMs()},
-                      {"memory_used_bytes", used},
-                      {"models", models}};
+  WordPieceOptions to;
+  to.lowercase = c.tokenizer.lowercase;
+  to.strip_accents = c.tokenizer.strip_accents;
+  to.tokenize_chinese_chars = c.tokenizer.tokenize_chinese_chars;
+  ASSIGN_OR_RETURN(auto tokenizer, WordPieceTokenizer::FromFile(c.VocabPath(), to));
+  ASSIGN_OR_RETURN(auto consumer, PullConsumer::Create(*client_, options_.stream.name, wire::WorkSubject(c.name),
+                                                       wire::ConsumerName(c.name), options_.consumer));
+  auto m = std::make_unique<LoadedModel>();
+  m->config = c;
+  m->memory_bytes = measured;
+  m->runtime = std::move(runtime);
+
+  ModelServerDeps deps;
+  deps.config = c;
+  deps.runtime = m->runtime.get();
+  deps.tokenizer = std::move(tokenizer);
+  deps.consumer = std::move(consumer);
+  deps.client = client_;
+  deps.metrics = metrics_;
+  deps.clock = clock_;
+  deps.worker_id = id_;
+  deps.fetch_poll_ms = options_.fetch_poll_ms;
+  deps.ack_wait_ms = options_.consumer.ack_wait_ms;
+  deps.max_deliver = options_.consumer.max_deliver;
+  deps.scheduler = scheduler_.get();
+  const std::string name = c.name;
+  // The manager itself, not manager_: Stop() resets manager_ (null) while
+  // the manager's destructor still stops this server.
+  ModelManager* manager = manager_.get();
+  deps.on_batch = [manager, name] { manager->Touch(name); };
+  deps.backlog = [this, name] {
+    std::lock_guard<std::mutex> lock(backlog_mu_);
+    return static_cast<int64_t>(backlog_[name].msgs);
+  };
+  deps.loaded_unix_ms = clock_->NowUnixMs();
+  auto server = std::make_unique<ModelServer>(std::move(deps));
+  server->Start();
+  m->attachment = std::move(server);
+  LOG_INFO("worker", "loaded " << c.name << " (" << c.runtime << ", dim " << c.dim << ", " << measured / (1 << 20)
+                               << " MiB measured) in " << (clock_->NowMonoUs() - t0) / 1000 << " ms");
+  return m;
+}
+
+// ----- Registry --------------------------------------------------------------
+
+std::string Worker::ModelStatusJson(const std::string& model) const {
+  for (const ModelStatus& s : manager_->Statuses()) {
+    if (s.name != model) continue;
+    json j = {{"worker", id_},
+              {"model", s.name},
+              {"state", std::string(ModelStateName(s.state))},
+              {"pinned", s.pinned},
+              {"memory_bytes", s.memory_bytes},
+              {"last_used_unix_ms", s.last_used_unix_ms}};
+    if (!s.error.empty()) j["error"] = s.error;
+    return j.dump();
+  }
+  return "{}";
+}
+
+std::string Worker::HeartbeatJson() const {
+  json models = json::array();
+  {
+    std::lock_guard<std::mutex> lock(backlog_mu_);
+    for (const ModelStatus& s : manager_->Statuses()) {
+      json m = {{"name", s.name},
+                {"state", std::string(ModelStateName(s.state))},
+                {"pinned", s.pinned},
+                {"memory_bytes", s.memory_bytes},
+                {"last_used_unix_ms", s.last_used_unix_ms}};
+      if (!s.error.empty()) m["error"] = s.error;
+      auto it = backlog_.find(s.name);
+      if (it != backlog_.end() && it->second.msgs > 0) {
+        m["backlog"] = it->second.msgs;
+        if (it->second.oldest_unix_ms > 0) m["oldest_unix_ms"] = it->second.oldest_unix_ms;
+      }
+      models.push_back(std::move(m));
+    }
+  }
+  json j = {{"id", id_},
+            {"host", host_},
+            {"pid", ::getpid()},
+            {"started_unix_ms", started_unix_ms_},
+            {"heartbeat_unix_ms", SystemClock::Get()->NowUnixMs()},
+            {"memory_used_bytes", manager_->memory_used_bytes()},
+            {"memory_budget_bytes", options_.memory_budget_bytes},
+            {"max_models", options_.max_models},
+            {"models", models}};
   return j.dump();
+}
+
+void Worker::PublishHeartbeat() {
+  Status s = workers_kv_->Put(id_, HeartbeatJson());
+  if (!s.ok()) LOG_WARN("worker", "heartbeat failed: " << s.ToString());
 }
 
 void Worker::HeartbeatLoop() {
   std::unique_lock<std::mutex> lock(hb_mu_);
   while (!stop_) {
-    hb_cv_.wait_for(lock, std::chrono::milliseconds(options_.heartbeat_interval_ms));
+    hb_cv_.wait_for(lock, std::chrono::milliseconds(options_.heartbeat_interval_ms), [this] { return stop_ || hb_now_; });
+    if (stop_) break;
+    hb_now_ = false;
+    lock.unlock();
+    PublishHeartbeat();
+    lock.lock();
+  }
+}
+
+std::map<std::string, std::vector<Worker::PeerModel>> Worker::Peers(bool fresh) {
+  const int64_t now = clock_->NowMonoUs();
+  if (!fresh && now - peers_read_mono_us_ < options_.heartbeat_interval_ms * 500) return peers_;
+  auto keys = workers_kv_->Keys();
+  if (!keys.ok()) return peers_;  // keep the last view; try again next round
+  std::map<std::string, std::vector<PeerModel>> peers;
+  for (const std::string& key : *keys) {
+    if (key == id_) continue;
+    auto value = workers_kv_->Get(key);
+    if (!value.ok()) continue;  // expired between Keys and Get
+    try {
+      json j = json::parse(*value);
+      for (const json& m : j.value("models", json::array())) {
+        std::string state = m.value("state", "");
+        if (state == "loaded" || state == "loading" || state == "failed") {
+          peers[m.value("name", "")].push_back({key, state});
+        }
+      }
+    } catch (const std::exception& e) {
+      LOG_WARN("worker", "unreadable heartbeat of " << key << ": " << e.what());
+    }
+  }
+  peers_ = std::move(peers);
+  peers_read_mono_us_ = now;
+  return peers_;
+}
+
+bool Worker::Claim(const std::string& model, int replica) {
+  const std::string key = wire::ModelKvKey(model) + "." + std::to_string(replica);
+  auto created = placement_kv_->Create(key, id_);
+  if (!created.ok()) {
+    LOG_WARN("worker", "placement claim " << key << ": " << created.status().ToString());
+    return false;
+  }
+  if (!*created) {
+    auto holder = placement_kv_->Get(key);
+    if (holder.ok() && *holder == id_) return true;  // ours from an earlier round
+    claims_lost_->Inc();
+    return false;
+  }
+  claims_won_->Inc();
+  return true;
+}
+
+// ----- Demand: lazy loading and placement -------------------------------------
+
+void Worker::DemandLoop() {
+  std::unique_lock<std::mutex> lock(hb_mu_);
+  while (!stop_) {
+    hb_cv_.wait_for(lock, std::chrono::milliseconds(options_.demand_poll_ms), [this] { return stop_.load(); });
     if (stop_) break;
     lock.unlock();
-    Status s = workers_kv_->Put(id_, HeartbeatJson());
-    if (!s.ok()) LOG_WARN("worker", "heartbeat failed: " << s.ToString());
+    PollDemand();
     lock.lock();
+  }
+}
+
+void Worker::PollDemand() {
+  auto counts = GetSubjectCounts(*client_, options_.stream.name, wire::kWorkSubjectPrefix + std::string(">"));
+  if (!counts.ok()) {
+    LOG_DEBUG("worker", "reading the backlog: " << counts.status().ToString());
+    return;
+  }
+  const int64_t now_mono = clock_->NowMonoUs();
+  const int64_t now_ms = clock_->NowUnixMs();
+  const bool read_oldest = now_mono - oldest_read_mono_us_ >= 1'000'000;
+  if (read_oldest) oldest_read_mono_us_ = now_mono;
+  std::map<std::string, uint64_t> waiting;  // models with work in the stream
+  for (const ModelConfig& c : catalog_) {
+    auto it = counts->find(wire::WorkSubject(c.name));
+    const uint64_t msgs = it == counts->end() ? 0 : it->second;
+    int64_t oldest = 0;
+    bool have_oldest = false;
+    if (msgs > 0 && read_oldest) {
+      auto o = OldestMessageUnixMs(*client_, options_.stream.name, wire::WorkSubject(c.name));
+      if (o.ok()) oldest = *o;
+      have_oldest = true;
+    }
+    std::lock_guard<std::mutex> lock(backlog_mu_);
+    Backlog& b = backlog_[c.name];
+    b.msgs = msgs;
+    if (msgs == 0) b.oldest_unix_ms = 0;
+    if (have_oldest) b.oldest_unix_ms = oldest;
+    b.msgs_gauge->Set(static_cast<double>(msgs));
+    b.age_gauge->Set(b.oldest_unix_ms > 0 ? static_cast<double>(std::max<int64_t>(0, now_ms - b.oldest_unix_ms)) / 1e3
+                                          : 0.0);
+    if (msgs > 0) waiting[c.name] = msgs;
+  }
+  if (waiting.empty()) return;
+
+  std::map<std::string, ModelStatus> here;
+  for (ModelStatus& s : manager_->Statuses()) here[s.name] = std::move(s);
+  bool changed = false;
+  for (const auto& [model, msgs] : waiting) {
+    if (stop_) return;
+    const ModelStatus& st = here[model];
+    auto peers = Peers(false);
+    auto& holders = peers[model];
+    const auto count = [&](const char* state) {
+      return std::count_if(holders.begin(), holders.end(), [&](const PeerModel& p) { return p.state == state; });
+    };
+    if (st.state == ModelState::kLoading) continue;
+    if (st.state == ModelState::kLoaded) {
+      // Another replica elsewhere? Only when the backlog per replica is
+      // over the threshold and a worker has room without evicting.
+      continue;
+    }
+    if (st.state == ModelState::kFailed) {
+      if (count("loaded") + count("loading") > 0) continue;  // served elsewhere
+      Status s = manager_->StartLoad(model);  // a retry, once retry_failed_after_ms has passed
+      if (s.ok()) {
+        changed = true;
+      } else if (s.reason() == "model_load_failed") {
+        DrainFailed(model, s, 256);
+      }
+      continue;
+    }
+    // Not loaded here.
+    const int64_t loaded_elsewhere = count("loaded");
+    bool want = false;
+    int replica = 0;
+    if (holders.empty()) {
+      // Nobody has it as far as the cached view says; make sure.
+      peers = Peers(true);
+      want = peers[model].empty();
+    } else if (options_.scale_out_backlog > 0 && loaded_elsewhere > 0 &&
+               static_cast<int64_t>(msgs) / loaded_elsewhere > options_.scale_out_backlog &&
+               manager_->FitsWithoutEviction(model)) {
+      want = true;
+      replica = static_cast<int>(holders.size());
+    }
+    if (!want || !Claim(model, replica)) continue;
+    Status s = manager_->StartLoad(model);
+    if (s.ok()) {
+      LOG_INFO("worker", "loading " << model << " on demand (" << msgs << " message(s) waiting"
+                                    << (replica > 0 ? ", another replica" : "") << ")");
+      changed = true;
+    } else if (s.reason() == "model_load_failed") {
+      DrainFailed(model, s, 256);
+    } else if (s.reason() != "memory_being_freed") {
+      // No room here (every resident model pinned or busy): let another
+      // worker have the claim.
+      LOG_INFO("worker", "cannot load " << model << " on demand: " << s.ToString());
+      (void)placement_kv_->Delete(wire::ModelKvKey(model) + "." + std::to_string(replica));
+    }
+  }
+  if (changed) PublishHeartbeat();  // peers see "loading" at once
+}
+
+void Worker::DrainFailed(const std::string& model, const Status& error, int max) {
+  auto it = drain_consumers_.find(model);
+  if (it == drain_consumers_.end()) {
+    auto consumer = PullConsumer::Create(*client_, options_.stream.name, wire::WorkSubject(model),
+                                         wire::ConsumerName(model), options_.consumer);
+    if (!consumer.ok()) {
+      LOG_WARN("worker", "cannot answer waiting work for " << model << ": " << consumer.status().ToString());
+      return;
+    }
+    it = drain_consumers_.emplace(model, std::move(consumer).value()).first;
+  }
+  auto fetched = it->second->Fetch(max, 50);
+  if (!fetched.ok()) return;
+  for (Delivery& d : *fetched) {
+    if (!d.Header(wire::kHdrLoadHint).empty()) {
+      (void)d.Ack();
+      continue;
+    }
+    auto headers = ParseWorkHeaders(d);
+    if (headers.ok()) {
+      wire::WorkReply r;
+      r.request_id = headers->request_id;
+      r.chunk_index = headers->chunk_index;
+      r.status = error;
+      r.worker_id = id_;
+      Status s = client_->Publish(headers->reply_to, wire::EncodeWorkReply(r));
+      if (!s.ok()) LOG_WARN("worker", "reply to " << headers->reply_to << " failed: " << s.ToString());
+    }
+    (void)d.Term();  // terminal: the caller has its answer, never retried
+    drained_->Inc();
+  }
+}
+
+// ----- Control -----------------------------------------------------------------
+
+Result<std::string> Worker::Control(const std::string& action, const std::string& model) {
+  Status s;
+  if (action == "load") {
+    s = manager_->Load(model);
+  } else if (action == "unload") {
+    s = manager_->Unload(model);
+  } else if (action == "pin") {
+    s = manager_->Pin(model);
+  } else if (action == "unpin") {
+    s = manager_->Unpin(model);
+  } else if (action != "status") {
+    return InvalidArgument("unknown action '" + action + "'", "invalid_action");
+  }
+  PublishHeartbeat();  // the registry shows the change before the caller hears of it
+  if (!s.ok()) return s;
+  return ModelStatusJson(model);
+}
+
+void Worker::OnControl(natsConnection* nc, natsSubscription*, natsMsg* msg, void* closure) {
+  NatsMsgPtr owned(msg);
+  auto* self = static_cast<Worker*>(closure);
+  const char* reply = natsMsg_GetReply(msg);
+  std::lock_guard<std::mutex> lock(self->control_mu_);
+  Result<std::string> result = Unavailable("the worker is stopping", "shutting_down");
+  if (!self->stop_) {
+    try {
+      json in = json::parse(std::string(natsMsg_GetData(msg), static_cast<size_t>(natsMsg_GetDataLength(msg))));
+      const std::string action = in.value("action", "");
+      const std::string model = in.value("model", "");
+      LOG_INFO("worker", "control: " << action << " " << model);
+      result = self->Control(action, model);
+    } catch (const std::exception& e) {
+      result = InvalidArgument(std::string("bad control request: ") + e.what(), "invalid_json");
+    }
+  }
+  json out = {{"ok", result.ok()}, {"worker", self->id_}};
+  if (result.ok()) {
+    out["status"] = json::parse(*result);
+  } else {
+    out["error"] = ErrorJson(result.status());
+  }
+  if (reply != nullptr) {
+    const std::string body = out.dump();
+    natsConnection_Publish(nc, reply, body.data(), static_cast<int>(body.size()));
   }
 }
 

@@ -1,19 +1,30 @@
-// Worker: the sidecar that pulls work from JetStream and runs models. For
-// each model it serves it keeps one durable pull consumer, one fetcher
-// thread (pulls up to the free token budget, decodes, tokenizes) and one
-// executor thread (forms batches, runs the Runtime, replies, then acks), so
-// batch k+1 is fetched and tokenized while batch k runs. Heartbeats go to
-// the SHOAL_WORKERS KV bucket; the models it serves to SHOAL_MODELS.
+// Worker: the sidecar on one device that pulls work from JetStream and runs
+// a fleet of models. Its ModelManager keeps the models it has loaded within
+// a memory budget (pinned ones always; others loaded on demand and evicted
+// least recently used first). Each loaded model gets a ModelServer (one
+// durable pull consumer, a fetcher and an executor thread); forward passes
+// take turns on the device through a DeviceScheduler.
+//
+// Placement without a router: the worker watches the work stream's backlog
+// per model. A model with waiting work that no live worker has loaded (or
+// whose backlog per replica is over scale_out_backlog) is loaded here only
+// after this worker wins the placement claim in SHOAL_PLACEMENT, so one cold
+// request never makes two workers evict. A model that fails to load gets
+// its waiting work answered with the load error, once. Heartbeats go to
+// SHOAL_WORKERS (every catalog model's state, memory, backlog); the catalog
+// to SHOAL_MODELS; operators act on it through shoal.ctl.<worker-id>.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
-#include <mutex>
-#include <thread>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/clock.h"
@@ -28,13 +39,30 @@ namespace shoal {
 struct WorkerOptions {
   std::string worker_id;             // empty: hostname-pid-random
   std::string model_repository;      // directory of model directories
-  std::vector<std::string> models;   // names to serve; empty: all in the repository
+  std::vector<std::string> models;   // the catalog: names to serve; empty: all in the repository
   int intra_op_threads = 0;          // 0: model config, else hardware threads
   std::string runtime_override;      // non-empty: use this runtime for every model ("null")
   // Batching overrides for every model; 0 / -1: keep each model's config.
   int64_t max_batch_tokens = 0;
   int max_batch_size = 0;
   int64_t max_wait_us = -1;
+
+  // The fleet on this device.
+  int64_t memory_budget_bytes = 0;   // 0: unlimited
+  int max_models = 0;                // resident models; 0: unlimited
+  std::vector<std::string> pinned;   // loaded at start, never evicted
+  // Loaded at start, in order, while they fit without evicting; evictable.
+  // {"all"}: every catalog model (the default); empty: none.
+  std::vector<std::string> preload = {"all"};
+  int device_slots = 1;              // forward passes at once on this device
+  int64_t demand_poll_ms = 250;      // how often the stream's backlog per model is read
+  int64_t claim_ttl_ms = 15000;      // life of a placement claim
+  // Add a replica when a loaded model's backlog per replica exceeds this
+  // many messages and this worker has room without evicting; 0: never.
+  int64_t scale_out_backlog = 0;
+  // A model that failed to load is tried again on demand after this long.
+  int64_t retry_failed_after_ms = 30000;
+
   // Makes the runtime for a model; default CreateRuntime(config.runtime).
   // Tests inject fakes here.
   std::function<Result<std::unique_ptr<Runtime>>(const ModelConfig&)> runtime_factory;
@@ -46,40 +74,96 @@ struct WorkerOptions {
   Status Validate() const;
 };
 
-
-class ModelServer;
+class ModelManager;
+class DeviceScheduler;
 
 class Worker {
  public:
-  // Loads every model (blocking), binds consumers, registers in the catalog
-  // and starts the threads. `client` and `metrics` must outlive the worker.
+  // Reads the catalog, binds the stream and buckets, loads the pinned and
+  // preloaded models (blocking), registers and starts its threads. `client`
+  // and `metrics` must outlive the worker.
   static Result<std::unique_ptr<Worker>> Create(const WorkerOptions& options, NatsClient* client,
                                                 MetricsRegistry* metrics, const Clock* clock = nullptr);
   ~Worker();
-  // Stops pulling, finishes the batch in flight (replies and acks it),
-  // leaves pulled-but-unrun messages unacked for redelivery, deregisters.
+  // Stops pulling, finishes the batches in flight (replies and acks them),
+  // leaves pulled-but-unrun messages for redelivery, unloads, deregisters.
   void Stop();
   const std::string& id() const { return id_; }
+  // Every catalog model (loaded or not).
   std::vector<std::string> ModelNames() const;
+  // Names of the models loaded now.
+  std::vector<std::string> LoadedModels() const;
+  ModelManager& manager() { return *manager_; }
+
+  // Acts on one model as an operator asked: "load", "unload", "pin",
+  // "unpin" or "status". Blocks while a load runs. Returns the model's JSON
+  // status on this worker.
+  Result<std::string> Control(const std::string& action, const std::string& model);
 
  private:
+  struct Backlog {
+    uint64_t msgs = 0;
+    int64_t oldest_unix_ms = 0;  // 0: unknown or none
+    Gauge* msgs_gauge = nullptr;
+    Gauge* age_gauge = nullptr;
+  };
+  // What another live worker reports about one model.
+  struct PeerModel {
+    std::string worker;
+    std::string state;
+  };
+
   Worker() = default;
+  Result<std::unique_ptr<struct LoadedModel>> LoadModel(const ModelConfig& config);
   void HeartbeatLoop();
+  void PublishHeartbeat();
   std::string HeartbeatJson() const;
+  std::string ModelStatusJson(const std::string& model) const;
+  void DemandLoop();
+  void PollDemand();
+  // Live peers' model states, by model (excluding this worker). Cached.
+  std::map<std::string, std::vector<PeerModel>> Peers(bool fresh);
+  // Tries to take the placement claim for `model` as replica `replica`.
+  bool Claim(const std::string& model, int replica);
+  // Answers the work waiting for a model that failed to load here with
+  // its load error (terminal), at most `max` messages.
+  void DrainFailed(const std::string& model, const Status& error, int max);
+  static void OnControl(natsConnection*, natsSubscription*, natsMsg*, void* closure);
 
   WorkerOptions options_;
   std::string id_;
   NatsClient* client_ = nullptr;
   MetricsRegistry* metrics_ = nullptr;
+  const Clock* clock_ = nullptr;
+  std::vector<ModelConfig> catalog_;
   std::unique_ptr<KvBucket> workers_kv_;
   std::unique_ptr<KvBucket> models_kv_;
-  std::vector<std::unique_ptr<ModelServer>> servers_;
+  std::unique_ptr<KvBucket> placement_kv_;
+  std::unique_ptr<DeviceScheduler> scheduler_;
+  std::unique_ptr<ModelManager> manager_;
+  NatsSubscriptionPtr control_sub_;
+  std::mutex control_mu_;  // held by a control request for its whole run
   int64_t started_unix_ms_ = 0;
   std::string host_;
+
+  mutable std::mutex backlog_mu_;
+  std::map<std::string, Backlog> backlog_;  // guarded by backlog_mu_; by model, fixed keys
+
+  // Demand thread only.
+  std::map<std::string, std::unique_ptr<PullConsumer>> drain_consumers_;
+  std::map<std::string, std::vector<PeerModel>> peers_;
+  int64_t peers_read_mono_us_ = 0;
+  int64_t oldest_read_mono_us_ = 0;
+
   std::atomic<bool> stop_{false};
   std::mutex hb_mu_;
   std::condition_variable hb_cv_;
+  bool hb_now_ = false;  // guarded by hb_mu_: publish a heartbeat at once
   std::thread heartbeat_;
+  std::thread demand_;
+  Counter* claims_won_ = nullptr;
+  Counter* claims_lost_ = nullptr;
+  Counter* drained_ = nullptr;
 };
 
 }  // namespace shoal

@@ -225,6 +225,9 @@ TEST(E2eCluster, RestartedWorkerPicksUpQueuedWork) {
   ASSERT_EQ(WaitForReadyz(gateway.port, 200, 30s), 200);
   const auto pool = TextPool(8);
   const Vectors reference = EmbedOrThrow(gateway.port, kModel, pool).rows;
+  // The worker replies, then acks: let the ack land before the crash, so
+  // the queue holds exactly the work sent below.
+  ASSERT_EQ(WaitForQueueDepth(gateway.port, 0, 10s), 0);
   first.process->Kill();
 
   std::vector<std::future<HttpResult>> calls;

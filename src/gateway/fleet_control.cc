@@ -1,0 +1,171 @@
+#include "gateway/fleet_control.h"
+
+#include <algorithm>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
+#include "wire/work_message.h"
+
+namespace shoal {
+namespace {
+
+using nlohmann::json;
+
+bool KnownAction(const std::string& a) { return a == "load" || a == "unload" || a == "pin" || a == "unpin"; }
+
+// Room a worker has left for another model (unlimited: the largest value).
+int64_t FreeBytes(const WorkerInfo& w) {
+  if (w.memory_budget_bytes <= 0) return std::numeric_limits<int64_t>::max();
+  return w.memory_budget_bytes - w.memory_used_bytes;
+}
+
+int Resident(const WorkerInfo& w) {
+  int n = 0;
+  for (const auto& [name, m] : w.models) n += m.state == "loaded" || m.state == "loading" ? 1 : 0;
+  return n;
+}
+
+}  // namespace
+
+Status FleetControlOptions::Validate() const {
+  if (threads < 1) return InvalidArgument("fleet control: threads must be >= 1");
+  if (load_timeout_ms < 1 || timeout_ms < 1) return InvalidArgument("fleet control: timeouts must be >= 1 ms");
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<FleetControl>> FleetControl::Create(const FleetControlOptions& options, NatsClient* client,
+                                                           SnapshotFn snapshot) {
+  RETURN_IF_ERROR(options.Validate());
+  auto c = std::unique_ptr<FleetControl>(new FleetControl());
+  c->options_ = options;
+  c->client_ = client;
+  c->snapshot_ = std::move(snapshot);
+  for (int i = 0; i < options.threads; ++i) c->threads_.emplace_back([p = c.get()] { p->Loop(); });
+  return c;
+}
+
+FleetControl::~FleetControl() { Stop(); }
+
+void FleetControl::Stop() {
+  std::deque<Job> left;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return;
+    stop_ = true;
+    left.swap(jobs_);
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+  for (Job& j : left) j.done(Unavailable("the gateway is shutting down", "shutting_down"));
+}
+
+void FleetControl::Act(const std::string& action, const std::string& model, const std::string& worker,
+                       ControlCallback done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stop_) {
+      jobs_.push_back({action, model, worker, std::move(done)});
+      cv_.notify_one();
+      return;
+    }
+  }
+  done(Unavailable("the gateway is shutting down", "shutting_down"));
+}
+
+void FleetControl::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+    if (stop_) return;
+    Job job = std::move(jobs_.front());
+    jobs_.pop_front();
+    lock.unlock();
+    job.done(Run(job));
+    lock.lock();
+  }
+}
+
+Result<std::vector<FleetControl::Target>> FleetControl::Plan(const FleetSnapshot& snap, const std::string& action,
+                                                             const std::string& model, const std::string& worker) {
+  if (!KnownAction(action)) {
+    return NotFound("unknown model action '" + action + "' (load, unload, pin, unpin)", "route_not_found");
+  }
+  if (snap.models.count(model) == 0) return NotFound("The model '" + model + "' does not exist", "model_not_found");
+  std::vector<const WorkerInfo*> serving;  // live workers with the model in their catalog
+  for (const auto& w : snap.workers)
+    if (w.models.count(model) != 0) serving.push_back(&w);
+  if (!worker.empty()) {
+    auto it = std::find_if(serving.begin(), serving.end(), [&](const WorkerInfo* w) { return w->id == worker; });
+    if (it == serving.end()) {
+      return NotFound("no live worker '" + worker + "' serves model '" + model + "'", "worker_not_found");
+    }
+    return std::vector<Target>{{worker, action}};
+  }
+  std::vector<Target> out;
+  auto with_state = [&](std::initializer_list<const char*> states) {
+    for (const WorkerInfo* w : serving)
+      for (const char* s : states)
+        if (w->Has(model, s)) out.push_back({w->id, action});
+  };
+  if (action == "unload") {
+    with_state({"loaded", "loading", "failed"});
+    return out;
+  }
+  if (action == "unpin") {
+    for (const WorkerInfo* w : serving)
+      if (w->models.at(model).pinned) out.push_back({w->id, action});
+    return out;
+  }
+  // load / pin: where it is resident already, else on the worker with the most room.
+  with_state({"loaded", "loading"});
+  if (!out.empty()) return out;
+  if (serving.empty()) {
+    return Unavailable("no live worker serves model '" + model + "'", "no_worker");
+  }
+  const WorkerInfo* best = *std::min_element(serving.begin(), serving.end(), [](const WorkerInfo* a, const WorkerInfo* b) {
+    if (FreeBytes(*a) != FreeBytes(*b)) return FreeBytes(*a) > FreeBytes(*b);
+    if (Resident(*a) != Resident(*b)) return Resident(*a) < Resident(*b);
+    return a->id < b->id;
+  });
+  return std::vector<Target>{{best->id, action}};
+}
+
+Result<ControlOutcome> FleetControl::Run(const Job& job) {
+  auto snap = snapshot_();
+  ASSIGN_OR_RETURN(auto targets, Plan(*snap, job.action, job.model, job.worker));
+  ControlOutcome out;
+  out.model = job.model;
+  out.action = job.action;
+  const int64_t timeout =
+      job.action == "load" || job.action == "pin" ? options_.load_timeout_ms : options_.timeout_ms;
+  for (const Target& t : targets) {
+    ControlResult r;
+    r.worker = t.worker;
+    json req = {{"action", t.action}, {"model", job.model}};
+    auto reply = client_->Request(wire::ControlSubject(t.worker), req.dump(), timeout);
+    if (!reply.ok()) {
+      r.status = reply.status().code() == StatusCode::kUnavailable
+                     ? Unavailable("worker '" + t.worker + "' did not answer (gone?)", "worker_unavailable")
+                     : reply.status();
+    } else {
+      try {
+        json j = json::parse(*reply);
+        if (j.value("ok", false)) {
+          r.status_json = j.value("status", json::object()).dump();
+        } else {
+          const json e = j.value("error", json::object());
+          r.status = Status(ParseStatusCode(e.value("kind", "")), e.value("message", "worker error"),
+                            e.value("code", ""));
+        }
+      } catch (const std::exception& ex) {
+        r.status = Internal(std::string("unreadable reply from worker '") + t.worker + "': " + ex.what());
+      }
+    }
+    out.results.push_back(std::move(r));
+  }
+  (void)snapshot_();  // the next GET /v1/models shows what was done
+  return out;
+}
+
+}  // namespace shoal

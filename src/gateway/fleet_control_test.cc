@@ -1,0 +1,61 @@
+// Which workers an operator action goes to (FleetControl::Plan), from a
+// registry snapshot.
+#include "gateway/fleet_control.h"
+
+#include <gtest/gtest.h>
+
+namespace shoal {
+namespace {
+
+FleetSnapshot Fleet(const std::vector<std::string>& heartbeats) {
+  FleetSnapshot s;
+  s.models["m"] = CatalogModel{"m", "embed", 4, 16, true, "{}"};
+  s.models["other"] = CatalogModel{"other", "embed", 4, 16, true, "{}"};
+  for (const auto& hb : heartbeats) {
+    WorkerInfo w;
+    EXPECT_TRUE(ParseWorkerHeartbeat(hb, &w)) << hb;
+    s.workers.push_back(w);
+  }
+  return s;
+}
+
+std::vector<std::string> Workers(const Result<std::vector<FleetControl::Target>>& plan) {
+  std::vector<std::string> out;
+  if (!plan.ok()) return {"error: " + std::string(plan.status().reason())};
+  for (const auto& t : *plan) out.push_back(t.worker + ":" + t.action);
+  return out;
+}
+
+TEST(FleetControlPlan, LoadGoesWhereItIsResidentElseToTheWorkerWithMostRoom) {
+  auto snap = Fleet({
+      R"({"id":"full","memory_used_bytes":900,"memory_budget_bytes":1000,"models":[{"name":"m","state":"not_loaded"}]})",
+      R"({"id":"roomy","memory_used_bytes":100,"memory_budget_bytes":1000,"models":[{"name":"m","state":"not_loaded"}]})",
+      R"({"id":"elsewhere","models":[{"name":"other","state":"loaded"}]})",
+  });
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "")), std::vector<std::string>{"roomy:load"});
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "pin", "m", "")), std::vector<std::string>{"roomy:pin"});
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "full")), std::vector<std::string>{"full:load"});
+  // "elsewhere" does not serve m.
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "elsewhere")),
+            std::vector<std::string>{"error: worker_not_found"});
+
+  snap = Fleet({
+      R"({"id":"a","models":[{"name":"m","state":"loaded","pinned":true}]})",
+      R"({"id":"b","models":[{"name":"m","state":"failed"}]})",
+      R"({"id":"c","models":[{"name":"m","state":"not_loaded"}]})",
+  });
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "")), std::vector<std::string>{"a:load"});
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "unload", "m", "")), (std::vector<std::string>{"a:unload", "b:unload"}));
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "unpin", "m", "")), std::vector<std::string>{"a:unpin"});
+}
+
+TEST(FleetControlPlan, Errors) {
+  auto snap = Fleet({R"({"id":"a","models":[{"name":"other","state":"loaded"}]})"});
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "nope", "")), std::vector<std::string>{"error: model_not_found"});
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "")), std::vector<std::string>{"error: no_worker"});
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "explode", "m", "")), std::vector<std::string>{"error: route_not_found"});
+  EXPECT_TRUE(FleetControl::Plan(snap, "unload", "m", "")->empty());  // loaded nowhere: nothing to do
+}
+
+}  // namespace
+}  // namespace shoal

@@ -1,0 +1,269 @@
+// A fleet on real workers: a real nats-server -js, real Worker instances
+// running tiny-bert copies on libtorch, and the gateway's Dispatcher. Covers
+// lazy loading through the queue, LRU eviction around pinned models, one
+// load for many cold requests across two workers, a load failure answered
+// to every waiting caller once, and operator control.
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "gateway/dispatcher.h"
+#include "support/test_env.h"
+#include "wire/work_message.h"
+#include "worker/model_manager.h"
+#include "worker/worker.h"
+
+namespace shoal {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using shoal::testing::ModelsDir;
+using shoal::testing::TempDir;
+using shoal::testing::TestNatsServer;
+using namespace std::chrono_literals;
+
+// A repository of tiny-bert copies under other names (artifacts linked, so
+// each is loaded on its own), and broken models whose file is garbage.
+void MakeFleetRepository(const std::string& dir, const std::vector<std::string>& names,
+                         const std::vector<std::string>& broken = {}) {
+  const fs::path src = fs::path(ModelsDir()) / "tiny-bert";
+  std::ifstream in(src / "shoal.json");
+  json config = json::parse(in);
+  auto make = [&](const std::string& name, bool bad) {
+    const fs::path d = fs::path(dir) / name;
+    fs::create_directories(d);
+    config["name"] = name;
+    std::ofstream(d / "shoal.json") << config.dump(2);
+    fs::create_symlink(src / "vocab.txt", d / "vocab.txt");
+    if (bad) {
+      std::ofstream(d / "model.pt") << "this is not a TorchScript archive";
+    } else {
+      fs::create_symlink(src / "model.pt", d / "model.pt");
+    }
+  };
+  for (const auto& n : names) make(n, false);
+  for (const auto& n : broken) make(n, true);
+}
+
+// Polls `pred` up to 20 s; synchronisation only, never a timing assertion.
+template <typename Pred>
+bool Eventually(Pred pred) {
+  const auto until = std::chrono::steady_clock::now() + 20s;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(20ms);
+  }
+  return true;
+}
+
+class FleetTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    NatsOptions no;
+    no.url = server_.url();
+    auto c = NatsClient::Connect(no);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    client_ = std::move(c).value();
+    DispatcherOptions dopt;
+    auto d = Dispatcher::Create(dopt, client_.get(), &gateway_metrics_);
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    dispatcher_ = std::move(d).value();
+  }
+
+  WorkerOptions Options() const {
+    WorkerOptions wo;
+    wo.model_repository = repo_.path();
+    wo.intra_op_threads = 1;
+    wo.preload = {};
+    wo.demand_poll_ms = 50;
+    wo.heartbeat_interval_ms = 300;
+    wo.heartbeat_ttl_ms = 1500;
+    wo.fetch_poll_ms = 200;
+    return wo;
+  }
+
+  // A worker with its own connection and metrics, as another process would have.
+  struct Member {
+    std::unique_ptr<NatsClient> client;
+    std::unique_ptr<MetricsRegistry> metrics;
+    std::unique_ptr<Worker> worker;
+    int64_t Counter(const std::string& name, const Labels& labels) const {
+      return metrics->GetCounter(name, "", labels)->Value();
+    }
+  };
+  Member Start(const WorkerOptions& wo) {
+    Member m;
+    NatsOptions no;
+    no.url = server_.url();
+    auto c = NatsClient::Connect(no);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    m.client = std::move(c).value();
+    m.metrics = std::make_unique<MetricsRegistry>();
+    auto w = Worker::Create(wo, m.client.get(), m.metrics.get());
+    EXPECT_TRUE(w.ok()) << w.status().ToString();
+    if (w.ok()) m.worker = std::move(w).value();
+    return m;
+  }
+
+  std::future<Result<EmbedResult>> EmbedAsync(const std::string& model, const std::string& text,
+                                              int64_t timeout_ms = 30000) {
+    auto p = std::make_shared<std::promise<Result<EmbedResult>>>();
+    auto f = p->get_future();
+    EmbedJob job;
+    job.model = model;
+    job.texts = {text};
+    job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + timeout_ms;
+    dispatcher_->SubmitEmbed(std::move(job), [p](Result<EmbedResult> r) { p->set_value(std::move(r)); });
+    return f;
+  }
+  Result<EmbedResult> Embed(const std::string& model, const std::string& text) {
+    return EmbedAsync(model, text).get();
+  }
+
+  static ModelState StateOf(Worker& w, const std::string& model) {
+    for (const ModelStatus& s : w.manager().Statuses())
+      if (s.name == model) return s.state;
+    return ModelState::kNotLoaded;
+  }
+
+  TestNatsServer server_;
+  TempDir repo_;
+  MetricsRegistry gateway_metrics_;
+  std::unique_ptr<NatsClient> client_;
+  std::unique_ptr<Dispatcher> dispatcher_;
+};
+
+TEST_F(FleetTest, ColdModelIsLoadedOnDemandAndServed) {
+  MakeFleetRepository(repo_.path(), {"tiny-a", "tiny-b"});
+  Member m = Start(Options());
+  ASSERT_NE(m.worker, nullptr);
+  EXPECT_TRUE(m.worker->LoadedModels().empty());  // preload none
+  auto r = Embed("tiny-b", "wake up");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->dim, 64);
+  EXPECT_EQ(m.worker->LoadedModels(), std::vector<std::string>{"tiny-b"});
+  EXPECT_EQ(m.Counter("shoal_worker_model_loads_total", {{"model", "tiny-b"}, {"result", "ok"}}), 1);
+  EXPECT_EQ(m.Counter("shoal_worker_load_waits_total", {{"model", "tiny-b"}}), 1);
+}
+
+TEST_F(FleetTest, BudgetForTwoEvictsLeastRecentlyUsedAndNeverThePinnedModel) {
+  MakeFleetRepository(repo_.path(), {"pinned", "tiny-a", "tiny-b", "tiny-c"});
+  WorkerOptions wo = Options();
+  wo.pinned = {"pinned"};
+  wo.max_models = 3;  // the pinned model plus room for two more
+  Member m = Start(wo);
+  ASSERT_NE(m.worker, nullptr);
+  Worker& w = *m.worker;
+  EXPECT_EQ(StateOf(w, "pinned"), ModelState::kLoaded);
+
+  ASSERT_TRUE(Embed("tiny-a", "one").ok());
+  ASSERT_TRUE(Embed("tiny-b", "two").ok());
+  ASSERT_TRUE(Embed("tiny-a", "a again: now b is the least recently used").ok());
+  ASSERT_TRUE(Embed("tiny-c", "three").ok());
+  EXPECT_EQ(StateOf(w, "tiny-b"), ModelState::kNotLoaded);
+  EXPECT_EQ(StateOf(w, "tiny-a"), ModelState::kLoaded);
+  EXPECT_EQ(StateOf(w, "tiny-c"), ModelState::kLoaded);
+  EXPECT_EQ(m.Counter("shoal_worker_model_evictions_total", {{"model", "tiny-b"}}), 1);
+
+  // The pinned model, used least recently of all, is never the victim.
+  ASSERT_TRUE(Embed("tiny-b", "b is back").ok());
+  EXPECT_EQ(StateOf(w, "pinned"), ModelState::kLoaded);
+  EXPECT_EQ(StateOf(w, "tiny-a"), ModelState::kNotLoaded);
+  EXPECT_EQ(m.Counter("shoal_worker_model_evictions_total", {{"model", "pinned"}}), 0);
+  ASSERT_TRUE(Embed("pinned", "still here").ok());
+  EXPECT_EQ(m.Counter("shoal_worker_model_loads_total", {{"model", "pinned"}, {"result", "ok"}}), 1);
+}
+
+TEST_F(FleetTest, ManyConcurrentColdRequestsCauseExactlyOneLoadAcrossTwoWorkers) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"});
+  Member w1 = Start(Options());
+  Member w2 = Start(Options());
+  ASSERT_NE(w1.worker, nullptr);
+  ASSERT_NE(w2.worker, nullptr);
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  for (int i = 0; i < 24; ++i) calls.push_back(EmbedAsync("tiny-a", "cold request " + std::to_string(i)));
+  for (auto& f : calls) {
+    auto r = f.get();
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+  }
+  const Labels ok = {{"model", "tiny-a"}, {"result", "ok"}};
+  EXPECT_EQ(w1.Counter("shoal_worker_model_loads_total", ok) + w2.Counter("shoal_worker_model_loads_total", ok), 1);
+  EXPECT_EQ(w1.worker->LoadedModels().size() + w2.worker->LoadedModels().size(), 1u);
+}
+
+TEST_F(FleetTest, LoadFailureReachesEveryWaitingCallerOnceAsATerminalError) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"}, {"broken"});
+  Member m = Start(Options());
+  ASSERT_NE(m.worker, nullptr);
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  for (int i = 0; i < 8; ++i) calls.push_back(EmbedAsync("broken", "doomed " + std::to_string(i)));
+  for (auto& f : calls) {
+    ASSERT_EQ(f.wait_for(25s), std::future_status::ready) << "a caller waited for its deadline instead";
+    auto r = f.get();
+    EXPECT_EQ(r.status().code(), StatusCode::kBadGateway) << r.status().ToString();
+    EXPECT_EQ(r.status().reason(), "model_load_failed");
+  }
+  EXPECT_EQ(m.Counter("shoal_worker_model_loads_total", {{"model", "broken"}, {"result", "error"}}), 1);
+  EXPECT_EQ(StateOf(*m.worker, "broken"), ModelState::kFailed);
+  // Nothing is left to be redelivered, and healthy models still serve.
+  EXPECT_TRUE(Eventually([&] { return GetStreamState(*client_, "SHOAL_WORK")->msgs == 0; }));
+  EXPECT_TRUE(Embed("tiny-a", "fine").ok());
+}
+
+TEST_F(FleetTest, ControlLoadsUnloadsPinsAndUnpins) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"});
+  Member m = Start(Options());
+  ASSERT_NE(m.worker, nullptr);
+  auto ask = [&](const std::string& action) -> Result<json> {
+    json req = {{"action", action}, {"model", "tiny-a"}};
+    ASSIGN_OR_RETURN(std::string reply, client_->Request(wire::ControlSubject(m.worker->id()), req.dump(), 30000));
+    return json::parse(reply);
+  };
+  auto r = ask("load");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE((*r)["ok"].get<bool>());
+  EXPECT_EQ((*r)["status"]["state"], "loaded");
+  EXPECT_GT((*r)["status"]["memory_bytes"].get<int64_t>(), 0);
+  r = ask("pin");
+  EXPECT_TRUE((*r)["status"]["pinned"].get<bool>());
+  r = ask("unload");
+  EXPECT_FALSE((*r)["ok"].get<bool>());
+  EXPECT_EQ((*r)["error"]["code"], "model_pinned");
+  r = ask("unpin");
+  EXPECT_FALSE((*r)["status"]["pinned"].get<bool>());
+  r = ask("unload");
+  EXPECT_TRUE((*r)["ok"].get<bool>());
+  EXPECT_EQ((*r)["status"]["state"], "not_loaded");
+  r = ask("explode");
+  EXPECT_EQ((*r)["error"]["code"], "invalid_action");
+  json bad = json::parse(*client_->Request(wire::ControlSubject(m.worker->id()), "not json", 5000));
+  EXPECT_EQ(bad["error"]["code"], "invalid_json");
+}
+
+TEST_F(FleetTest, HeartbeatReportsEveryCatalogModelWithStateAndMemory) {
+  MakeFleetRepository(repo_.path(), {"tiny-a", "tiny-b"});
+  WorkerOptions wo = Options();
+  wo.preload = {"tiny-a"};
+  wo.memory_budget_bytes = int64_t{1} << 34;
+  Member m = Start(wo);
+  ASSERT_NE(m.worker, nullptr);
+  auto kv = KvBucket::Open(*client_, wire::kWorkersBucket, 1500);
+  ASSERT_TRUE(kv.ok());
+  json hb = json::parse(*(*kv)->Get(m.worker->id()));
+  EXPECT_EQ(hb["memory_budget_bytes"].get<int64_t>(), int64_t{1} << 34);
+  EXPECT_GT(hb["memory_used_bytes"].get<int64_t>(), 0);
+  std::map<std::string, json> models;
+  for (const json& x : hb["models"]) models[x["name"]] = x;
+  ASSERT_EQ(models.size(), 2u);
+  EXPECT_EQ(models["tiny-a"]["state"], "loaded");
+  EXPECT_EQ(models["tiny-a"]["memory_bytes"].get<int64_t>(), hb["memory_used_bytes"].get<int64_t>());
+  EXPECT_EQ(models["tiny-b"]["state"], "not_loaded");
+}
+
+}  // namespace
+}  // namespace shoal
