@@ -75,11 +75,11 @@ void FleetView::Refresh() {
     if (st.ok()) s->queue_depth = st->msgs;
     // Buckets appear when the first worker starts; bind lazily.
     if (!workers_kv_) {
-      auto kv = KvBucket::Open(*client_, wire::kWorkersBucket, 6000);
+      auto kv = KvBucket::Bind(*client_, wire::kWorkersBucket);
       if (kv.ok()) workers_kv_ = std::move(kv).value();
     }
     if (!models_kv_) {
-      auto kv = KvBucket::Open(*client_, wire::kModelsBucket, 0);
+      auto kv = KvBucket::Bind(*client_, wire::kModelsBucket);
       if (kv.ok()) models_kv_ = std::move(kv).value();
     }
     if (workers_kv_) {

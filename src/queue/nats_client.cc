@@ -409,6 +409,16 @@ Result<std::unique_ptr<KvBucket>> KvBucket::Open(NatsClient& client, const std::
   return b;
 }
 
+Result<std::unique_ptr<KvBucket>> KvBucket::Bind(NatsClient& client, const std::string& bucket) {
+  kvStore* kv = nullptr;
+  natsStatus s = js_KeyValue(&kv, client.js(), bucket.c_str());
+  if (s == NATS_NOT_FOUND) return NotFound("kv bucket " + bucket + " does not exist yet");
+  if (s != NATS_OK) return FromNats(s, "kv bucket " + bucket);
+  auto b = std::unique_ptr<KvBucket>(new KvBucket());
+  b->kv_.reset(kv);
+  return b;
+}
+
 Status KvBucket::Put(const std::string& key, std::string_view value) {
   uint64_t rev = 0;
   return FromNats(kvStore_Put(&rev, kv_.get(), key.c_str(), value.data(), static_cast<int>(value.size())),

@@ -185,6 +185,9 @@ class KvBucket {
   // Binds to the bucket, creating it when missing. ttl_ms 0: keep forever.
   static Result<std::unique_ptr<KvBucket>> Open(NatsClient& client, const std::string& bucket,
                                                 int64_t ttl_ms);
+  // Binds to an existing bucket only (its creator chose its TTL); NotFound
+  // when it does not exist yet.
+  static Result<std::unique_ptr<KvBucket>> Bind(NatsClient& client, const std::string& bucket);
   Status Put(const std::string& key, std::string_view value);
   // Writes `key` only if it holds no value now: true when this call created
   // it, false when it already existed (someone else holds it).

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gateway/dispatcher.h"
+#include "runtime/runtime.h"
 #include "support/test_env.h"
 #include "wire/work_message.h"
 #include "worker/model_manager.h"
@@ -22,33 +23,10 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-using shoal::testing::ModelsDir;
+using shoal::testing::MakeFleetRepository;
 using shoal::testing::TempDir;
 using shoal::testing::TestNatsServer;
 using namespace std::chrono_literals;
-
-// A repository of tiny-bert copies under other names (artifacts linked, so
-// each is loaded on its own), and broken models whose file is garbage.
-void MakeFleetRepository(const std::string& dir, const std::vector<std::string>& names,
-                         const std::vector<std::string>& broken = {}) {
-  const fs::path src = fs::path(ModelsDir()) / "tiny-bert";
-  std::ifstream in(src / "shoal.json");
-  json config = json::parse(in);
-  auto make = [&](const std::string& name, bool bad) {
-    const fs::path d = fs::path(dir) / name;
-    fs::create_directories(d);
-    config["name"] = name;
-    std::ofstream(d / "shoal.json") << config.dump(2);
-    fs::create_symlink(src / "vocab.txt", d / "vocab.txt");
-    if (bad) {
-      std::ofstream(d / "model.pt") << "this is not a TorchScript archive";
-    } else {
-      fs::create_symlink(src / "model.pt", d / "model.pt");
-    }
-  };
-  for (const auto& n : names) make(n, false);
-  for (const auto& n : broken) make(n, true);
-}
 
 // Polls `pred` up to 20 s; synchronisation only, never a timing assertion.
 template <typename Pred>
@@ -263,6 +241,53 @@ TEST_F(FleetTest, HeartbeatReportsEveryCatalogModelWithStateAndMemory) {
   EXPECT_EQ(models["tiny-a"]["state"], "loaded");
   EXPECT_EQ(models["tiny-a"]["memory_bytes"].get<int64_t>(), hb["memory_used_bytes"].get<int64_t>());
   EXPECT_EQ(models["tiny-b"]["state"], "not_loaded");
+}
+
+}  // namespace
+}  // namespace shoal
+
+namespace shoal {
+namespace {
+
+class SlowRuntime final : public Runtime {
+ public:
+  explicit SlowRuntime(std::unique_ptr<Runtime> inner) : inner_(std::move(inner)) {}
+  Status Load(const ModelConfig& c) override { return inner_->Load(c); }
+  Result<Embeddings> Run(const TokenBatch& b) override {
+    std::this_thread::sleep_for(5ms);
+    return inner_->Run(b);
+  }
+  void Unload() override { inner_->Unload(); }
+  int64_t MemoryBytes() const override { return inner_->MemoryBytes(); }
+  int Dim() const override { return inner_->Dim(); }
+
+ private:
+  std::unique_ptr<Runtime> inner_;
+};
+
+TEST_F(FleetTest, ABacklogOverTheThresholdAddsASecondReplica) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"});
+  WorkerOptions wo = Options();
+  wo.scale_out_backlog = 20;
+  wo.max_batch_size = 4;
+  WorkerOptions slow = wo;
+  // The first replica takes at least 5 ms a batch, so the flood below
+  // outlasts several of the second worker's backlog polls on any machine.
+  slow.runtime_factory = [](const ModelConfig& c) -> Result<std::unique_ptr<Runtime>> {
+    ASSIGN_OR_RETURN(auto inner, CreateRuntime(c.runtime));
+    return std::unique_ptr<Runtime>(new SlowRuntime(std::move(inner)));
+  };
+  Member w1 = Start(slow);
+  ASSERT_NE(w1.worker, nullptr);
+  ASSERT_TRUE(Embed("tiny-a", "first").ok());  // w1 loads it
+  ASSERT_EQ(w1.worker->LoadedModels().size(), 1u);
+  Member w2 = Start(wo);
+  ASSERT_NE(w2.worker, nullptr);
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  for (int i = 0; i < 400; ++i) calls.push_back(EmbedAsync("tiny-a", "flood " + std::to_string(i)));
+  for (auto& f : calls) EXPECT_TRUE(f.get().ok());
+  EXPECT_EQ(w2.worker->LoadedModels(), std::vector<std::string>{"tiny-a"}) << "no second replica";
+  EXPECT_EQ(w2.Counter("shoal_worker_placement_claims_total", {{"result", "won"}}), 1);
 }
 
 }  // namespace

@@ -383,7 +383,27 @@ bool Worker::Claim(const std::string& model, int replica) {
     return false;
   }
   claims_won_->Inc();
+  held_claims_[key] = model;
   return true;
+}
+
+void Worker::ReleaseSettledClaims() {
+  if (held_claims_.empty()) return;
+  std::map<std::string, ModelState> states;
+  for (const ModelStatus& s : manager_->Statuses()) states[s.name] = s.state;
+  bool published = false;
+  for (auto it = held_claims_.begin(); it != held_claims_.end();) {
+    if (states[it->second] == ModelState::kLoading) {
+      ++it;
+      continue;
+    }
+    if (!published) {
+      PublishHeartbeat();  // peers see the outcome before the claim goes
+      published = true;
+    }
+    (void)placement_kv_->Delete(it->first);
+    it = held_claims_.erase(it);
+  }
 }
 
 // ----- Demand: lazy loading and placement -------------------------------------
@@ -400,6 +420,7 @@ void Worker::DemandLoop() {
 }
 
 void Worker::PollDemand() {
+  ReleaseSettledClaims();
   auto counts = GetSubjectCounts(*client_, options_.stream.name, wire::kWorkSubjectPrefix + std::string(">"));
   if (!counts.ok()) {
     LOG_DEBUG("worker", "reading the backlog: " << counts.status().ToString());
@@ -485,7 +506,9 @@ void Worker::PollDemand() {
       // No room here (every resident model pinned or busy): let another
       // worker have the claim.
       LOG_INFO("worker", "cannot load " << model << " on demand: " << s.ToString());
-      (void)placement_kv_->Delete(wire::ModelKvKey(model) + "." + std::to_string(replica));
+      const std::string key = wire::ModelKvKey(model) + "." + std::to_string(replica);
+      (void)placement_kv_->Delete(key);
+      held_claims_.erase(key);
     }
   }
   if (changed) PublishHeartbeat();  // peers see "loading" at once

@@ -125,6 +125,10 @@ class Worker {
   std::map<std::string, std::vector<PeerModel>> Peers(bool fresh);
   // Tries to take the placement claim for `model` as replica `replica`.
   bool Claim(const std::string& model, int replica);
+  // Gives back claims whose load has finished, once the registry shows the
+  // result: a claim must outlive only the window in which the registry does
+  // not show the load yet (else a dead claimant would block failover).
+  void ReleaseSettledClaims();
   // Answers the work waiting for a model that failed to load here with
   // its load error (terminal), at most `max` messages.
   void DrainFailed(const std::string& model, const Status& error, int max);
@@ -152,6 +156,7 @@ class Worker {
   // Demand thread only.
   std::map<std::string, std::unique_ptr<PullConsumer>> drain_consumers_;
   std::map<std::string, std::vector<PeerModel>> peers_;
+  std::map<std::string, std::string> held_claims_;  // claim key -> model
   int64_t peers_read_mono_us_ = 0;
   int64_t oldest_read_mono_us_ = 0;
 

@@ -1,5 +1,7 @@
 #include "e2e/shoal_cluster.h"
 
+#include <sys/wait.h>
+
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -55,6 +57,27 @@ Shoal StartWorker(const std::string& nats_url, const std::vector<std::string>& e
                                    "--models-dir", shoal::testing::ModelsDir(), "--models", "tiny-bert"};
   argv.insert(argv.end(), extra.begin(), extra.end());
   return StartAndWait(std::move(argv), R"(shoal worker \S+ ready)");
+}
+
+Shoal StartFleetWorker(const std::string& nats_url, const std::string& repository,
+                       const std::vector<std::string>& extra) {
+  std::vector<std::string> argv = {shoal::testing::ShoalBinary(), "worker", "--nats-url", nats_url,
+                                   "--models-dir", repository};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return StartAndWait(std::move(argv), R"(shoal worker \S+ ready)");
+}
+
+CliRun RunShoal(const std::vector<std::string>& args, std::chrono::milliseconds timeout) {
+  ChildOptions o;
+  o.argv = {shoal::testing::ShoalBinary()};
+  o.argv.insert(o.argv.end(), args.begin(), args.end());
+  auto child = ChildProcess::Spawn(o);
+  CliRun run;
+  auto status = child->Wait(timeout);
+  if (status && WIFEXITED(*status)) run.exit_code = WEXITSTATUS(*status);
+  child->WaitForLine("a^", std::chrono::milliseconds(2000));  // never matches: returns at end of stdout
+  run.out = child->StdoutSoFar();
+  return run;
 }
 
 int WaitForReadyz(int port, int want_status, std::chrono::milliseconds timeout) {

@@ -31,6 +31,20 @@ Shoal StartGateway(const std::string& nats_url, const std::vector<std::string>& 
 // <extra...>`; waits for "shoal worker <id> ready".
 Shoal StartWorker(const std::string& nats_url, const std::vector<std::string>& extra = {});
 
+// `shoal worker --nats-url <url> --models-dir <repository> <extra...>`
+// (every model of the repository is in its catalog).
+Shoal StartFleetWorker(const std::string& nats_url, const std::string& repository,
+                       const std::vector<std::string>& extra = {});
+
+// Runs `shoal <args...>` to completion (up to `timeout`); its exit code
+// (-1 when it did not exit normally) and stdout.
+struct CliRun {
+  int exit_code = -1;
+  std::string out;
+};
+CliRun RunShoal(const std::vector<std::string>& args,
+                std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
+
 // Polls GET /readyz until it answers `want_status` (200 or 503) or `timeout`
 // passes. Returns the last status seen.
 int WaitForReadyz(int port, int want_status, std::chrono::milliseconds timeout);

@@ -5,7 +5,10 @@
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <stdexcept>
+
+#include <nlohmann/json.hpp>
 
 namespace shoal::testing {
 
@@ -45,5 +48,27 @@ std::string SourceDir() {
 std::string BinaryDir() { return Env("SHOAL_BINARY_DIR", SourceDir() + "/build"); }
 std::string ModelsDir() { return Env("SHOAL_MODELS_DIR", SourceDir() + "/models"); }
 std::string ShoalBinary() { return BinaryDir() + "/src/cli/shoal"; }
+
+void MakeFleetRepository(const std::string& dir, const std::vector<std::string>& names,
+                         const std::vector<std::string>& broken) {
+  namespace fs = std::filesystem;
+  const fs::path src = fs::path(ModelsDir()) / "tiny-bert";
+  std::ifstream in(src / "shoal.json");
+  nlohmann::json config = nlohmann::json::parse(in);
+  auto make = [&](const std::string& name, bool bad) {
+    const fs::path d = fs::path(dir) / name;
+    fs::create_directories(d);
+    config["name"] = name;
+    std::ofstream(d / "shoal.json") << config.dump(2);
+    fs::create_symlink(src / "vocab.txt", d / "vocab.txt");
+    if (bad) {
+      std::ofstream(d / "model.pt") << "this is not a TorchScript archive";
+    } else {
+      fs::create_symlink(src / "model.pt", d / "model.pt");
+    }
+  };
+  for (const auto& n : names) make(n, false);
+  for (const auto& n : broken) make(n, true);
+}
 
 }  // namespace shoal::testing

@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "queue/nats_server_process.h"
 
@@ -32,6 +33,12 @@ class TestNatsServer {
   TempDir dir_;
   std::unique_ptr<NatsServerProcess> proc_;
 };
+
+// Writes a model repository of tiny-bert copies named `names` (artifacts
+// linked, so each loads on its own) plus `broken` models whose model file is
+// garbage, into the existing directory `dir`.
+void MakeFleetRepository(const std::string& dir, const std::vector<std::string>& names,
+                         const std::vector<std::string>& broken = {});
 
 std::string SourceDir();   // $SHOAL_SOURCE_DIR
 std::string BinaryDir();   // $SHOAL_BINARY_DIR
