@@ -99,15 +99,20 @@ void ModelServer::Reply(const wire::WorkReply& reply, const std::string& reply_t
   if (!s.ok()) LOG_WARN("worker", "reply to " << reply_to << " failed: " << s.ToString());
 }
 
+void PublishErrorReply(NatsClient& client, const wire::WorkHeaders& headers, const Status& status,
+                       const std::string& worker_id) {
+  if (headers.reply_to.empty()) return;
+  wire::WorkReply r;
+  r.request_id = headers.request_id;
+  r.chunk_index = headers.chunk_index;
+  r.status = status;
+  r.worker_id = worker_id;
+  Status s = client.Publish(headers.reply_to, wire::EncodeWorkReply(r));
+  if (!s.ok()) LOG_WARN("worker", "reply to " << headers.reply_to << " failed: " << s.ToString());
+}
+
 void ModelServer::Fail(Delivery& delivery, const wire::WorkHeaders& headers, const Status& status) {
-  if (!headers.reply_to.empty()) {
-    wire::WorkReply r;
-    r.request_id = headers.request_id;
-    r.chunk_index = headers.chunk_index;
-    r.status = status;
-    r.worker_id = d_.worker_id;
-    Reply(r, headers.reply_to);
-  }
+  PublishErrorReply(*d_.client, headers, status, d_.worker_id);
   // Terminal: bad input or a failed run is never retried in a loop.
   (void)delivery.Term();
   d_.metrics->GetCounter("shoal_worker_errors_total", "Work answered with an error, by code.",

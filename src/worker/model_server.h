@@ -95,4 +95,9 @@ class ModelServer final : public ModelAttachment {
 // Parses the Shoal-* headers of a work message.
 Result<wire::WorkHeaders> ParseWorkHeaders(const Delivery& d);
 
+// Answers one work message's caller with `status` (no-op without a reply
+// subject). The caller then terms the message.
+void PublishErrorReply(NatsClient& client, const wire::WorkHeaders& headers, const Status& status,
+                       const std::string& worker_id);
+
 }  // namespace shoal

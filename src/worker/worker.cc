@@ -464,12 +464,9 @@ void Worker::PollDemand() {
     const auto count = [&](const char* state) {
       return std::count_if(holders.begin(), holders.end(), [&](const PeerModel& p) { return p.state == state; });
     };
-    if (st.state == ModelState::kLoading) continue;
-    if (st.state == ModelState::kLoaded) {
-      // Another replica elsewhere? Only when the backlog per replica is
-      // over the threshold and a worker has room without evicting.
-      continue;
-    }
+    // Loaded or loading here: this worker serves it. (Extra replicas are
+    // decided by the workers that do not have it, below.)
+    if (st.state == ModelState::kLoading || st.state == ModelState::kLoaded) continue;
     if (st.state == ModelState::kFailed) {
       if (count("loaded") + count("loading") > 0) continue;  // served elsewhere
       Status s = manager_->StartLoad(model);  // a retry, once retry_failed_after_ms has passed
@@ -533,15 +530,7 @@ void Worker::DrainFailed(const std::string& model, const Status& error, int max)
       continue;
     }
     auto headers = ParseWorkHeaders(d);
-    if (headers.ok()) {
-      wire::WorkReply r;
-      r.request_id = headers->request_id;
-      r.chunk_index = headers->chunk_index;
-      r.status = error;
-      r.worker_id = id_;
-      Status s = client_->Publish(headers->reply_to, wire::EncodeWorkReply(r));
-      if (!s.ok()) LOG_WARN("worker", "reply to " << headers->reply_to << " failed: " << s.ToString());
-    }
+    if (headers.ok()) PublishErrorReply(*client_, *headers, error, id_);
     (void)d.Term();  // terminal: the caller has its answer, never retried
     drained_->Inc();
   }
