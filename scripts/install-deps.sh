@@ -8,7 +8,7 @@ PACKAGES=(
   nats-server libnats-dev
   libmsgpack-cxx-dev
   libboost-dev
-  libtorch-dev libopenblas0-openmp python3-torch python3-numpy
+  libtorch-dev libopenblas0-openmp python3-torch python3-numpy python3-msgpack
   nlohmann-json3-dev
   libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev

@@ -22,8 +22,16 @@ void Get(const json& j, const char* key, T& out) {
 Status ModelConfig::Validate() const {
   if (name.empty()) return InvalidArgument("model config: name is empty");
   if (task != "embed") return InvalidArgument("model " + name + ": unsupported task '" + task + "'");
-  if (runtime != "torchscript" && runtime != "null")
+  if (runtime != "torchscript" && runtime != "null" && runtime != "process")
     return InvalidArgument("model " + name + ": unknown runtime '" + runtime + "'");
+  if (runtime == "process") {
+    if (process.command.empty() || process.command.front().empty())
+      return InvalidArgument("model " + name + ": runtime 'process' needs process.command");
+    if (process.start_timeout_ms < 1 || process.request_timeout_ms < 1 || process.health_interval_ms < 10 ||
+        process.max_restart_backoff_ms < 1)
+      return InvalidArgument("model " + name + ": process timeouts must be positive (health_interval_ms >= 10)");
+    if (process.max_frame_bytes < 1024) return InvalidArgument("model " + name + ": process.max_frame_bytes must be >= 1024");
+  }
   if (max_seq_len < 3 || max_seq_len > 8192)
     return InvalidArgument("model " + name + ": max_seq_len must be in [3, 8192]");
   if (dim < 0) return InvalidArgument("model " + name + ": dim must be >= 0");
@@ -62,6 +70,18 @@ Result<ModelConfig> ParseModelConfig(const std::string& json_text, const std::st
       Get(*t, "strip_accents", c.tokenizer.strip_accents);
       Get(*t, "tokenize_chinese_chars", c.tokenizer.tokenize_chinese_chars);
     }
+    if (auto p = j.find("process"); p != j.end() && p->is_object()) {
+      Get(*p, "command", c.process.command);
+      if (auto e = p->find("env"); e != p->end() && e->is_object())
+        for (const auto& [k, v] : e->items()) c.process.env.emplace_back(k, v.get<std::string>());
+      Get(*p, "cwd", c.process.cwd);
+      Get(*p, "start_timeout_ms", c.process.start_timeout_ms);
+      Get(*p, "request_timeout_ms", c.process.request_timeout_ms);
+      Get(*p, "max_frame_bytes", c.process.max_frame_bytes);
+      Get(*p, "health_interval_ms", c.process.health_interval_ms);
+      Get(*p, "max_restart_backoff_ms", c.process.max_restart_backoff_ms);
+    }
+    c.config_json = j.dump();
     if (auto b = j.find("batching"); b != j.end() && b->is_object()) {
       Get(*b, "max_batch_tokens", c.batching.max_batch_tokens);
       Get(*b, "max_batch_size", c.batching.max_batch_size);

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -26,10 +27,25 @@ struct BatchingConfig {
   int64_t max_wait_us = 2000;       // how long to wait to fill a batch
 };
 
+// How to run an out-of-process runtime ("runtime": "process"): the worker
+// starts `command` (argv; a relative program path is taken from the model
+// directory) in `cwd` (default: the model directory) with `env` added, and
+// speaks docs/runtime-protocol.md with it over a Unix socket.
+struct ProcessConfig {
+  std::vector<std::string> command;
+  std::vector<std::pair<std::string, std::string>> env;
+  std::string cwd;
+  int64_t start_timeout_ms = 60000;    // spawn to a loaded model
+  int64_t request_timeout_ms = 60000;  // one batch
+  int64_t max_frame_bytes = int64_t{64} << 20;
+  int64_t health_interval_ms = 1000;   // liveness checks (ping when idle)
+  int64_t max_restart_backoff_ms = 10000;
+};
+
 struct ModelConfig {
   std::string name;                 // public model id, e.g. "minilm-l6"
   std::string task = "embed";       // only "embed" today
-  std::string runtime = "torchscript";  // "torchscript" | "null"
+  std::string runtime = "torchscript";  // "torchscript" | "process" | "null"
   std::string model_file = "model.pt";  // relative to dir
   std::string dir;                  // absolute directory, filled by the loader
   int max_seq_len = 256;            // tokens incl. [CLS]/[SEP]
@@ -39,6 +55,8 @@ struct ModelConfig {
   int intra_op_threads = 0;         // 0: worker default
   TokenizerConfig tokenizer;
   BatchingConfig batching;
+  ProcessConfig process;            // runtime "process" only
+  std::string config_json;          // the whole shoal.json, as read
 
   Status Validate() const;
   std::string ModelPath() const { return dir + "/" + model_file; }

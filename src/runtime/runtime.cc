@@ -1,6 +1,7 @@
 #include "runtime/runtime.h"
 
 #include "runtime/null/null_runtime.h"
+#include "runtime/process/process_runtime.h"
 #include "runtime/torch/torchscript_runtime.h"
 
 namespace shoal {
@@ -10,7 +11,8 @@ Result<std::unique_ptr<Runtime>> CreateRuntime(const std::string& kind) {
     return std::unique_ptr<Runtime>(std::make_unique<TorchScriptRuntime>());
   }
   if (kind == "null") return std::unique_ptr<Runtime>(std::make_unique<NullRuntime>());
-  return NotFound("unknown runtime '" + kind + "' (known: torchscript, null)",
+  if (kind == "process") return std::unique_ptr<Runtime>(std::make_unique<ProcessRuntime>());
+  return NotFound("unknown runtime '" + kind + "' (known: torchscript, process, null)",
                   "runtime_not_found");
 }
 

@@ -1,7 +1,8 @@
 // Runtime: executes one model on one device. The worker owns one Runtime per
 // loaded model and calls it from a single executor thread, so adapters need
-// not be thread-safe. Adapters: "torchscript" (libtorch in-process) and
-// "null" (no model; measures Shoal's own overhead). Later: out-of-process.
+// not be thread-safe. Adapters: "torchscript" (libtorch in-process),
+// "process" (any language, in its own process over a Unix socket) and
+// "null" (no model; measures Shoal's own overhead).
 #pragma once
 
 #include <cstdint>
@@ -43,6 +44,10 @@ class Runtime {
   virtual int64_t MemoryBytes() const = 0;
   // Embedding width, known after Load().
   virtual int Dim() const = 0;
+  // False while the runtime cannot take batches for a while (an
+  // out-of-process runtime restarting); the worker then stops pulling work
+  // for the model instead of burning its deliveries. Thread-safe.
+  virtual bool Available() const { return true; }
 };
 
 // Makes an unloaded runtime for config.runtime ("torchscript" | "null").

@@ -292,3 +292,48 @@ TEST_F(FleetTest, ABacklogOverTheThresholdAddsASecondReplica) {
 
 }  // namespace
 }  // namespace shoal
+
+namespace shoal {
+namespace {
+
+// An out-of-process runtime that dies in the middle of a batch: the batch
+// goes back to the queue, the runtime is restarted, and every caller gets
+// exactly one (correct) answer.
+TEST_F(FleetTest, ABatchInFlightWhenTheRuntimeDiesIsRedelivered) {
+  namespace fs = std::filesystem;
+  const fs::path src = fs::path(shoal::testing::ModelsDir()) / "tiny-bert-py";
+  const fs::path dir = fs::path(repo_.path()) / "crashy";
+  fs::create_directories(dir);
+  for (const char* f : {"weights.pt", "model.py", "vocab.txt"}) fs::create_symlink(src / f, dir / f);
+  std::ifstream in(src / "shoal.json");
+  json config = json::parse(in);
+  const std::string marker = repo_.path() + "/crashed";
+  config["name"] = "crashy";
+  config["process"]["command"] = {"/usr/bin/python3",
+                                  shoal::testing::SourceDir() + "/tests/data/runtimes/bad_runtime.py", "--mode",
+                                  "crash-once"};
+  config["process"]["env"]["CRASH_MARKER"] = marker;
+  config["process"]["health_interval_ms"] = 100;
+  std::ofstream(dir / "shoal.json") << config.dump(2);
+  MakeFleetRepository(repo_.path(), {"tiny-a"});  // the same weights on TorchScript, for comparison
+
+  WorkerOptions wo = Options();
+  wo.preload = {"all"};
+  Member m = Start(wo);
+  ASSERT_NE(m.worker, nullptr);
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  for (int i = 0; i < 8; ++i) calls.push_back(EmbedAsync("crashy", "sentence " + std::to_string(i)));
+  for (int i = 0; i < 8; ++i) {
+    auto r = calls[i].get();
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    auto same = Embed("tiny-a", "sentence " + std::to_string(i));
+    ASSERT_TRUE(same.ok());
+    for (int k = 0; k < r->dim; ++k) EXPECT_NEAR(r->data[k], same->data[k], 1e-4);
+  }
+  EXPECT_TRUE(fs::exists(marker)) << "the runtime never crashed; nothing was tested";
+  EXPECT_GE(m.Counter("shoal_worker_runtime_unavailable_total", {{"model", "crashy"}}), 1);
+  EXPECT_GE(m.Counter("shoal_worker_redelivered_total", {{"model", "crashy"}}), 1);
+}
+
+}  // namespace
+}  // namespace shoal

@@ -8,6 +8,9 @@
 namespace shoal {
 namespace {
 
+// Work handed back because the runtime was unavailable comes back after this.
+constexpr int64_t kRedeliverDelayMs = 250;
+
 bool ParseInt(std::string_view s, int64_t* out) {
   if (s.empty()) return false;
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
@@ -59,6 +62,8 @@ ModelServer::ModelServer(ModelServerDeps deps)
   load_wait_seconds_ = m->GetHistogram("shoal_worker_load_wait_seconds",
                                        "How long requests waited for a model to load.", l,
                                        LatencyBuckets());
+  runtime_unavailable_ = m->GetCounter("shoal_worker_runtime_unavailable_total",
+                                      "Batches handed back to the queue because the runtime was unavailable.", l);
   turn_wait_seconds_ = m->GetHistogram("shoal_worker_device_wait_seconds",
                                        "Time a formed batch waited for its turn on the device.", l,
                                        LatencyBuckets());
@@ -191,6 +196,12 @@ void ModelServer::FetchLoop() {
       if (stop_) break;
       free_tokens = batcher_.FreeTokens();
       free_rows = batcher_.FreeRows();
+    }
+    if (!d_.runtime->Available()) {
+      // The runtime is restarting: leave the work in the queue (for other
+      // workers, or for us once it is back) rather than burn deliveries.
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
     }
     int want = static_cast<int>(std::clamp<int64_t>(
         static_cast<int64_t>(free_tokens / std::max(1.0, avg_tokens_per_msg_)), 1, std::max<int64_t>(1, free_rows)));
@@ -347,6 +358,16 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
     batches_->Inc();
     batch_rows_->Observe(tb.rows);
     batch_tokens_->Observe(static_cast<double>(tb.rows) * tb.seq_len);
+    if (!out.ok() && out.status().code() == StatusCode::kUnavailable) {
+      // The runtime went away mid-batch (an out-of-process runtime crashed
+      // or is restarting): not the callers' fault. Hand the work back to the
+      // queue; it is redelivered and every caller still gets one answer.
+      LOG_WARN("worker", c.name << ": " << out.status().ToString() << "; returning " << live.size()
+                                << " message(s) to the queue");
+      runtime_unavailable_->Inc();
+      for (auto& w : live) (void)w->delivery.Nak(kRedeliverDelayMs);
+      return;
+    }
     if (!out.ok()) {
       failure = Status(StatusCode::kInternal, "model '" + c.name + "' failed: " + out.status().message(),
                        "runtime_error");

@@ -90,6 +90,7 @@ class ModelServer final : public ModelAttachment {
   Counter* load_waits_ = nullptr;
   Histogram* load_wait_seconds_ = nullptr;
   Histogram* turn_wait_seconds_ = nullptr;
+  Counter* runtime_unavailable_ = nullptr;
 };
 
 // Parses the Shoal-* headers of a work message.

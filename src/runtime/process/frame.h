@@ -1,0 +1,30 @@
+// Frames of the out-of-process runtime protocol (docs/runtime-protocol.md):
+// a 4-byte big-endian length, then that many bytes of MessagePack. Reads and
+// writes on a blocking or non-blocking socket with an absolute deadline, so a
+// silent or misbehaving peer can never hang the caller.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+
+namespace shoal::runtime_protocol {
+
+inline constexpr int kProtocolVersion = 1;
+inline constexpr int64_t kDefaultMaxFrameBytes = int64_t{64} << 20;
+
+// Writes one frame. DeadlineExceeded past `deadline_mono_us` (steady clock,
+// microseconds), Unavailable when the peer has gone.
+Status WriteFrame(int fd, std::string_view payload, int64_t deadline_mono_us);
+
+// Reads one frame. Errors: DeadlineExceeded; Unavailable "peer_closed" on
+// EOF; BadGateway "frame_too_large" when the announced length exceeds
+// `max_bytes` (the stream cannot be trusted after that).
+Result<std::string> ReadFrame(int fd, int64_t max_bytes, int64_t deadline_mono_us);
+
+// Steady-clock microseconds, the time base of the deadlines above.
+int64_t NowMonoUs();
+
+}  // namespace shoal::runtime_protocol

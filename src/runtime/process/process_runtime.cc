@@ -1,0 +1,346 @@
+#include "runtime/process/process_runtime.h"
+
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
+#include "common/log.h"
+#include "runtime/process/frame.h"
+
+extern char** environ;
+
+namespace shoal {
+namespace {
+
+using runtime_protocol::NowMonoUs;
+using runtime_protocol::Reply;
+
+constexpr int64_t kFirstBackoffMs = 100;
+
+Status Crashed(const std::string& why) { return Unavailable("runtime process: " + why, "runtime_crashed"); }
+
+int64_t ChildResidentBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/statm");
+  int64_t size = 0, resident = 0;
+  if (!(in >> size >> resident)) return 0;
+  return resident * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// Resolves a path given in the model config: absolute as is, else relative
+// to the model directory.
+std::string InModelDir(const ModelConfig& c, const std::string& p) {
+  if (p.empty()) return c.dir;
+  if (p.front() == '/') return p;
+  return (std::filesystem::path(c.dir) / p).lexically_normal().string();
+}
+
+// Starts `argv` with `env` in `cwd`; the child dies with this thread's
+// process (PDEATHSIG), so a killed worker never leaves runtimes behind.
+Result<pid_t> Spawn(const std::vector<std::string>& argv, const std::vector<std::string>& env, const std::string& cwd) {
+  std::vector<char*> args, envp;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) return Internal(std::string("fork: ") + std::strerror(errno));
+  if (pid == 0) {
+    // Child: async-signal-safe calls only.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);
+    if (::chdir(cwd.c_str()) != 0) ::_exit(126);
+    ::execvpe(args[0], args.data(), envp.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+}  // namespace
+
+ProcessRuntime::~ProcessRuntime() { Unload(); }
+
+Status ProcessRuntime::Load(const ModelConfig& config) {
+  if (config.process.command.empty()) return InvalidArgument("runtime 'process' needs process.command");
+  config_ = config;
+  supervisor_ = std::thread([this] { SuperviseLoop(); });
+  std::unique_lock<std::mutex> lock(sup_mu_);
+  start_requested_ = true;
+  sup_cv_.notify_all();
+  sup_cv_.wait(lock, [this] { return start_done_; });
+  Status s = start_status_;
+  lock.unlock();
+  if (!s.ok()) Unload();
+  return s;
+}
+
+void ProcessRuntime::Unload() {
+  {
+    std::lock_guard<std::mutex> lock(sup_mu_);
+    stop_ = true;
+  }
+  sup_cv_.notify_all();
+  if (supervisor_.joinable()) supervisor_.join();
+}
+
+Status ProcessRuntime::Start() {
+  const ProcessConfig& p = config_.process;
+  const int64_t deadline = NowMonoUs() + p.start_timeout_ms * 1000;
+  char dir_template[] = "/tmp/shoal-runtime-XXXXXX";
+  if (::mkdtemp(dir_template) == nullptr) return Internal(std::string("mkdtemp: ") + std::strerror(errno));
+  {
+    std::lock_guard<std::mutex> lock(io_mu_);
+    socket_dir_ = dir_template;
+  }
+  const std::string socket_path = std::string(dir_template) + "/runtime.sock";
+
+  std::vector<std::string> argv = p.command;
+  if (argv[0].find('/') != std::string::npos) argv[0] = InModelDir(config_, argv[0]);
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+  for (const auto& [k, v] : p.env) env.push_back(k + "=" + v);
+  env.push_back("SHOAL_RUNTIME_SOCKET=" + socket_path);
+  env.push_back("SHOAL_MODEL_DIR=" + config_.dir);
+  ASSIGN_OR_RETURN(pid_t pid, Spawn(argv, env, InModelDir(config_, p.cwd)));
+  pid_ = pid;
+
+  // The runtime listens; connect once it does (or give up if it exits).
+  int fd = -1;
+  while (true) {
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      pid_ = -1;
+      {
+        std::lock_guard<std::mutex> io(io_mu_);
+        StopProcessLocked(false);  // removes the socket directory
+      }
+      return Status(StatusCode::kBadGateway,
+                    "runtime process exited during start (" +
+                        (WIFEXITED(status) ? "exit code " + std::to_string(WEXITSTATUS(status))
+                                           : "signal " + std::to_string(WTERMSIG(status))) +
+                        "): " + argv[0],
+                    "runtime_start_failed");
+    }
+    fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, socket_path.c_str(), sizeof addr.sun_path - 1);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) break;
+    ::close(fd);
+    fd = -1;
+    if (NowMonoUs() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::lock_guard<std::mutex> lock(io_mu_);
+  if (fd < 0) {
+    StopProcessLocked(false);
+    return DeadlineExceeded("runtime process did not listen on its socket within " +
+                                std::to_string(p.start_timeout_ms) + " ms",
+                            "runtime_start_failed");
+  }
+  fd_ = fd;
+  auto fail = [&](Status s) {
+    StopProcessLocked(false);
+    return s;
+  };
+  const int64_t left_ms = std::max<int64_t>(1, (deadline - NowMonoUs()) / 1000);
+  const uint64_t hello_id = next_id_++;
+  auto hello = CallLocked(runtime_protocol::EncodeHello(hello_id, "shoal-worker"), hello_id, left_ms);
+  if (!hello.ok()) return fail(hello.status());
+  if (!hello->ok) return fail(Status(StatusCode::kBadGateway, "runtime refused hello: " + hello->error_message,
+                                     hello->error_code.empty() ? "runtime_start_failed" : hello->error_code));
+  if (hello->protocol != runtime_protocol::kProtocolVersion) {
+    return fail(Status(StatusCode::kBadGateway,
+                       "runtime speaks protocol " + std::to_string(hello->protocol) + ", this worker speaks " +
+                           std::to_string(runtime_protocol::kProtocolVersion),
+                       "unsupported_protocol"));
+  }
+  if (std::find(hello->tasks.begin(), hello->tasks.end(), config_.task) == hello->tasks.end()) {
+    return fail(Status(StatusCode::kBadGateway, "runtime " + hello->runtime + " does not do task '" + config_.task + "'",
+                       "unsupported_task"));
+  }
+  const uint64_t load_id = next_id_++;
+  auto loaded = CallLocked(runtime_protocol::EncodeLoad(load_id, config_), load_id,
+                           std::max<int64_t>(1, (deadline - NowMonoUs()) / 1000));
+  if (!loaded.ok()) return fail(loaded.status());
+  if (!loaded->ok) {
+    return fail(Status(StatusCode::kBadGateway, "runtime could not load the model: " + loaded->error_message,
+                       "model_load_failed"));
+  }
+  if (loaded->dim <= 0) return fail(Status(StatusCode::kBadGateway, "runtime reported no dim", "runtime_protocol_error"));
+  dim_ = loaded->dim;
+  memory_bytes_ = std::max(loaded->memory_bytes, ChildResidentBytes(pid));
+  up_ = true;
+  LOG_INFO("runtime", "process runtime " << hello->runtime << " (pid " << pid << ") serves " << config_.name << ", dim "
+                                         << loaded->dim);
+  return Status::Ok();
+}
+
+Result<Reply> ProcessRuntime::CallLocked(const std::string& frame, uint64_t id, int64_t timeout_ms) {
+  const int64_t deadline = NowMonoUs() + timeout_ms * 1000;
+  RETURN_IF_ERROR(runtime_protocol::WriteFrame(fd_, frame, deadline));
+  ASSIGN_OR_RETURN(std::string data, runtime_protocol::ReadFrame(fd_, config_.process.max_frame_bytes, deadline));
+  last_io_mono_us_ = NowMonoUs();
+  auto reply = runtime_protocol::DecodeReply(data);
+  if (!reply.ok()) return Status(StatusCode::kBadGateway, reply.status().message(), "malformed_frame");
+  if (reply->id != id) {
+    return Status(StatusCode::kBadGateway,
+                  "runtime answered request " + std::to_string(reply->id) + " to request " + std::to_string(id),
+                  "malformed_frame");
+  }
+  return reply;
+}
+
+void ProcessRuntime::MarkDownLocked(const Status& why) {
+  LOG_WARN("runtime", "process runtime for " << config_.name << " is down: " << why.ToString());
+  up_ = false;
+  StopProcessLocked(false);
+}
+
+void ProcessRuntime::StopProcessLocked(bool graceful) {
+  const pid_t pid = pid_.exchange(-1);
+  if (fd_ >= 0 && graceful) {
+    const uint64_t id = next_id_++;
+    (void)CallLocked(runtime_protocol::EncodeSimple(id, "shutdown"), id, 1000);
+  }
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  if (pid > 0) {
+    int status = 0;
+    const int64_t until = NowMonoUs() + (graceful ? 2'000'000 : 0);
+    while (::waitpid(pid, &status, WNOHANG) == 0) {
+      if (NowMonoUs() >= until) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  if (!socket_dir_.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(socket_dir_, ec);
+    socket_dir_.clear();
+  }
+}
+
+Result<Embeddings> ProcessRuntime::Run(const TokenBatch& batch) {
+  if (restarting_ || !up_) return Unavailable("runtime process for " + config_.name + " is restarting", "runtime_crashed");
+  std::lock_guard<std::mutex> lock(io_mu_);
+  if (!up_ || fd_ < 0) return Unavailable("runtime process for " + config_.name + " is restarting", "runtime_crashed");
+  const uint64_t id = next_id_++;
+  auto reply = CallLocked(runtime_protocol::EncodeRun(id, config_.task, batch.rows, batch.seq_len, batch.input_ids,
+                                                      batch.attention_mask),
+                          id, config_.process.request_timeout_ms);
+  if (!reply.ok()) {
+    // The stream cannot be trusted any more: restart, and let the work be
+    // redelivered.
+    MarkDownLocked(reply.status());
+    return Crashed(reply.status().message());
+  }
+  if (!reply->ok) {
+    return Status(StatusCode::kInternal, "runtime: " + reply->error_message,
+                  reply->error_code.empty() ? "runtime_error" : reply->error_code);
+  }
+  const int dim = dim_.load();
+  if (reply->rows != batch.rows || reply->embeddings.size() != static_cast<size_t>(batch.rows) * dim * sizeof(float)) {
+    return Internal("runtime returned " + std::to_string(reply->rows) + " rows / " +
+                        std::to_string(reply->embeddings.size()) + " bytes for " + std::to_string(batch.rows) +
+                        " rows of dim " + std::to_string(dim),
+                    "runtime_error");
+  }
+  Embeddings out;
+  out.rows = batch.rows;
+  out.dim = dim;
+  out.data.resize(static_cast<size_t>(batch.rows) * dim);
+  std::memcpy(out.data.data(), reply->embeddings.data(), reply->embeddings.size());
+  return out;
+}
+
+void ProcessRuntime::SuperviseLoop() {
+  // Restarts back off exponentially while the process keeps dying soon
+  // after a start; a process that stayed up for a minute starts afresh.
+  constexpr int64_t kStableUs = 60'000'000;
+  int64_t backoff_ms = kFirstBackoffMs;
+  int64_t next_start_us = 0;
+  int64_t up_since_us = 0;
+  bool was_up = false;
+  std::unique_lock<std::mutex> lock(sup_mu_);
+  sup_cv_.wait(lock, [this] { return stop_ || start_requested_; });
+  if (!stop_) {
+    lock.unlock();
+    Status s = Start();
+    lock.lock();
+    start_status_ = s;
+    if (!s.ok()) stop_ = true;  // Load() fails: nothing to supervise
+    was_up = s.ok();
+    up_since_us = NowMonoUs();
+  } else {
+    start_status_ = Unavailable("unloaded before start", "shutting_down");
+  }
+  start_done_ = true;
+  sup_cv_.notify_all();
+  while (!stop_) {
+    sup_cv_.wait_for(lock, std::chrono::milliseconds(std::min<int64_t>(config_.process.health_interval_ms, 200)),
+                     [this] { return stop_; });
+    if (stop_) break;
+    lock.unlock();
+    if (up_) {
+      std::unique_lock<std::mutex> io(io_mu_, std::try_to_lock);  // a batch in flight is its own health check
+      if (io.owns_lock() && up_) {
+        int status = 0;
+        const pid_t pid = pid_.load();
+        if (pid > 0 && ::waitpid(pid, &status, WNOHANG) == pid) {
+          pid_ = -1;
+          MarkDownLocked(Crashed(WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status))
+                                                     : "exited with code " + std::to_string(WEXITSTATUS(status))));
+        } else if (NowMonoUs() - last_io_mono_us_ >= config_.process.health_interval_ms * 1000) {
+          const uint64_t id = next_id_++;
+          auto pong = CallLocked(runtime_protocol::EncodeSimple(id, "ping"), id,
+                                 std::min<int64_t>(config_.process.request_timeout_ms, 5000));
+          if (!pong.ok() || !pong->ok) MarkDownLocked(pong.ok() ? Crashed("ping refused") : pong.status());
+        }
+      }
+    }
+    const int64_t now = NowMonoUs();
+    if (was_up && !up_) {  // went down (here, or in Run)
+      was_up = false;
+      if (now - up_since_us >= kStableUs) backoff_ms = kFirstBackoffMs;
+      next_start_us = now + backoff_ms * 1000;
+      backoff_ms = std::min(backoff_ms * 2, config_.process.max_restart_backoff_ms);
+    }
+    if (!up_ && now >= next_start_us) {
+      restarting_ = true;
+      Status s = Start();
+      restarting_ = false;
+      if (s.ok()) {
+        ++restarts_;
+        was_up = true;
+        up_since_us = NowMonoUs();
+      } else {
+        LOG_WARN("runtime", "restarting the runtime for " << config_.name << ": " << s.ToString() << "; next try in "
+                                                          << backoff_ms << " ms");
+        next_start_us = NowMonoUs() + backoff_ms * 1000;
+        backoff_ms = std::min(backoff_ms * 2, config_.process.max_restart_backoff_ms);
+      }
+    }
+    lock.lock();
+  }
+  lock.unlock();
+  std::lock_guard<std::mutex> io(io_mu_);
+  up_ = false;
+  StopProcessLocked(/*graceful=*/true);
+}
+
+}  // namespace shoal

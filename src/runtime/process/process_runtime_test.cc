@@ -1,0 +1,235 @@
+// The out-of-process runtime: frames and messages on their own, then real
+// runtime processes — Shoal's Python runtime serving the eager tiny-bert
+// (checked against the TorchScript model's reference embeddings), killed
+// and restarted, and misbehaving runtimes (tests/data/runtimes) that must
+// never crash or hang the worker.
+#include "runtime/process/process_runtime.h"
+
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "runtime/process/frame.h"
+#include "runtime/process/protocol.h"
+
+namespace shoal {
+namespace {
+
+using nlohmann::json;
+using namespace std::chrono_literals;
+namespace rp = runtime_protocol;
+
+std::string SourceDir() {
+  const char* v = std::getenv("SHOAL_SOURCE_DIR");
+  return v && *v ? v : SHOAL_DEFAULT_SOURCE_DIR;
+}
+
+template <typename Pred>
+bool Eventually(Pred pred, std::chrono::milliseconds timeout = 20s) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(20ms);
+  }
+  return true;
+}
+
+// ----- Frames and messages ------------------------------------------------
+
+class Frames : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds_), 0); }
+  void TearDown() override {
+    for (int fd : fds_)
+      if (fd >= 0) ::close(fd);
+  }
+  int64_t Soon() const { return rp::NowMonoUs() + 500'000; }
+  int fds_[2] = {-1, -1};
+};
+
+TEST_F(Frames, RoundTripIncludingEmptyAndLarge) {
+  for (const std::string& payload : {std::string(), std::string("hello"), std::string(300'000, 'x')}) {
+    std::thread writer([&] { EXPECT_TRUE(rp::WriteFrame(fds_[0], payload, Soon()).ok()); });
+    auto got = rp::ReadFrame(fds_[1], 1 << 20, Soon());
+    writer.join();
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(*got, payload);
+  }
+}
+
+TEST_F(Frames, OversizedSilentAndClosedPeersAreErrorsNotHangs) {
+  ASSERT_TRUE(rp::WriteFrame(fds_[0], std::string(2000, 'x'), Soon()).ok());
+  auto big = rp::ReadFrame(fds_[1], 1000, Soon());
+  EXPECT_EQ(big.status().reason(), "frame_too_large");
+  auto silent = rp::ReadFrame(fds_[0], 1000, rp::NowMonoUs() + 50'000);
+  EXPECT_EQ(silent.status().code(), StatusCode::kDeadlineExceeded);
+  ::close(fds_[1]);
+  fds_[1] = -1;
+  auto closed = rp::ReadFrame(fds_[0], 1000, Soon());
+  EXPECT_EQ(closed.status().reason(), "peer_closed");
+  EXPECT_EQ(rp::WriteFrame(fds_[0], "x", Soon()).code(), StatusCode::kUnavailable);
+}
+
+TEST(RuntimeMessages, RepliesAreCheckedField_by_field) {
+  EXPECT_EQ(rp::DecodeReply("not msgpack \xc1").status().reason(), "malformed_frame");
+  EXPECT_EQ(rp::DecodeReply("\x91\x01").status().reason(), "malformed_frame");  // an array
+  EXPECT_EQ(rp::DecodeReply("\x81\xa2ok\xc3").status().reason(), "malformed_frame");  // no id
+  // {"id": 7, "ok": true, "dim": 3}
+  auto r = rp::DecodeReply(std::string("\x83\xa2id\x07\xa2ok\xc3\xa3" "dim\x03", 14));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->id, 7u);
+  EXPECT_TRUE(r->ok);
+  EXPECT_EQ(r->dim, 3);
+  // {"id": 1, "ok": true, "embeddings": "text"}: embeddings must be bin.
+  EXPECT_EQ(rp::DecodeReply(std::string("\x83\xa2id\x01\xa2ok\xc3\xaa" "embeddings\xa4text", 26)).status().reason(),
+            "malformed_frame");
+}
+
+// ----- Real runtime processes --------------------------------------------
+
+ModelConfig PythonModel() {
+  auto c = LoadModelConfig(SourceDir() + "/models/tiny-bert-py");
+  EXPECT_TRUE(c.ok()) << c.status().ToString() << " (run scripts/setup.sh to generate the demo models)";
+  ModelConfig m = c.ok() ? *c : ModelConfig{};
+  m.process.health_interval_ms = 100;
+  m.process.max_restart_backoff_ms = 200;
+  return m;
+}
+
+ModelConfig BadModel(const std::string& mode) {
+  ModelConfig m = PythonModel();
+  m.process.command = {"/usr/bin/python3", SourceDir() + "/tests/data/runtimes/bad_runtime.py", "--mode", mode};
+  return m;
+}
+
+// The reference inputs of tiny-bert, padded into one batch.
+TokenBatch ReferenceBatch(const json& ref) {
+  TokenBatch b;
+  b.rows = static_cast<int>(ref["inputs"].size());
+  for (const auto& in : ref["inputs"]) b.seq_len = std::max<int>(b.seq_len, static_cast<int>(in["input_ids"].size()));
+  b.input_ids.assign(static_cast<size_t>(b.rows) * b.seq_len, 0);
+  b.attention_mask.assign(b.input_ids.size(), 0);
+  for (int r = 0; r < b.rows; ++r) {
+    const auto& ids = ref["inputs"][r]["input_ids"];
+    for (size_t t = 0; t < ids.size(); ++t) {
+      b.input_ids[static_cast<size_t>(r) * b.seq_len + t] = ids[t].get<int64_t>();
+      b.attention_mask[static_cast<size_t>(r) * b.seq_len + t] = 1;
+    }
+  }
+  return b;
+}
+
+json TorchScriptReference() {
+  std::ifstream in(SourceDir() + "/models/tiny-bert/reference.json");
+  return json::parse(in);
+}
+
+void ExpectMatchesReference(const Embeddings& e, const json& ref) {
+  ASSERT_EQ(e.rows, static_cast<int>(ref["embeddings"].size()));
+  for (int r = 0; r < e.rows; ++r)
+    for (int k = 0; k < e.dim; ++k)
+      ASSERT_NEAR(e.data[static_cast<size_t>(r) * e.dim + k], ref["embeddings"][r][k].get<double>(), 1e-4)
+          << "row " << r << " component " << k;
+}
+
+TEST(ProcessRuntime, PythonRuntimeServesTheEagerModelLikeTorchScript) {
+  ProcessRuntime rt;
+  ASSERT_TRUE(rt.Load(PythonModel()).ok());
+  EXPECT_EQ(rt.Dim(), 64);
+  EXPECT_GT(rt.MemoryBytes(), 1 << 20);  // the runtime process's resident set
+  const json ref = TorchScriptReference();
+  auto out = rt.Run(ReferenceBatch(ref));
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  ExpectMatchesReference(*out, ref);
+  const pid_t pid = rt.pid();
+  rt.Unload();
+  EXPECT_EQ(::kill(pid, 0), -1) << "the runtime process outlived Unload()";
+}
+
+TEST(ProcessRuntime, AKilledRuntimeIsRestartedAndServesAgain) {
+  ProcessRuntime rt;
+  ASSERT_TRUE(rt.Load(PythonModel()).ok());
+  const json ref = TorchScriptReference();
+  const pid_t first = rt.pid();
+  ASSERT_EQ(::kill(first, SIGKILL), 0);
+  // While it is down, a batch fails as "unavailable" (the worker hands it
+  // back to the queue), never as the callers' error.
+  auto during = rt.Run(ReferenceBatch(ref));
+  if (!during.ok()) {
+    EXPECT_EQ(during.status().code(), StatusCode::kUnavailable);
+    EXPECT_EQ(during.status().reason(), "runtime_crashed");
+  }
+  ASSERT_TRUE(Eventually([&] { return rt.up() && rt.pid() != first && rt.pid() > 0; })) << "never restarted";
+  EXPECT_GE(rt.restarts(), 1);
+  auto after = rt.Run(ReferenceBatch(ref));
+  ASSERT_TRUE(after.ok()) << after.status().ToString();
+  ExpectMatchesReference(*after, ref);
+}
+
+TEST(ProcessRuntime, RuntimesThatFailToStartFailTheLoadQuickly) {
+  {
+    ProcessRuntime rt;
+    Status s = rt.Load(BadModel("wrong-version"));
+    EXPECT_EQ(s.reason(), "unsupported_protocol") << s.ToString();
+  }
+  {
+    ProcessRuntime rt;
+    Status s = rt.Load(BadModel("exit"));
+    EXPECT_EQ(s.reason(), "runtime_start_failed") << s.ToString();
+    EXPECT_NE(s.message().find("exit code 3"), std::string::npos) << s.message();
+  }
+  {
+    ModelConfig m = BadModel("silent");
+    m.process.start_timeout_ms = 500;
+    ProcessRuntime rt;
+    Status s = rt.Load(m);
+    EXPECT_EQ(s.reason(), "runtime_start_failed") << s.ToString();
+  }
+  {
+    ModelConfig m = PythonModel();
+    m.process.command = {"/nonexistent/runtime"};
+    ProcessRuntime rt;
+    EXPECT_EQ(rt.Load(m).reason(), "runtime_start_failed");
+  }
+}
+
+TEST(ProcessRuntime, MisbehavingRepliesFailTheBatchAndRestartTheRuntime) {
+  const json ref = TorchScriptReference();
+  for (const std::string mode : {"oversized", "garbage", "hang"}) {
+    ModelConfig m = BadModel(mode);
+    m.process.request_timeout_ms = 500;
+    m.process.max_frame_bytes = 1 << 20;
+    ProcessRuntime rt;
+    ASSERT_TRUE(rt.Load(m).ok()) << mode;
+    const pid_t first = rt.pid();
+    auto out = rt.Run(ReferenceBatch(ref));
+    EXPECT_EQ(out.status().code(), StatusCode::kUnavailable) << mode << ": " << out.status().ToString();
+    EXPECT_EQ(out.status().reason(), "runtime_crashed") << mode;
+    EXPECT_TRUE(Eventually([&] { return rt.up() && rt.pid() != first; })) << mode << ": not restarted";
+  }
+}
+
+TEST(ProcessRuntime, AnErrorReplyFailsOnlyThatBatch) {
+  ProcessRuntime rt;
+  ASSERT_TRUE(rt.Load(BadModel("error")).ok());
+  const pid_t pid = rt.pid();
+  auto out = rt.Run(ReferenceBatch(TorchScriptReference()));
+  EXPECT_EQ(out.status().code(), StatusCode::kInternal);
+  EXPECT_NE(out.status().message().find("refuses every batch"), std::string::npos);
+  std::this_thread::sleep_for(300ms);  // a few health checks
+  EXPECT_TRUE(rt.up());
+  EXPECT_EQ(rt.pid(), pid);  // not restarted: the runtime is healthy
+}
+
+}  // namespace
+}  // namespace shoal

@@ -1,0 +1,77 @@
+#!/usr/bin/python3
+"""Misbehaving runtimes for ProcessRuntime's tests (--mode picks how).
+
+  wrong-version  answers hello with protocol 2
+  exit           exits with code 3 before listening
+  silent         never listens on the socket
+  oversized      answers `run` with a frame header of 1 GiB
+  garbage        answers `run` with bytes that are not MessagePack
+  hang           never answers `run`
+  error          answers `run` with ok:false, keeps serving
+  crash-once     like the real runtime, but dies (SIGKILL-like exit) on the
+                 first `run` while $CRASH_MARKER does not exist; creates it
+Everything else behaves as runtimes/python/shoal_runtime.py.
+"""
+
+import argparse
+import os
+import struct
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "runtimes", "python"))
+import shoal_runtime  # noqa: E402
+
+
+class BadServer(shoal_runtime.Server):
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+
+    def hello(self, req):
+        reply = super().hello(req)
+        if self.mode == "wrong-version":
+            reply["protocol"] = 2
+        return reply
+
+    def run(self, req):
+        if self.mode == "crash-once":
+            marker = os.environ["CRASH_MARKER"]
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(9)
+        if self.mode == "error":
+            return shoal_runtime.error("boom", "this runtime refuses every batch")
+        return super().run(req)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", required=True)
+    mode = ap.parse_args().mode
+    if mode == "exit":
+        sys.exit(3)
+    if mode == "silent":
+        time.sleep(3600)
+    server = BadServer(mode)
+    raw_write = shoal_runtime.write_frame
+
+    def write_frame(conn, obj):
+        if obj.get("rows") is not None:  # the reply to `run`
+            if mode == "oversized":
+                conn.sendall(struct.pack(">I", 1 << 30) + b"x" * 16)
+                return
+            if mode == "garbage":
+                data = b"\xc1\xc1\xc1 not messagepack"
+                conn.sendall(struct.pack(">I", len(data)) + data)
+                return
+            if mode == "hang":
+                time.sleep(3600)
+        raw_write(conn, obj)
+
+    shoal_runtime.write_frame = write_frame
+    shoal_runtime.serve(server, os.environ["SHOAL_RUNTIME_SOCKET"])
+
+
+if __name__ == "__main__":
+    main()
