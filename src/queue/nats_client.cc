@@ -319,6 +319,10 @@ Status ConsumerOptions::Validate() const {
   return Status::Ok();
 }
 
+void PullConsumer::Interrupt() {
+  if (sub_) natsSubscription_Unsubscribe(sub_.get());
+}
+
 Result<std::unique_ptr<PullConsumer>> PullConsumer::Create(NatsClient& client, const std::string& stream,
                                                            const std::string& subject,
                                                            const std::string& durable,

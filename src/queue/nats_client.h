@@ -172,6 +172,10 @@ class PullConsumer {
   Result<std::vector<Delivery>> Fetch(int max_msgs, int64_t max_wait_ms);
   // Messages waiting for this consumer (not yet delivered), from the server.
   Result<uint64_t> NumPending();
+  // Ends the subscription (the durable consumer stays): a Fetch blocked in
+  // another thread returns at once, and every later Fetch fails. For
+  // shutting a fetcher down without waiting out its long poll.
+  void Interrupt();
 
  private:
   PullConsumer() = default;

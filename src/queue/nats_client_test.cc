@@ -4,6 +4,7 @@
 #include <nats/nats.h>
 
 #include <chrono>
+#include <future>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -153,6 +154,22 @@ TEST_F(NatsClientTest, SubjectCountsAndOldestMessage) {
   ASSERT_TRUE(got.ok());
   ASSERT_EQ(got->size(), 1u);
   EXPECT_GE((*got)[0].PublishedUnixMs(), before_ms - 1000);
+}
+
+TEST_F(NatsClientTest, InterruptEndsABlockedFetch) {
+  ASSERT_TRUE(EnsureWorkStream(*client_, {}).ok());
+  auto pc = PullConsumer::Create(*client_, "SHOAL_WORK", "shoal.work.idle", "shoal_idle", ConsumerOptions{});
+  ASSERT_TRUE(pc.ok());
+  auto fetch = std::async(std::launch::async, [&] { return (*pc)->Fetch(1, 60000); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  (*pc)->Interrupt();
+  // Far sooner than the 60 s long poll: the fetcher can be stopped at once.
+  ASSERT_EQ(fetch.wait_for(std::chrono::seconds(20)), std::future_status::ready);
+  auto r = fetch.get();
+  EXPECT_TRUE(!r.ok() || r->empty());
+  // The durable consumer outlives the subscription.
+  auto again = PullConsumer::Create(*client_, "SHOAL_WORK", "shoal.work.idle", "shoal_idle", ConsumerOptions{});
+  EXPECT_TRUE(again.ok());
 }
 
 void Echo(natsConnection* nc, natsSubscription*, natsMsg* msg, void*) {

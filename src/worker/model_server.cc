@@ -83,6 +83,8 @@ void ModelServer::Stop() {
   }
   work_cv_.notify_all();
   space_cv_.notify_all();
+  // Cut the fetcher's long poll short: an eviction must not wait for it.
+  if (d_.consumer) d_.consumer->Interrupt();
   if (fetcher_.joinable()) fetcher_.join();
   if (executor_.joinable()) executor_.join();
   // Pulled but never run: hand it back now rather than after AckWait.

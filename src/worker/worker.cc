@@ -342,7 +342,7 @@ void Worker::HeartbeatLoop() {
   }
 }
 
-std::map<std::string, std::vector<Worker::PeerModel>> Worker::Peers(bool fresh) {
+const std::map<std::string, std::vector<Worker::PeerModel>>& Worker::Peers(bool fresh) {
   const int64_t now = clock_->NowMonoUs();
   if (!fresh && now - peers_read_mono_us_ < options_.heartbeat_interval_ms * 500) return peers_;
   auto keys = workers_kv_->Keys();
@@ -456,11 +456,19 @@ void Worker::PollDemand() {
   std::map<std::string, ModelStatus> here;
   for (ModelStatus& s : manager_->Statuses()) here[s.name] = std::move(s);
   bool changed = false;
+  struct Candidate {
+    std::string model;
+    uint64_t msgs = 0;
+    int replica = 0;
+  };
+  std::vector<Candidate> candidates;
   for (const auto& [model, msgs] : waiting) {
     if (stop_) return;
     const ModelStatus& st = here[model];
-    auto peers = Peers(false);
-    auto& holders = peers[model];
+    static const std::vector<PeerModel> kNobody;
+    const auto& peers = Peers(false);
+    const auto it = peers.find(model);
+    const std::vector<PeerModel>& holders = it == peers.end() ? kNobody : it->second;
     const auto count = [&](const char* state) {
       return std::count_if(holders.begin(), holders.end(), [&](const PeerModel& p) { return p.state == state; });
     };
@@ -477,33 +485,45 @@ void Worker::PollDemand() {
       }
       continue;
     }
-    // Not loaded here.
+    // Not loaded here: a candidate if nobody has it, or if its backlog
+    // per replica asks for another one and this worker has room.
     const int64_t loaded_elsewhere = count("loaded");
-    bool want = false;
-    int replica = 0;
     if (holders.empty()) {
-      // Nobody has it as far as the cached view says; make sure.
-      peers = Peers(true);
-      want = peers[model].empty();
+      candidates.push_back({model, msgs, 0});
     } else if (options_.scale_out_backlog > 0 && loaded_elsewhere > 0 &&
                static_cast<int64_t>(msgs) / loaded_elsewhere > options_.scale_out_backlog &&
                manager_->FitsWithoutEviction(model)) {
-      want = true;
-      replica = static_cast<int>(holders.size());
+      candidates.push_back({model, msgs, static_cast<int>(holders.size())});
     }
-    if (!want || !Claim(model, replica)) continue;
-    Status s = manager_->StartLoad(model);
+  }
+  // One on-demand load at a time per worker: loads run one after another
+  // anyway, and a load queued behind another would evict for a model that
+  // may no longer need it by its turn. Other workers take the other cold
+  // models meanwhile. The model with the most waiting work goes first.
+  const bool loading_here = std::any_of(here.begin(), here.end(), [](const auto& kv) {
+    return kv.second.state == ModelState::kLoading;
+  });
+  std::stable_sort(candidates.begin(), candidates.end(),
+                   [](const Candidate& a, const Candidate& b) { return a.msgs > b.msgs; });
+  for (const Candidate& c : candidates) {
+    if (loading_here || stop_) break;
+    // The cached view said nobody has it; make sure before claiming.
+    if (c.replica == 0 && Peers(true).count(c.model) != 0) continue;
+    if (!Claim(c.model, c.replica)) continue;
+    Status s = manager_->StartLoad(c.model);
     if (s.ok()) {
-      LOG_INFO("worker", "loading " << model << " on demand (" << msgs << " message(s) waiting"
-                                    << (replica > 0 ? ", another replica" : "") << ")");
+      LOG_INFO("worker", "loading " << c.model << " on demand (" << c.msgs << " message(s) waiting"
+                                    << (c.replica > 0 ? ", another replica" : "") << ")");
       changed = true;
-    } else if (s.reason() == "model_load_failed") {
-      DrainFailed(model, s, 256);
+      break;
+    }
+    if (s.reason() == "model_load_failed") {
+      DrainFailed(c.model, s, 256);
     } else if (s.reason() != "memory_being_freed") {
       // No room here (every resident model pinned or busy): let another
       // worker have the claim.
-      LOG_INFO("worker", "cannot load " << model << " on demand: " << s.ToString());
-      const std::string key = wire::ModelKvKey(model) + "." + std::to_string(replica);
+      LOG_INFO("worker", "cannot load " << c.model << " on demand: " << s.ToString());
+      const std::string key = wire::ModelKvKey(c.model) + "." + std::to_string(c.replica);
       (void)placement_kv_->Delete(key);
       held_claims_.erase(key);
     }

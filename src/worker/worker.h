@@ -122,7 +122,7 @@ class Worker {
   void DemandLoop();
   void PollDemand();
   // Live peers' model states, by model (excluding this worker). Cached.
-  std::map<std::string, std::vector<PeerModel>> Peers(bool fresh);
+  const std::map<std::string, std::vector<PeerModel>>& Peers(bool fresh);
   // Tries to take the placement claim for `model` as replica `replica`.
   bool Claim(const std::string& model, int replica);
   // Gives back claims whose load has finished, once the registry shows the
