@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <random>
@@ -147,6 +148,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
     {
       std::lock_guard<std::mutex> lock(self->hb_mu_);
       self->hb_now_ = true;
+      self->demand_now_ = true;  // a load finished: the next cold model may start at once
     }
     self->hb_cv_.notify_all();
   });
@@ -411,8 +413,10 @@ void Worker::ReleaseSettledClaims() {
 void Worker::DemandLoop() {
   std::unique_lock<std::mutex> lock(hb_mu_);
   while (!stop_) {
-    hb_cv_.wait_for(lock, std::chrono::milliseconds(options_.demand_poll_ms), [this] { return stop_.load(); });
+    hb_cv_.wait_for(lock, std::chrono::milliseconds(options_.demand_poll_ms),
+                    [this] { return stop_.load() || demand_now_; });
     if (stop_) break;
+    demand_now_ = false;
     lock.unlock();
     PollDemand();
     lock.lock();
@@ -446,6 +450,7 @@ void Worker::PollDemand() {
     b.msgs = msgs;
     if (msgs == 0) b.oldest_unix_ms = 0;
     if (have_oldest) b.oldest_unix_ms = oldest;
+    if (msgs > 0 && b.oldest_unix_ms == 0) b.oldest_unix_ms = now_ms;  // first seen; read exactly within 1 s
     b.msgs_gauge->Set(static_cast<double>(msgs));
     b.age_gauge->Set(b.oldest_unix_ms > 0 ? static_cast<double>(std::max<int64_t>(0, now_ms - b.oldest_unix_ms)) / 1e3
                                           : 0.0);
@@ -460,6 +465,7 @@ void Worker::PollDemand() {
     std::string model;
     uint64_t msgs = 0;
     int replica = 0;
+    double priority = 0;
   };
   std::vector<Candidate> candidates;
   for (const auto& [model, msgs] : waiting) {
@@ -489,11 +495,11 @@ void Worker::PollDemand() {
     // per replica asks for another one and this worker has room.
     const int64_t loaded_elsewhere = count("loaded");
     if (holders.empty()) {
-      candidates.push_back({model, msgs, 0});
+      candidates.push_back({model, msgs, 0, 0});
     } else if (options_.scale_out_backlog > 0 && loaded_elsewhere > 0 &&
                static_cast<int64_t>(msgs) / loaded_elsewhere > options_.scale_out_backlog &&
                manager_->FitsWithoutEviction(model)) {
-      candidates.push_back({model, msgs, static_cast<int>(holders.size())});
+      candidates.push_back({model, msgs, static_cast<int>(holders.size()), 0});
     }
   }
   // One on-demand load at a time per worker: loads run one after another
@@ -503,8 +509,19 @@ void Worker::PollDemand() {
   const bool loading_here = std::any_of(here.begin(), here.end(), [](const auto& kv) {
     return kv.second.state == ModelState::kLoading;
   });
+  // The oldest waiting work first, weighted by how much waits (as device
+  // turns are shared), so no cold model starves behind busier ones.
+  for (Candidate& c : candidates) {
+    int64_t oldest = 0;
+    {
+      std::lock_guard<std::mutex> lock(backlog_mu_);
+      oldest = backlog_[c.model].oldest_unix_ms;
+    }
+    const double age_ms = oldest > 0 ? static_cast<double>(std::max<int64_t>(1, now_ms - oldest)) : 1.0;
+    c.priority = age_ms * (1.0 + std::log2(1.0 + static_cast<double>(c.msgs)));
+  }
   std::stable_sort(candidates.begin(), candidates.end(),
-                   [](const Candidate& a, const Candidate& b) { return a.msgs > b.msgs; });
+                   [](const Candidate& a, const Candidate& b) { return a.priority > b.priority; });
   for (const Candidate& c : candidates) {
     if (loading_here || stop_) break;
     // The cached view said nobody has it; make sure before claiming.

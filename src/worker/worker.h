@@ -163,7 +163,8 @@ class Worker {
   std::atomic<bool> stop_{false};
   std::mutex hb_mu_;
   std::condition_variable hb_cv_;
-  bool hb_now_ = false;  // guarded by hb_mu_: publish a heartbeat at once
+  bool hb_now_ = false;      // guarded by hb_mu_: publish a heartbeat at once
+  bool demand_now_ = false;  // guarded by hb_mu_: read the backlog at once
   std::thread heartbeat_;
   std::thread demand_;
   Counter* claims_won_ = nullptr;
