@@ -478,8 +478,10 @@ void Worker::PollDemand() {
     const auto count = [&](const char* state) {
       return std::count_if(holders.begin(), holders.end(), [&](const PeerModel& p) { return p.state == state; });
     };
-    // Loaded or loading here: this worker serves it. (Extra replicas are
-    // decided by the workers that do not have it, below.)
+    // Loaded or loading here: this worker serves it. Waiting work counts as
+    // use, so a model with work in the queue is not the one evicted. (Extra
+    // replicas are decided by the workers that do not have it, below.)
+    if (st.state == ModelState::kLoaded) manager_->Touch(model);
     if (st.state == ModelState::kLoading || st.state == ModelState::kLoaded) continue;
     if (st.state == ModelState::kFailed) {
       if (count("loaded") + count("loading") > 0) continue;  // served elsewhere
