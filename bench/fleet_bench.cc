@@ -1,0 +1,1011 @@
+// shoal_bench_fleet: what serving a fleet of models from one memory budget
+// costs, against the same traffic served by resident models.
+//
+// The fleet: --models (50) models named fleet-00..fleet-NN, one in
+// --large-every (5) a copy of minilm-l6 (~90 MB), the rest copies of
+// tiny-bert (a few MB); which ranks are large is a seeded shuffle, so
+// popularity and size are not correlated. Popularity is Zipf(--zipf-s):
+// fleet-00 is the most popular.
+//
+//  0. footprints  a worker with nothing preloaded loads two small and two
+//                 large models; the second measurement of each size (past
+//                 the process's one-time libtorch costs) sets the budget:
+//                 --budget-models x the mean footprint of the fleet's mix.
+//  1. reference   one resident small and one resident large model, no
+//                 budget; every draw goes to the one of its size. The
+//                 compute per request is that of the fleet phase; only the
+//                 fleet effects (loads, evictions, cold waits) are missing.
+//  2. fleet       the same draws to their own models on a worker with the
+//                 budget; the most popular models that fit are preloaded.
+//
+// Both phases: a private nats-server -js, a Worker and a Gateway in this
+// process (wired like `shoal serve`), --clients closed-loop keep-alive HTTP
+// clients on one thread each, one short sentence per /v1/embeddings request.
+// The client records every request: its model, whether that model was
+// resident when the request was sent, and whether the model was (re)loaded
+// while the request was out. That gives the latency of requests that had to
+// wait for a load; the worker's own shoal_worker_load_wait_seconds (queued
+// until loaded) is reported beside it. Loads, evictions, forward time and
+// the CPU of this process, nats-server and the rest of the machine are
+// sampled over every measured window.
+#include <pthread.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+#include "common/metrics.h"
+#include "gateway/gateway.h"
+#include "http_load.h"
+#include "queue/nats_client.h"
+#include "queue/nats_server_process.h"
+#include "worker/model_manager.h"
+#include "worker/worker.h"
+
+namespace shoal::bench {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+struct Flags {
+  std::string models_dir = SHOAL_DEFAULT_MODELS_DIR;
+  std::string small_model = "tiny-bert";
+  std::string large_model = "minilm-l6";
+  int models = 50;
+  int large_every = 5;       // 1 in this many models is large
+  int budget_models = 10;    // the budget holds this many models of the mix
+  double zipf_s = 1.1;
+  int requests = 20000;      // pre-built draws, sent in turn (wrapping)
+  int clients = 16;
+  double duration_s = 30;
+  double warmup_s = 10;
+  int threads = 0;           // intra-op threads (0: all cores, as shoal serve)
+  int64_t demand_poll_ms = 250;
+  int64_t fetch_poll_ms = 500;  // the worker's default long-poll
+  std::string preload = "top";  // top: most popular models that fit; none
+  uint64_t seed = 1;
+  std::string json_out;
+  std::string log_level = "warn";
+};
+
+// ----- Traffic -----------------------------------------------------------------
+
+// Deterministic short English sentences (7..13 words).
+std::vector<std::string> MakeSentences(int count, uint64_t seed) {
+  static const char* kWords[] = {
+      "the", "a", "small", "model", "serves", "many", "requests", "on", "one", "machine", "every", "day",
+      "queue", "worker", "pulls", "work", "from", "shared", "stream", "and", "runs", "batches", "of",
+      "short", "text", "fast", "quiet", "river", "flows", "past", "old", "stone", "bridge", "near",
+      "town", "children", "play", "in", "green", "park", "after", "school", "while", "their", "parents",
+      "talk", "about", "weather", "news", "market", "prices", "rose", "again", "this", "week", "because",
+      "demand", "for", "fresh", "bread", "was", "high", "new", "library", "opens", "at", "nine", "with"};
+  constexpr int kNumWords = static_cast<int>(sizeof(kWords) / sizeof(kWords[0]));
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<int> word(0, kNumWords - 1), len(7, 13);
+  std::vector<std::string> out;
+  for (int i = 0; i < count; ++i) {
+    std::string s;
+    const int n = len(gen);
+    for (int w = 0; w < n; ++w) {
+      if (w) s.push_back(' ');
+      s += kWords[word(gen)];
+    }
+    s.push_back('.');
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// Zipf(s) over ranks 0..n-1: P(rank k) proportional to 1 / (k+1)^s.
+std::vector<double> ZipfWeights(int n, double s) {
+  std::vector<double> w(n);
+  for (int k = 0; k < n; ++k) w[k] = 1.0 / std::pow(k + 1.0, s);
+  const double total = std::accumulate(w.begin(), w.end(), 0.0);
+  for (double& x : w) x /= total;
+  return w;
+}
+
+std::vector<int> ZipfDraws(const std::vector<double>& weights, int count, uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::discrete_distribution<int> d(weights.begin(), weights.end());
+  std::vector<int> out(count);
+  for (int& r : out) r = d(gen);
+  return out;
+}
+
+// The fleet, by popularity rank: names[r] and whether rank r is large.
+struct Fleet {
+  std::string repo;
+  std::vector<std::string> names;
+  std::vector<bool> large;
+  int FirstOfSize(bool want_large, int skip = 0) const {
+    for (size_t r = 0; r < names.size(); ++r)
+      if (large[r] == want_large && skip-- == 0) return static_cast<int>(r);
+    return -1;
+  }
+};
+
+// One model directory: the source's shoal.json under a new name, and links
+// to every other file of the source.
+Status MakeModelDir(const fs::path& source, const fs::path& dir, const std::string& name) {
+  std::ifstream in(source / "shoal.json");
+  if (!in) return NotFound("no shoal.json in " + source.string());
+  json cfg;
+  try {
+    cfg = json::parse(in);
+  } catch (const json::exception& e) {
+    return InvalidArgument(source.string() + "/shoal.json: " + e.what());
+  }
+  cfg["name"] = name;
+  fs::create_directories(dir);
+  for (const auto& e : fs::directory_iterator(fs::absolute(source)))
+    if (e.path().filename() != "shoal.json") fs::create_symlink(e.path(), dir / e.path().filename());
+  std::ofstream(dir / "shoal.json") << cfg.dump(2);
+  return Status::Ok();
+}
+
+Result<Fleet> MakeFleet(const Flags& f, const fs::path& root) {
+  Fleet fleet;
+  fleet.repo = (root / "repo").string();
+  const int n = f.models, n_large = f.large_every > 0 ? n / f.large_every : 0;
+  std::vector<int> ranks(n);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  std::mt19937_64 gen(f.seed ^ 0x5eed);
+  std::shuffle(ranks.begin(), ranks.end(), gen);
+  fleet.large.assign(n, false);
+  for (int i = 0; i < n_large; ++i) fleet.large[ranks[i]] = true;
+  for (int r = 0; r < n; ++r) {
+    char name[32];
+    std::snprintf(name, sizeof name, "fleet-%02d", r);
+    fleet.names.push_back(name);
+    const fs::path source = fs::path(f.models_dir) / (fleet.large[r] ? f.large_model : f.small_model);
+    RETURN_IF_ERROR(MakeModelDir(source, fs::path(fleet.repo) / name, name));
+  }
+  return fleet;
+}
+
+// Pre-built requests, one per draw; model[i] names the target of requests[i].
+struct Traffic {
+  std::vector<std::string> requests;
+  std::vector<std::string> model;
+};
+
+Traffic MakeTraffic(const std::vector<int>& draws, const std::vector<std::string>& target_of_rank,
+                    const std::vector<std::string>& sentences) {
+  Traffic t;
+  for (size_t i = 0; i < draws.size(); ++i) {
+    const std::string& m = target_of_rank[draws[i]];
+    t.model.push_back(m);
+    t.requests.push_back(JsonPostRequest("127.0.0.1", "/v1/embeddings",
+                                         json({{"model", m}, {"input", sentences[i % sentences.size()]}}).dump()));
+  }
+  return t;
+}
+
+// ----- System counters -------------------------------------------------------------
+
+double ProcessCpuSeconds() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+
+double ThreadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) / 1e9;
+}
+
+double PidCpuSeconds(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const size_t rp = s.rfind(')');
+  if (rp == std::string::npos) return 0;
+  std::istringstream in(s.substr(rp + 2));
+  std::string field;
+  double utime = 0, stime = 0;
+  // Fields after the command: state(3) ... utime(14) stime(15).
+  for (int i = 3; i <= 15 && in >> field; ++i) {
+    if (i == 14) utime = std::stod(field);
+    if (i == 15) stime = std::stod(field);
+  }
+  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// Busy seconds of the whole machine (all processes, all cores).
+double MachineBusySeconds() {
+  std::ifstream f("/proc/stat");
+  std::string cpu;
+  double user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+  f >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal;
+  return (user + nice + system + irq + softirq + steal) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+std::string LoadAverage() {
+  std::ifstream f("/proc/loadavg");
+  std::string a, b, c;
+  f >> a >> b >> c;
+  return a + " " + b + " " + c;
+}
+
+// ----- The served stack ----------------------------------------------------------
+
+class Stack {
+ public:
+  static Result<std::unique_ptr<Stack>> Start(const WorkerOptions& wo, const fs::path& data_dir) {
+    auto s = std::unique_ptr<Stack>(new Stack());
+    NatsServerOptions ns;
+    ns.data_dir = (data_dir / "jetstream").string();
+    ASSIGN_OR_RETURN(s->nats_, NatsServerProcess::Start(ns));
+    NatsOptions no;
+    no.url = s->nats_->url();
+    no.name = "bench-fleet";
+    ASSIGN_OR_RETURN(s->client_, NatsClient::Connect(no));
+    ASSIGN_OR_RETURN(s->worker_, Worker::Create(wo, s->client_.get(), &s->metrics_));
+    GatewayOptions go;
+    go.http.port = 0;
+    ASSIGN_OR_RETURN(s->gateway_, Gateway::Create(go, s->client_.get(), &s->metrics_));
+    return s;
+  }
+  ~Stack() {
+    if (gateway_) gateway_->Stop();
+    if (worker_) worker_->Stop();
+    gateway_.reset();
+    worker_.reset();
+    client_.reset();
+    if (nats_) nats_->Stop();
+  }
+  int port() const { return gateway_->port(); }
+  pid_t nats_pid() const { return nats_->pid(); }
+  Worker& worker() { return *worker_; }
+  MetricsRegistry& metrics() { return metrics_; }
+
+ private:
+  Stack() = default;
+  MetricsRegistry metrics_;  // outlives everything below
+  std::unique_ptr<NatsServerProcess> nats_;
+  std::unique_ptr<NatsClient> client_;
+  std::unique_ptr<Worker> worker_;
+  std::unique_ptr<Gateway> gateway_;
+};
+
+WorkerOptions BaseWorkerOptions(const Flags& f, const Fleet& fleet) {
+  WorkerOptions wo;
+  wo.model_repository = fleet.repo;
+  wo.intra_op_threads = f.threads;
+  wo.demand_poll_ms = f.demand_poll_ms;
+  wo.fetch_poll_ms = f.fetch_poll_ms;
+  return wo;
+}
+
+// ----- HTTP client: one blocking keep-alive connection per client thread ----------
+
+// Reads "prompt_tokens":N near the end of an OpenAI embeddings response.
+int64_t PromptTokens(const std::string& body) {
+  static constexpr std::string_view kKey = "\"prompt_tokens\":";
+  const size_t at = body.rfind(kKey);
+  if (at == std::string::npos) return 0;
+  int64_t v = 0;
+  std::from_chars(body.data() + at + kKey.size(), body.data() + body.size(), v);
+  return v;
+}
+
+class Connection {
+ public:
+  explicit Connection(int port) : port_(port) {}
+  // The HTTP status, or -1 when the connection failed (it reconnects on the
+  // next call).
+  int Post(const std::string& request, std::string* body) {
+    namespace asio = boost::asio;
+    namespace http = boost::beast::http;
+    try {
+      if (!sock_.is_open()) {
+        sock_.connect({asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port_)});
+        sock_.set_option(asio::ip::tcp::no_delay(true));
+        buf_.clear();
+      }
+      asio::write(sock_, asio::buffer(request));
+      http::response_parser<http::string_body> parser;
+      parser.body_limit(64 << 20);
+      http::read(sock_, buf_, parser);
+      *body = std::move(parser.get().body());
+      if (!parser.get().keep_alive()) sock_.close();
+      return parser.get().result_int();
+    } catch (const std::exception& e) {
+      *body = e.what();
+      boost::system::error_code ignored;
+      sock_.close(ignored);
+      return -1;
+    }
+  }
+
+ private:
+  int port_;
+  boost::asio::io_context io_;
+  boost::asio::ip::tcp::socket sock_{io_};
+  boost::beast::flat_buffer buf_;
+};
+
+// One request as the client saw it.
+struct Outcome {
+  int model = 0;              // index into the phase's model list
+  bool cold = false;          // its model was not resident when it was sent
+  bool reloaded = false;      // resident when sent, but (re)loaded before the answer
+  double latency_ms = 0;
+  int status = 0;
+  int64_t tokens = 0;
+};
+
+struct ClientRun {
+  std::vector<Outcome> done;  // answered inside the measured window
+  int64_t late = 0;           // sent before the window's end, answered after it
+  double client_cpu_s = 0;    // client threads, whole run
+  std::string first_error;
+};
+
+// Closed loop: `clients` threads each send the next pre-built request as soon
+// as their previous one is answered, from now until warmup_s + duration_s.
+// `at_window` runs on the calling thread at the window's start and end.
+ClientRun RunClients(int port, const Traffic& traffic, const std::vector<std::string>& models, ModelManager& manager,
+                     MetricsRegistry& metrics, int clients, double warmup_s, double duration_s,
+                     const std::function<void(bool start)>& at_window) {
+  std::map<std::string, int> index;
+  for (size_t i = 0; i < models.size(); ++i) index[models[i]] = static_cast<int>(i);
+  std::vector<int> model_of(traffic.model.size());
+  for (size_t i = 0; i < traffic.model.size(); ++i) model_of[i] = index.at(traffic.model[i]);
+  std::vector<Counter*> loads;
+  for (const auto& m : models)
+    loads.push_back(metrics.GetCounter("shoal_worker_model_loads_total", "Model loads, by result.",
+                                       {{"model", m}, {"result", "ok"}}));
+
+  const auto t0 = Clock::now();
+  const auto window_start = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(warmup_s));
+  const auto window_end =
+      window_start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(duration_s));
+  std::atomic<size_t> next{0};
+  std::mutex mu;
+  ClientRun run;
+  auto client = [&] {
+    Connection conn(port);
+    std::vector<Outcome> mine;
+    int64_t late = 0;
+    std::string error, body;
+    const double cpu0 = ThreadCpuSeconds();
+    while (Clock::now() < window_end) {
+      const size_t k = next.fetch_add(1) % traffic.requests.size();
+      Outcome o;
+      o.model = model_of[k];
+      const std::string& name = models[o.model];
+      o.cold = !manager.IsLoaded(name);
+      const int64_t loads_before = loads[o.model]->Value();
+      const auto sent = Clock::now();
+      o.status = conn.Post(traffic.requests[k], &body);
+      const auto answered = Clock::now();
+      o.reloaded = !o.cold && loads[o.model]->Value() != loads_before;
+      if (answered < window_start) continue;
+      if (answered >= window_end) {
+        ++late;
+        continue;
+      }
+      o.latency_ms = std::chrono::duration<double, std::milli>(answered - sent).count();
+      if (o.status == 200) {
+        o.tokens = PromptTokens(body);
+      } else if (error.empty()) {
+        error = "HTTP " + std::to_string(o.status) + ": " + body.substr(0, 200);
+      }
+      mine.push_back(o);
+    }
+    const double cpu = ThreadCpuSeconds() - cpu0;
+    std::lock_guard<std::mutex> lock(mu);
+    run.done.insert(run.done.end(), mine.begin(), mine.end());
+    run.late += late;
+    run.client_cpu_s += cpu;
+    if (run.first_error.empty()) run.first_error = error;
+  };
+  std::vector<std::thread> threads;
+  for (int i = 0; i < clients; ++i) threads.emplace_back(client);
+  std::this_thread::sleep_until(window_start);
+  at_window(true);
+  std::this_thread::sleep_until(window_end);
+  at_window(false);
+  for (auto& t : threads) t.join();
+  return run;
+}
+
+// The gateway learns the catalog in the background: wait for a 200.
+Status WaitReady(int port, const std::string& request) {
+  Connection conn(port);
+  std::string body;
+  int code = -1;
+  for (const auto until = Clock::now() + std::chrono::seconds(60); Clock::now() < until;) {
+    code = conn.Post(request, &body);
+    if (code == 200) return Status::Ok();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return Unavailable("gateway not ready after 60 s: HTTP " + std::to_string(code) + " " + body.substr(0, 200));
+}
+
+// ----- Worker-side counters over a window -----------------------------------------
+
+struct FleetSample {
+  double proc_cpu = 0, nats_cpu = 0, machine_busy = 0;
+  int64_t loads = 0, evictions = 0, load_waits = 0;
+  double load_s = 0, forward_s = 0, rows = 0;
+  int64_t passes = 0;
+  std::vector<int64_t> wait_buckets;  // shoal_worker_load_wait_seconds, summed over models
+};
+
+FleetSample SampleFleet(MetricsRegistry& m, const std::vector<std::string>& models, pid_t nats) {
+  FleetSample s;
+  s.proc_cpu = ProcessCpuSeconds();
+  s.nats_cpu = PidCpuSeconds(nats);
+  s.machine_busy = MachineBusySeconds();
+  s.wait_buckets.assign(LatencyBuckets().size() + 1, 0);
+  for (const auto& name : models) {
+    const Labels l = {{"model", name}};
+    s.loads += m.GetCounter("shoal_worker_model_loads_total", "Model loads, by result.",
+                            {{"model", name}, {"result", "ok"}})->Value();
+    s.evictions += m.GetCounter("shoal_worker_model_evictions_total", "Models unloaded to make room for another.", l)
+                       ->Value();
+    s.load_waits += m.GetCounter("shoal_worker_load_waits_total", "Requests that waited for a model to load.", l)
+                        ->Value();
+    s.load_s += m.GetHistogram("shoal_worker_model_load_seconds", "Time to load a model.", l, LatencyBuckets())->Sum();
+    Histogram* fwd = m.GetHistogram("shoal_worker_forward_seconds", "Forward pass time.", l, LatencyBuckets());
+    s.forward_s += fwd->Sum();
+    s.passes += fwd->Count();
+    s.rows += m.GetHistogram("shoal_worker_batch_rows", "Rows per forward pass.", l, SizeBuckets())->Sum();
+    Histogram* w = m.GetHistogram("shoal_worker_load_wait_seconds", "How long requests waited for a model to load.",
+                                  l, LatencyBuckets());
+    for (size_t i = 0; i < s.wait_buckets.size(); ++i) s.wait_buckets[i] += w->BucketCount(i);
+  }
+  return s;
+}
+
+// Percentile p (0..100) of bucketed counts, interpolated linearly inside the
+// bucket (the +Inf bucket reports its lower bound).
+double BucketPercentile(const std::vector<double>& bounds, const std::vector<int64_t>& counts, double p) {
+  const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  if (total == 0) return 0;
+  const double rank = p / 100.0 * static_cast<double>(total);
+  double seen = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    if (counts[i] == 0 || seen + static_cast<double>(counts[i]) < rank) {
+      seen += static_cast<double>(counts[i]);
+      continue;
+    }
+    const double lo = i == 0 ? 0 : bounds[i - 1];
+    if (i == bounds.size()) return lo;
+    return lo + (bounds[i] - lo) * (rank - seen) / static_cast<double>(counts[i]);
+  }
+  return bounds.back();
+}
+
+// ----- Phases -------------------------------------------------------------------
+
+struct Percentiles {
+  int64_t n = 0;
+  double p50_ms = 0, p99_ms = 0, max_ms = 0;
+};
+
+Percentiles LatencyOf(const std::vector<Outcome>& done, const std::function<bool(const Outcome&)>& keep) {
+  LoadResult r;  // for its nearest-rank percentile
+  for (const Outcome& o : done)
+    if (o.status == 200 && keep(o)) r.latencies_ms.push_back(o.latency_ms);
+  std::sort(r.latencies_ms.begin(), r.latencies_ms.end());
+  Percentiles p;
+  p.n = static_cast<int64_t>(r.latencies_ms.size());
+  p.p50_ms = r.PercentileMs(50);
+  p.p99_ms = r.PercentileMs(99);
+  p.max_ms = r.latencies_ms.empty() ? 0 : r.latencies_ms.back();
+  return p;
+}
+
+json PercentilesJson(const Percentiles& p) {
+  return {{"requests", p.n}, {"p50_ms", p.p50_ms}, {"p99_ms", p.p99_ms}, {"max_ms", p.max_ms}};
+}
+
+struct PhaseReport {
+  double window_s = 0;
+  int64_t ok = 0, errors = 0, late = 0, tokens = 0;
+  std::string first_error;
+  Percentiles all, cold, warm;  // cold: had to wait for a load (cold or reloaded)
+  int64_t cold_sent = 0, reloaded = 0;
+  int64_t top_ok = 0, top_waited = 0;  // requests to the --budget-models most popular models
+  double proc_cores = 0, client_cores = 0, nats_cores = 0, other_cores = 0;
+  double model_busy = 0;        // forward seconds / window
+  int64_t passes = 0;           // forward passes
+  double rows_per_pass = 0;
+  double forward_ms_per_request = 0;
+  double loader_busy = 0;       // load seconds / window
+  int64_t loads = 0, evictions = 0, load_waits = 0;
+  double worker_wait_p50_s = 0, worker_wait_p99_s = 0;
+  double resident_mean = 0;
+  int resident_min = 0, resident_max = 0;
+  double loading_mean = 0;      // models loading (or queued to load)
+  double memory_used_mean_mb = 0;
+  double small_mb = 0, large_mb = 0;  // mean accounted footprint of a resident model
+  double large_share = 0;       // of the answered requests
+
+  double Rps() const { return ok / window_s; }
+  double Tps() const { return static_cast<double>(tokens) / window_s; }
+};
+
+// Resident and loading models and accounted memory, sampled every 200 ms
+// over the window.
+class ResidentSampler {
+ public:
+  ResidentSampler(ModelManager& m, const std::vector<std::string>& models, const std::vector<bool>& large)
+      : m_(m) {
+    for (size_t i = 0; i < models.size(); ++i) large_[models[i]] = large[i];
+  }
+  ~ResidentSampler() { Stop(); }
+  void Start() {
+    thread_ = std::thread([this] {
+      while (!stop_) {
+        Sample();
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      }
+    });
+  }
+  void Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  void Fill(PhaseReport* p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (counts_.empty()) return;
+    p->resident_mean = std::accumulate(counts_.begin(), counts_.end(), 0.0) / static_cast<double>(counts_.size());
+    p->resident_min = *std::min_element(counts_.begin(), counts_.end());
+    p->resident_max = *std::max_element(counts_.begin(), counts_.end());
+    p->memory_used_mean_mb = std::accumulate(mb_.begin(), mb_.end(), 0.0) / static_cast<double>(mb_.size());
+    p->loading_mean = static_cast<double>(loading_) / static_cast<double>(counts_.size());
+    for (int l = 0; l < 2; ++l)
+      if (class_n_[l] > 0) (l ? p->large_mb : p->small_mb) = class_mb_[l] / static_cast<double>(class_n_[l]);
+  }
+
+ private:
+  void Sample() {
+    int loaded = 0, loading = 0;
+    double class_mb[2] = {0, 0};
+    int64_t class_n[2] = {0, 0};
+    for (const ModelStatus& s : m_.Statuses()) {
+      loading += s.state == ModelState::kLoading;
+      if (s.state != ModelState::kLoaded) continue;
+      ++loaded;
+      const int l = large_.count(s.name) && large_.at(s.name) ? 1 : 0;
+      class_mb[l] += static_cast<double>(s.memory_bytes) / (1 << 20);
+      ++class_n[l];
+    }
+    const double mb = static_cast<double>(m_.memory_used_bytes()) / (1 << 20);
+    std::lock_guard<std::mutex> lock(mu_);
+    counts_.push_back(loaded);
+    mb_.push_back(mb);
+    loading_ += loading;
+    for (int l = 0; l < 2; ++l) class_mb_[l] += class_mb[l], class_n_[l] += class_n[l];
+  }
+
+  ModelManager& m_;
+  std::map<std::string, bool> large_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+  std::mutex mu_;
+  std::vector<int> counts_;  // guarded by mu_
+  std::vector<double> mb_;   // guarded by mu_
+  int64_t loading_ = 0;      // guarded by mu_; summed over samples
+  double class_mb_[2] = {0, 0};  // guarded by mu_; small, large
+  int64_t class_n_[2] = {0, 0};  // guarded by mu_
+};
+
+// `top[i]`: models[i] is one of the --budget-models most popular (may be
+// empty).
+PhaseReport RunPhase(Stack& stack, const Traffic& traffic, const std::vector<std::string>& models,
+                     const std::vector<bool>& large, const std::vector<bool>& top, const Flags& f) {
+  FleetSample a, b;
+  ResidentSampler resident(stack.worker().manager(), models, large);
+  auto at_window = [&](bool start) {
+    if (start) {
+      a = SampleFleet(stack.metrics(), models, stack.nats_pid());
+      resident.Start();
+    } else {
+      b = SampleFleet(stack.metrics(), models, stack.nats_pid());
+      resident.Stop();
+    }
+  };
+  ClientRun run = RunClients(stack.port(), traffic, models, stack.worker().manager(), stack.metrics(), f.clients,
+                             f.warmup_s, f.duration_s, at_window);
+  PhaseReport p;
+  const double t = p.window_s = f.duration_s;
+  int64_t large_ok = 0;
+  for (const Outcome& o : run.done) {
+    if (o.status != 200) {
+      ++p.errors;
+      continue;
+    }
+    ++p.ok;
+    p.tokens += o.tokens;
+    p.cold_sent += o.cold;
+    p.reloaded += o.reloaded;
+    large_ok += large[o.model];
+    if (!top.empty() && top[o.model]) {
+      ++p.top_ok;
+      p.top_waited += o.cold || o.reloaded;
+    }
+  }
+  p.large_share = p.ok ? static_cast<double>(large_ok) / static_cast<double>(p.ok) : 0;
+  p.late = run.late;
+  p.first_error = run.first_error;
+  p.all = LatencyOf(run.done, [](const Outcome&) { return true; });
+  p.cold = LatencyOf(run.done, [](const Outcome& o) { return o.cold || o.reloaded; });
+  p.warm = LatencyOf(run.done, [](const Outcome& o) { return !o.cold && !o.reloaded; });
+  p.proc_cores = (b.proc_cpu - a.proc_cpu) / t;
+  p.client_cores = run.client_cpu_s / (f.warmup_s + f.duration_s);
+  p.nats_cores = (b.nats_cpu - a.nats_cpu) / t;
+  p.other_cores = std::max(0.0, (b.machine_busy - a.machine_busy) / t - p.proc_cores - p.nats_cores);
+  p.model_busy = (b.forward_s - a.forward_s) / t;
+  p.loader_busy = (b.load_s - a.load_s) / t;
+  p.passes = b.passes - a.passes;
+  p.rows_per_pass = p.passes > 0 ? (b.rows - a.rows) / static_cast<double>(p.passes) : 0;
+  p.forward_ms_per_request = p.ok > 0 ? 1000 * (b.forward_s - a.forward_s) / static_cast<double>(p.ok) : 0;
+  p.loads = b.loads - a.loads;
+  p.evictions = b.evictions - a.evictions;
+  p.load_waits = b.load_waits - a.load_waits;
+  std::vector<int64_t> waits(a.wait_buckets.size());
+  for (size_t i = 0; i < waits.size(); ++i) waits[i] = b.wait_buckets[i] - a.wait_buckets[i];
+  p.worker_wait_p50_s = BucketPercentile(LatencyBuckets(), waits, 50);
+  p.worker_wait_p99_s = BucketPercentile(LatencyBuckets(), waits, 99);
+  resident.Fill(&p);
+  return p;
+}
+
+void PrintPhase(const char* name, const PhaseReport& p) {
+  std::printf("  %-9s %8.1f req/s %8.0f tokens/s   p50 %7.1f ms  p99 %8.1f ms  (%lld ok, %lld errors, %lld late)\n",
+              name, p.Rps(), p.Tps(), p.all.p50_ms, p.all.p99_ms, static_cast<long long>(p.ok),
+              static_cast<long long>(p.errors), static_cast<long long>(p.late));
+  std::printf("            large-model requests %.0f%%; resident models %.1f (%d..%d), loading %.1f, %.0f MiB accounted\n",
+              100 * p.large_share, p.resident_mean, p.resident_min, p.resident_max, p.loading_mean,
+              p.memory_used_mean_mb);
+  std::printf("            accounted footprint of a resident model: small %.1f MiB, large %.1f MiB\n", p.small_mb,
+              p.large_mb);
+  std::printf("            model busy %.0f%%: %lld forward passes, %.1f rows each, %.2f ms of forward time per request\n",
+              100 * p.model_busy, static_cast<long long>(p.passes), p.rows_per_pass, p.forward_ms_per_request);
+  std::printf("            loader busy %.0f%%; loads %lld, evictions %lld (%.0f/min)\n", 100 * p.loader_busy,
+              static_cast<long long>(p.loads), static_cast<long long>(p.evictions), p.evictions * 60 / p.window_s);
+  std::printf("            CPU cores: this process %.2f (client %.2f), nats-server %.2f, other processes %.2f\n",
+              p.proc_cores, p.client_cores, p.nats_cores, p.other_cores);
+  if (!p.first_error.empty()) std::printf("            first error: %s\n", p.first_error.c_str());
+  std::fflush(stdout);
+}
+
+json PhaseJson(const PhaseReport& p) {
+  return {{"window_s", p.window_s},
+          {"requests_ok", p.ok},
+          {"errors", p.errors},
+          {"answered_after_window", p.late},
+          {"requests_per_s", p.Rps()},
+          {"tokens_per_s", p.Tps()},
+          {"large_model_share", p.large_share},
+          {"latency_all", PercentilesJson(p.all)},
+          {"latency_waited_for_load", PercentilesJson(p.cold)},
+          {"latency_no_load", PercentilesJson(p.warm)},
+          {"sent_to_non_resident_model", p.cold_sent},
+          {"model_reloaded_while_out", p.reloaded},
+          {"requests_to_top_models", p.top_ok},
+          {"requests_to_top_models_that_waited_for_load", p.top_waited},
+          {"loads", p.loads},
+          {"evictions", p.evictions},
+          {"evictions_per_min", p.evictions * 60 / p.window_s},
+          {"worker_load_waits", p.load_waits},
+          {"worker_load_wait_p50_s", p.worker_wait_p50_s},
+          {"worker_load_wait_p99_s", p.worker_wait_p99_s},
+          {"model_busy_fraction", p.model_busy},
+          {"forward_passes", p.passes},
+          {"rows_per_forward_pass", p.rows_per_pass},
+          {"forward_ms_per_request", p.forward_ms_per_request},
+          {"loader_busy_fraction", p.loader_busy},
+          {"resident_models_mean", p.resident_mean},
+          {"resident_models_min", p.resident_min},
+          {"resident_models_max", p.resident_max},
+          {"loading_models_mean", p.loading_mean},
+          {"resident_small_mib_mean", p.small_mb},
+          {"resident_large_mib_mean", p.large_mb},
+          {"memory_accounted_mib_mean", p.memory_used_mean_mb},
+          {"cpu_cores_process", p.proc_cores},
+          {"cpu_cores_client", p.client_cores},
+          {"cpu_cores_nats_server", p.nats_cores},
+          {"cpu_cores_other_processes", p.other_cores}};
+}
+
+// ----- Footprints -------------------------------------------------------------
+
+struct Footprints {
+  std::vector<std::pair<std::string, int64_t>> measured;  // in load order
+  int64_t small_bytes = 0, large_bytes = 0;                // the second of each size
+  std::vector<double> unload_ms;                           // idle models, as an eviction unloads them
+};
+
+// Loads two small and two large fleet models on a worker with nothing
+// preloaded and reads what the worker measured for each. Then unloads the
+// four, idle, timing each: what an eviction costs the loader thread.
+Result<Footprints> MeasureFootprints(const Flags& f, const Fleet& fleet, const fs::path& data_dir) {
+  const int s1 = fleet.FirstOfSize(false), l1 = fleet.FirstOfSize(true);
+  const int s2 = fleet.FirstOfSize(false, 1), l2 = fleet.FirstOfSize(true, 1);
+  if (s2 < 0 || l2 < 0) return InvalidArgument("the fleet needs at least two small and two large models");
+  const std::vector<std::string> order = {fleet.names[s1], fleet.names[l1], fleet.names[s2], fleet.names[l2]};
+  WorkerOptions wo = BaseWorkerOptions(f, fleet);
+  wo.models = order;
+  wo.preload = {};
+  ASSIGN_OR_RETURN(auto stack, Stack::Start(wo, data_dir));
+  for (const auto& name : order) RETURN_IF_ERROR(stack->worker().manager().Load(name));
+  Footprints fp;
+  const auto statuses = stack->worker().manager().Statuses();
+  for (const auto& name : order)
+    for (const ModelStatus& s : statuses)
+      if (s.name == name) fp.measured.emplace_back(name, s.memory_bytes);
+  fp.small_bytes = fp.measured[2].second;
+  fp.large_bytes = fp.measured[3].second;
+  for (const auto& name : order) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const auto t0 = Clock::now();
+    RETURN_IF_ERROR(stack->worker().manager().Unload(name));
+    fp.unload_ms.push_back(1000 * Seconds(Clock::now() - t0));
+  }
+  return fp;
+}
+
+double MiB(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
+// Measures footprints (phase 0), prints them and returns the budget:
+// --budget-models x the mean footprint of the fleet's mix.
+struct Budget {
+  int64_t bytes = 0;
+  double mean_model_bytes = 0;
+  json footprints;
+};
+
+Result<Budget> ChooseBudget(const Flags& f, const Fleet& fleet, const fs::path& dir) {
+  std::printf("\n[0] footprints: a worker with nothing preloaded loads two small and two large models\n");
+  ASSIGN_OR_RETURN(Footprints fp, MeasureFootprints(f, fleet, dir));
+  json measured = json::array();
+  for (const auto& [name, bytes] : fp.measured) {
+    const auto r = std::find(fleet.names.begin(), fleet.names.end(), name) - fleet.names.begin();
+    const bool large = fleet.large[r];
+    std::printf("  %s (%s) %8.1f MiB\n", name.c_str(), large ? "large" : "small", MiB(bytes));
+    measured.push_back({{"model", name}, {"large", large}, {"bytes", bytes}});
+  }
+  const int n_large = static_cast<int>(std::count(fleet.large.begin(), fleet.large.end(), true));
+  Budget b;
+  b.mean_model_bytes =
+      (static_cast<double>(n_large) * fp.large_bytes + static_cast<double>(f.models - n_large) * fp.small_bytes) /
+      f.models;
+  b.bytes = static_cast<int64_t>(f.budget_models * b.mean_model_bytes);
+  std::printf("  mean of the mix (%d small x %.1f MiB, %d large x %.1f MiB; second load of each size): %.1f MiB\n",
+              f.models - n_large, MiB(fp.small_bytes), n_large, MiB(fp.large_bytes), b.mean_model_bytes / (1 << 20));
+  std::printf("  budget = %d x %.1f MiB = %.1f MiB\n", f.budget_models, b.mean_model_bytes / (1 << 20), MiB(b.bytes));
+  std::printf("  unloading each of them, idle (ModelManager::Unload):");
+  for (double ms : fp.unload_ms) std::printf(" %.0f ms", ms);
+  std::printf("\n");
+  b.footprints = {{"measured", measured},         {"small_bytes", fp.small_bytes},
+                  {"large_bytes", fp.large_bytes}, {"mean_bytes", b.mean_model_bytes},
+                  {"budget_bytes", b.bytes},       {"idle_unload_ms", fp.unload_ms}};
+  return b;
+}
+
+// Phase 1: every draw to the resident model of its size.
+Result<PhaseReport> RunReference(const Flags& f, const Fleet& fleet, const std::vector<int>& draws,
+                                 const std::vector<std::string>& sentences, const fs::path& dir, json* out) {
+  const std::string small = fleet.names[fleet.FirstOfSize(false)];
+  const std::string large = fleet.names[fleet.FirstOfSize(true)];
+  std::vector<std::string> target(f.models);
+  for (int r = 0; r < f.models; ++r) target[r] = fleet.large[r] ? large : small;
+  const Traffic traffic = MakeTraffic(draws, target, sentences);
+  std::printf("\n[1] reference: every draw to %s (small) or %s (large), both resident, no budget; %.0f s (+%.0f s)\n",
+              small.c_str(), large.c_str(), f.duration_s, f.warmup_s);
+  WorkerOptions wo = BaseWorkerOptions(f, fleet);
+  wo.models = {small, large};
+  ASSIGN_OR_RETURN(auto stack, Stack::Start(wo, dir));
+  RETURN_IF_ERROR(WaitReady(stack->port(), traffic.requests[0]));
+  PhaseReport p = RunPhase(*stack, traffic, wo.models, {false, true}, {}, f);
+  PrintPhase("reference", p);
+  *out = PhaseJson(p);
+  (*out)["models"] = wo.models;
+  return p;
+}
+
+// Phase 2: every draw to its own model, within the budget.
+Result<PhaseReport> RunFleet(const Flags& f, const Fleet& fleet, const std::vector<int>& draws,
+                             const std::vector<std::string>& sentences, int64_t budget, const fs::path& dir,
+                             json* out) {
+  const Traffic traffic = MakeTraffic(draws, fleet.names, sentences);
+  std::printf("\n[2] fleet: every draw to its own model, budget %.1f MiB, preload %s; %.0f s (+%.0f s)\n", MiB(budget),
+              f.preload.c_str(), f.duration_s, f.warmup_s);
+  WorkerOptions wo = BaseWorkerOptions(f, fleet);
+  wo.memory_budget_bytes = budget;
+  // Names are in popularity order: the most popular first, as many as fit
+  // without evicting.
+  wo.preload = f.preload == "top" ? fleet.names : std::vector<std::string>{};
+  ASSIGN_OR_RETURN(auto stack, Stack::Start(wo, dir));
+  std::printf("  at start: %zu models resident\n", stack->worker().LoadedModels().size());
+  RETURN_IF_ERROR(WaitReady(stack->port(), traffic.requests[0]));
+  std::vector<bool> top(f.models, false);
+  std::fill_n(top.begin(), std::min(f.budget_models, f.models), true);
+  PhaseReport p = RunPhase(*stack, traffic, fleet.names, fleet.large, top, f);
+  PrintPhase("fleet", p);
+  *out = PhaseJson(p);
+  return p;
+}
+
+double Share(int64_t part, int64_t whole) { return whole > 0 ? 100.0 * static_cast<double>(part) / whole : 0.0; }
+
+void PrintSummary(const PhaseReport& ref, const PhaseReport& fl, int budget_top) {
+  const double ratio = ref.Rps() > 0 ? fl.Rps() / ref.Rps() : 0;
+  std::printf("\nsummary\n");
+  std::printf("  fleet / reference throughput: %.3f (req/s %.1f / %.1f; tokens/s ratio %.3f)  goal >= 0.8: %s\n", ratio,
+              fl.Rps(), ref.Rps(), ref.Tps() > 0 ? fl.Tps() / ref.Tps() : 0, ratio >= 0.8 ? "met" : "NOT met");
+  std::printf("  evictions: %.1f per minute; loads: %lld (%.1f per minute), loader busy %.0f%% of the window\n",
+              fl.evictions * 60 / fl.window_s, static_cast<long long>(fl.loads), fl.loads * 60 / fl.window_s,
+              100 * fl.loader_busy);
+  std::printf("  requests that waited for a load (model not resident when sent: %lld; reloaded while out: %lld) = "
+              "%.1f%% of answered\n",
+              static_cast<long long>(fl.cold_sent), static_cast<long long>(fl.reloaded), Share(fl.cold.n, fl.ok));
+  std::printf("    client latency  p50 %.1f ms  p99 %.1f ms  max %.1f ms\n", fl.cold.p50_ms, fl.cold.p99_ms,
+              fl.cold.max_ms);
+  std::printf("    of the answered requests to the %d most popular models, %lld of %lld (%.1f%%) waited for a load\n",
+              budget_top, static_cast<long long>(fl.top_waited), static_cast<long long>(fl.top_ok),
+              Share(fl.top_waited, fl.top_ok));
+  std::printf("    worker queued->loaded (shoal_worker_load_wait_seconds, %lld requests, bucketed): p50 %.0f ms  p99 "
+              "%.0f ms\n",
+              static_cast<long long>(fl.load_waits), 1000 * fl.worker_wait_p50_s, 1000 * fl.worker_wait_p99_s);
+  std::printf("  other requests: p50 %.1f ms  p99 %.1f ms; all requests: p50 %.1f ms  p99 %.1f ms\n", fl.warm.p50_ms,
+              fl.warm.p99_ms, fl.all.p50_ms, fl.all.p99_ms);
+}
+
+json SettingsJson(const Flags& f) {
+  return {{"models", f.models},
+          {"large_every", f.large_every},
+          {"budget_models", f.budget_models},
+          {"zipf_s", f.zipf_s},
+          {"requests", f.requests},
+          {"clients", f.clients},
+          {"duration_s", f.duration_s},
+          {"warmup_s", f.warmup_s},
+          {"threads", f.threads},
+          {"demand_poll_ms", f.demand_poll_ms},
+          {"fetch_poll_ms", f.fetch_poll_ms},
+          {"preload", f.preload},
+          {"seed", f.seed},
+          {"small_model", f.small_model},
+          {"large_model", f.large_model}};
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"Shoal fleet benchmark: many models in one memory budget vs the same traffic on resident models"};
+  app.add_option("--models-dir", f.models_dir, "Directory holding the source models")->capture_default_str();
+  app.add_option("--small-model", f.small_model, "Source of the small models")->capture_default_str();
+  app.add_option("--large-model", f.large_model, "Source of the large models")->capture_default_str();
+  app.add_option("--models", f.models, "Models in the fleet")->check(CLI::Range(4, 1000))->capture_default_str();
+  app.add_option("--large-every", f.large_every, "One model in this many is large")->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  app.add_option("--budget-models", f.budget_models, "The budget holds this many models of the fleet's mix")
+      ->check(CLI::Range(1, 1000))->capture_default_str();
+  app.add_option("--zipf-s", f.zipf_s, "Zipf exponent of model popularity")->capture_default_str();
+  app.add_option("--requests", f.requests, "Pre-built requests (seeded draws), sent in turn")
+      ->check(CLI::Range(1, 10'000'000))->capture_default_str();
+  app.add_option("--clients", f.clients, "Closed-loop HTTP clients")->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--duration-s", f.duration_s, "Measured seconds of each phase")->capture_default_str();
+  app.add_option("--warmup-s", f.warmup_s, "Unmeasured seconds before each phase")->capture_default_str();
+  app.add_option("--threads", f.threads, "Intra-op threads per model (0: all cores)")->capture_default_str();
+  app.add_option("--demand-poll-ms", f.demand_poll_ms, "Worker's backlog poll interval")->capture_default_str();
+  app.add_option("--fetch-poll-ms", f.fetch_poll_ms, "Worker's fetch long-poll per model")->capture_default_str();
+  app.add_option("--preload", f.preload, "Fleet phase: top (most popular that fit) or none")
+      ->check(CLI::IsMember({"top", "none"}))->capture_default_str();
+  app.add_option("--seed", f.seed, "Seed of the draws and of the size assignment")->capture_default_str();
+  app.add_option("--json-out", f.json_out, "Also write the results as JSON to this file");
+  app.add_option("--log-level", f.log_level, "debug | info | warn | error")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  LogLevel level;
+  if (!ParseLogLevel(f.log_level, &level)) {
+    std::fprintf(stderr, "bad --log-level\n");
+    return 2;
+  }
+  SetLogLevel(level);
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "shoal_bench_fleet: %s\n", s.ToString().c_str());
+    return 1;
+  };
+  const auto t_start = Clock::now();
+  json results;
+  results["machine"] = {{"nproc", std::thread::hardware_concurrency()}, {"loadavg_at_start", LoadAverage()}};
+  results["settings"] = SettingsJson(f);
+  std::printf("shoal_bench_fleet: %d models (1 in %d large), Zipf(%.2f), budget of %d models, %d clients\n", f.models,
+              f.large_every, f.zipf_s, f.budget_models, f.clients);
+  std::printf("  %u cores, load average at start %s\n", std::thread::hardware_concurrency(), LoadAverage().c_str());
+
+  char tmpl[] = "/tmp/shoal-bench-fleet-XXXXXX";
+  if (!mkdtemp(tmpl)) return fail(Internal("mkdtemp failed"));
+  const fs::path tmp = tmpl;
+  struct Cleanup {
+    fs::path p;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(p, ec);
+    }
+  } cleanup{tmp};
+  auto fleet = MakeFleet(f, tmp);
+  if (!fleet.ok()) return fail(fleet.status());
+
+  // The same draws for both phases.
+  const auto weights = ZipfWeights(f.models, f.zipf_s);
+  const auto draws = ZipfDraws(weights, f.requests, f.seed);
+  const auto sentences = MakeSentences(1024, f.seed);
+  const int budget_top = std::min(f.budget_models, f.models);
+  const double top_mass = std::accumulate(weights.begin(), weights.begin() + budget_top, 0.0);
+  double large_mass = 0;
+  std::string large_ranks;
+  for (int r = 0; r < f.models; ++r) {
+    if (!fleet->large[r]) continue;
+    large_mass += weights[r];
+    large_ranks += (large_ranks.empty() ? "" : ",") + std::to_string(r);
+  }
+  std::printf("  top %d models hold %.1f%% of the Zipf mass (top 1: %.1f%%); large models (ranks %s) get %.1f%%\n",
+              budget_top, 100 * top_mass, 100 * weights[0], large_ranks.c_str(), 100 * large_mass);
+  results["zipf"] = {{"top_budget_models_mass", top_mass}, {"top1_mass", weights[0]}, {"large_models_mass", large_mass}};
+
+  auto budget = ChooseBudget(f, *fleet, tmp / "footprints");
+  if (!budget.ok()) return fail(budget.status());
+  results["footprints"] = budget->footprints;
+  auto ref = RunReference(f, *fleet, draws, sentences, tmp / "reference", &results["reference"]);
+  if (!ref.ok()) return fail(ref.status());
+  auto fl = RunFleet(f, *fleet, draws, sentences, budget->bytes, tmp / "fleet", &results["fleet"]);
+  if (!fl.ok()) return fail(fl.status());
+  PrintSummary(*ref, *fl, budget_top);
+
+  results["fleet_over_reference"] = ref->Rps() > 0 ? fl->Rps() / ref->Rps() : 0;
+  results["fleet_over_reference_tokens"] = ref->Tps() > 0 ? fl->Tps() / ref->Tps() : 0;
+  const double total_s = Seconds(Clock::now() - t_start);
+  std::printf("\ndone in %.0f s; load average %s\n", total_s, LoadAverage().c_str());
+  results["machine"]["loadavg_at_end"] = LoadAverage();
+  results["total_s"] = total_s;
+  if (!f.json_out.empty()) {
+    std::ofstream out(f.json_out);
+    out << results.dump(2) << "\n";
+    if (!out) return fail(Internal("cannot write " + f.json_out));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace shoal::bench
+
+int main(int argc, char** argv) { return shoal::bench::Main(argc, argv); }
