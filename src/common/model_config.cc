@@ -22,8 +22,14 @@ void Get(const json& j, const char* key, T& out) {
 Status ModelConfig::Validate() const {
   if (name.empty()) return InvalidArgument("model config: name is empty");
   if (task != "embed") return InvalidArgument("model " + name + ": unsupported task '" + task + "'");
-  if (runtime != "torchscript" && runtime != "null" && runtime != "process")
+  if (runtime != "torchscript" && runtime != "null" && runtime != "process" && runtime != "sim")
     return InvalidArgument("model " + name + ": unknown runtime '" + runtime + "'");
+  if (runtime == "sim") {
+    if (sim.fixed_us < 0 || !(sim.per_padded_token_us >= 0) || sim.max_batch_rows < 0 || sim.memory_bytes < 0 ||
+        sim.load_ms < 0)
+      return InvalidArgument("model " + name + ": sim costs must be >= 0");
+    if (dim <= 0) return InvalidArgument("model " + name + ": runtime 'sim' needs dim > 0");
+  }
   if (runtime == "process") {
     if (process.command.empty() || process.command.front().empty())
       return InvalidArgument("model " + name + ": runtime 'process' needs process.command");
@@ -80,6 +86,13 @@ Result<ModelConfig> ParseModelConfig(const std::string& json_text, const std::st
       Get(*p, "max_frame_bytes", c.process.max_frame_bytes);
       Get(*p, "health_interval_ms", c.process.health_interval_ms);
       Get(*p, "max_restart_backoff_ms", c.process.max_restart_backoff_ms);
+    }
+    if (auto p = j.find("sim"); p != j.end() && p->is_object()) {
+      Get(*p, "fixed_us", c.sim.fixed_us);
+      Get(*p, "per_padded_token_us", c.sim.per_padded_token_us);
+      Get(*p, "max_batch_rows", c.sim.max_batch_rows);
+      Get(*p, "memory_bytes", c.sim.memory_bytes);
+      Get(*p, "load_ms", c.sim.load_ms);
     }
     c.config_json = j.dump();
     if (auto b = j.find("batching"); b != j.end() && b->is_object()) {

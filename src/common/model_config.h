@@ -42,10 +42,21 @@ struct ProcessConfig {
   int64_t max_restart_backoff_ms = 10000;
 };
 
+// The simulated accelerator ("runtime": "sim"): batch time = fixed_us +
+// per_padded_token_us x rows x seq_len, spent sleeping. Defaults: MiniLM-L6
+// on libtorch, 2 threads, measured on a 2-vCPU machine (BENCHMARKS.md).
+struct SimConfig {
+  int64_t fixed_us = 11000;
+  double per_padded_token_us = 166;
+  int max_batch_rows = 0;                        // 0: no limit
+  int64_t memory_bytes = int64_t{96} << 20;      // footprint it reports
+  int64_t load_ms = 300;
+};
+
 struct ModelConfig {
   std::string name;                 // public model id, e.g. "minilm-l6"
   std::string task = "embed";       // only "embed" today
-  std::string runtime = "torchscript";  // "torchscript" | "process" | "null"
+  std::string runtime = "torchscript";  // "torchscript" | "process" | "sim" | "null"
   std::string model_file = "model.pt";  // relative to dir
   std::string dir;                  // absolute directory, filled by the loader
   int max_seq_len = 256;            // tokens incl. [CLS]/[SEP]
@@ -56,6 +67,7 @@ struct ModelConfig {
   TokenizerConfig tokenizer;
   BatchingConfig batching;
   ProcessConfig process;            // runtime "process" only
+  SimConfig sim;                    // runtime "sim" only
   std::string config_json;          // the whole shoal.json, as read
 
   Status Validate() const;

@@ -2,6 +2,7 @@
 
 #include "runtime/null/null_runtime.h"
 #include "runtime/process/process_runtime.h"
+#include "runtime/sim/sim_runtime.h"
 #include "runtime/torch/torchscript_runtime.h"
 
 namespace shoal {
@@ -12,7 +13,8 @@ Result<std::unique_ptr<Runtime>> CreateRuntime(const std::string& kind) {
   }
   if (kind == "null") return std::unique_ptr<Runtime>(std::make_unique<NullRuntime>());
   if (kind == "process") return std::unique_ptr<Runtime>(std::make_unique<ProcessRuntime>());
-  return NotFound("unknown runtime '" + kind + "' (known: torchscript, process, null)",
+  if (kind == "sim") return std::unique_ptr<Runtime>(std::make_unique<SimRuntime>());
+  return NotFound("unknown runtime '" + kind + "' (known: torchscript, process, sim, null)",
                   "runtime_not_found");
 }
 

@@ -337,3 +337,28 @@ TEST_F(FleetTest, ABatchInFlightWhenTheRuntimeDiesIsRedelivered) {
 
 }  // namespace
 }  // namespace shoal
+
+namespace shoal {
+namespace {
+
+// The simulated accelerator behind a real worker: the same queue path, no
+// model compute.
+TEST_F(FleetTest, SimRuntimeServesThroughTheQueue) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"});
+  WorkerOptions wo = Options();
+  wo.runtime_override = "sim";
+  Member m = Start(wo);
+  ASSERT_NE(m.worker, nullptr);
+  auto a = Embed("tiny-a", "simulated");
+  auto b = Embed("tiny-a", "simulated");
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(a->dim, 64);
+  EXPECT_EQ(a->data, b->data);
+  double norm = 0;
+  for (float v : a->data) norm += static_cast<double>(v) * v;
+  EXPECT_NEAR(norm, 1.0, 1e-5);
+}
+
+}  // namespace
+}  // namespace shoal
