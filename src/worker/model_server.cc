@@ -94,16 +94,24 @@ void ModelServer::Stop() {
     while (batcher_.size() > 0)
       for (auto& w : batcher_.Take()) left.push_back(std::move(w));
   }
-  Release(std::move(left));
+  Release(std::move(left), Unavailable("the worker stopped before running this work; retry", "worker_stopping"));
 }
 
-void ModelServer::Release(std::vector<std::unique_ptr<PendingWork>> work) {
-  for (auto& w : work) (void)w->delivery.Nak();
+void ModelServer::Release(std::vector<std::unique_ptr<PendingWork>> work, const Status& last_chance,
+                          int64_t delay_ms) {
+  for (auto& w : work) {
+    if (static_cast<int64_t>(w->delivery.NumDelivered()) >= d_.max_deliver) {
+      Fail(w->delivery, w->headers, last_chance);
+    } else {
+      (void)w->delivery.Nak(delay_ms);
+    }
+  }
 }
 
-void ModelServer::Reply(const wire::WorkReply& reply, const std::string& reply_to) {
+Status ModelServer::Reply(const wire::WorkReply& reply, const std::string& reply_to) {
   Status s = d_.client->Publish(reply_to, wire::EncodeWorkReply(reply));
   if (!s.ok()) LOG_WARN("worker", "reply to " << reply_to << " failed: " << s.ToString());
+  return s;
 }
 
 void PublishErrorReply(NatsClient& client, const wire::WorkHeaders& headers, const Status& status,
@@ -299,7 +307,8 @@ void ModelServer::ExecLoop() {
       const int64_t t0 = d_.clock->NowMonoUs();
       auto turn = d_.scheduler->Acquire(d_.config.name, oldest, backlog, &stop_);
       if (!turn.ok()) {
-        Release(std::move(batch));  // stopping: another worker (or our successor) runs it
+        // Stopping: another worker (or our successor) runs it.
+        Release(std::move(batch), Unavailable("the worker stopped before running this work; retry", "worker_stopping"));
         break;
       }
       turn_wait_seconds_->Observe(static_cast<double>(d_.clock->NowMonoUs() - t0) / 1e6);
@@ -367,7 +376,11 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
       LOG_WARN("worker", c.name << ": " << out.status().ToString() << "; returning " << live.size()
                                 << " message(s) to the queue");
       runtime_unavailable_->Inc();
-      for (auto& w : live) (void)w->delivery.Nak(kRedeliverDelayMs);
+      Release(std::move(live),
+              Unavailable("model '" + c.name + "' runtime failed on every delivery of this work: " +
+                              out.status().message(),
+                          "runtime_unavailable"),
+              kRedeliverDelayMs);
       return;
     }
     if (!out.ok()) {
@@ -397,7 +410,13 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
     }
     tokens_total_->Inc(live[i]->tokens);
     // Reply first, then ack: a crash in between redelivers, never loses.
-    Reply(replies[i], live[i]->headers.reply_to);
+    if (Status sent = Reply(replies[i], live[i]->headers.reply_to); !sent.ok()) {
+      // The answer did not go out (e.g. over the server's max payload): say
+      // so rather than ack work whose caller would never hear of it.
+      Fail(live[i]->delivery, live[i]->headers,
+           Internal("the reply could not be sent: " + sent.message(), "reply_failed"));
+      continue;
+    }
     (void)live[i]->delivery.Ack();
   }
 }

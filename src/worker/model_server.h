@@ -63,11 +63,13 @@ class ModelServer final : public ModelAttachment {
   void FetchLoop();
   void ExecLoop();
   void RunBatch(std::vector<std::unique_ptr<PendingWork>> batch);
-  // Hands pulled-but-unrun work back to the queue for redelivery.
-  static void Release(std::vector<std::unique_ptr<PendingWork>> work);
+  // Hands pulled-but-unrun work back to the queue for redelivery, except
+  // work on its last allowed delivery: its caller gets `last_chance` (a
+  // message past MaxDeliver would sit in the queue unanswered).
+  void Release(std::vector<std::unique_ptr<PendingWork>> work, const Status& last_chance, int64_t delay_ms = 0);
   // Publishes an error reply (when the caller can be reached) and terms.
   void Fail(Delivery& delivery, const wire::WorkHeaders& headers, const Status& status);
-  void Reply(const wire::WorkReply& reply, const std::string& reply_to);
+  Status Reply(const wire::WorkReply& reply, const std::string& reply_to);
 
   ModelServerDeps d_;
   std::mutex mu_;  // guards batcher_, stop_ waits

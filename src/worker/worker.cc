@@ -144,6 +144,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   Worker* self = w.get();
   w->manager_ = std::make_unique<ModelManager>(
       mo, selected, [self](const ModelConfig& c) { return self->LoadModel(c); }, clock, metrics);
+  w->manager_raw_ = w->manager_.get();
   w->manager_->SetOnChange([self] {
     {
       std::lock_guard<std::mutex> lock(self->hb_mu_);
@@ -192,6 +193,9 @@ void Worker::Stop() {
   hb_cv_.notify_all();
   if (heartbeat_.joinable()) heartbeat_.join();
   if (demand_.joinable()) demand_.join();
+  // Claims of loads this worker will not finish: free them for the others.
+  for (const auto& [key, model] : held_claims_) (void)placement_kv_->Delete(key);
+  held_claims_.clear();
   control_sub_.reset();
   { std::lock_guard<std::mutex> wait_for_control(control_mu_); }  // one in progress finishes first
   if (scheduler_) scheduler_->Shutdown();
@@ -224,7 +228,15 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   // life of the process, and two teams on the same cores throttle each
   // other (docs/BENCHMARKS.md, "What limits the ratio").
   Status loaded;
-  std::thread([&] { loaded = runtime->Load(config); }).join();
+  std::thread([&] {
+    try {
+      loaded = runtime->Load(config);
+    } catch (const std::exception& e) {  // an exception here would end the process
+      loaded = Internal(std::string("runtime threw: ") + e.what());
+    } catch (...) {
+      loaded = Internal("runtime threw");
+    }
+  }).join();
   if (!loaded.ok()) return Status(loaded.code(), "loading model '" + config.name + "': " + loaded.message());
   // The real footprint: what the load added to the process, but never less
   // than the runtime's own count (memory reused from an evicted model does
@@ -264,7 +276,7 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   const std::string name = c.name;
   // The manager itself, not manager_: Stop() resets manager_ (null) while
   // the manager's destructor still stops this server.
-  ModelManager* manager = manager_.get();
+  ModelManager* manager = manager_raw_;
   deps.on_batch = [manager, name] { manager->Touch(name); };
   deps.backlog = [this, name] {
     std::lock_guard<std::mutex> lock(backlog_mu_);

@@ -145,6 +145,7 @@ class Worker {
   std::unique_ptr<KvBucket> placement_kv_;
   std::unique_ptr<DeviceScheduler> scheduler_;
   std::unique_ptr<ModelManager> manager_;
+  ModelManager* manager_raw_ = nullptr;  // the same, for threads that outlive manager_'s reset
   NatsSubscriptionPtr control_sub_;
   std::mutex control_mu_;  // held by a control request for its whole run
   int64_t started_unix_ms_ = 0;

@@ -5,6 +5,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -57,9 +58,15 @@ Result<pid_t> Spawn(const std::vector<std::string>& argv, const std::vector<std:
   const pid_t pid = ::fork();
   if (pid < 0) return Internal(std::string("fork: ") + std::strerror(errno));
   if (pid == 0) {
-    // Child: async-signal-safe calls only.
+    // Child: plain system calls only. Its own process group, so a restart
+    // kills whatever it started too; none of the worker's descriptors (the
+    // NATS connection, the HTTP listener) leak into it.
+    ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(127);
+    if (::syscall(SYS_close_range, 3U, ~0U, 0U) != 0) {
+      for (int fd = 3; fd < 65536; ++fd) ::close(fd);
+    }
     if (::chdir(cwd.c_str()) != 0) ::_exit(126);
     ::execvpe(args[0], args.data(), envp.data());
     ::_exit(127);
@@ -74,7 +81,11 @@ ProcessRuntime::~ProcessRuntime() { Unload(); }
 Status ProcessRuntime::Load(const ModelConfig& config) {
   if (config.process.command.empty()) return InvalidArgument("runtime 'process' needs process.command");
   config_ = config;
-  supervisor_ = std::thread([this] { SuperviseLoop(); });
+  try {
+    supervisor_ = std::thread([this] { SuperviseLoop(); });
+  } catch (const std::exception& e) {
+    return Internal(std::string("cannot start the runtime's supervisor thread: ") + e.what());
+  }
   std::unique_lock<std::mutex> lock(sup_mu_);
   start_requested_ = true;
   sup_cv_.notify_all();
@@ -112,7 +123,13 @@ Status ProcessRuntime::Start() {
   for (const auto& [k, v] : p.env) env.push_back(k + "=" + v);
   env.push_back("SHOAL_RUNTIME_SOCKET=" + socket_path);
   env.push_back("SHOAL_MODEL_DIR=" + config_.dir);
-  ASSIGN_OR_RETURN(pid_t pid, Spawn(argv, env, InModelDir(config_, p.cwd)));
+  auto spawned = Spawn(argv, env, InModelDir(config_, p.cwd));
+  if (!spawned.ok()) {
+    std::lock_guard<std::mutex> io(io_mu_);
+    StopProcessLocked(false);  // removes the socket directory
+    return spawned.status();
+  }
+  const pid_t pid = *spawned;
   pid_ = pid;
 
   // The runtime listens; connect once it does (or give up if it exits).
@@ -221,12 +238,13 @@ void ProcessRuntime::StopProcessLocked(bool graceful) {
     const int64_t until = NowMonoUs() + (graceful ? 2'000'000 : 0);
     while (::waitpid(pid, &status, WNOHANG) == 0) {
       if (NowMonoUs() >= until) {
-        ::kill(pid, SIGKILL);
+        ::kill(-pid, SIGKILL);  // its whole process group
         ::waitpid(pid, &status, 0);
         break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
+    ::kill(-pid, SIGKILL);  // anything it left behind in its group
   }
   if (!socket_dir_.empty()) {
     std::error_code ec;
