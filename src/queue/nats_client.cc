@@ -284,21 +284,19 @@ std::string_view Delivery::Header(const char* name) const {
   return v;
 }
 
-uint64_t Delivery::NumDelivered() const {
+Delivery::Info Delivery::Metadata() const {
+  Info info;
   jsMsgMetaData* meta = nullptr;
-  if (natsMsg_GetMetaData(&meta, msg_.get()) != NATS_OK) return 1;
-  uint64_t n = meta->NumDelivered;
+  if (natsMsg_GetMetaData(&meta, msg_.get()) != NATS_OK) return info;
+  info.num_delivered = meta->NumDelivered;
+  info.published_unix_ms = meta->Timestamp / 1000000;
   jsMsgMetaData_Destroy(meta);
-  return n;
+  return info;
 }
 
-int64_t Delivery::PublishedUnixMs() const {
-  jsMsgMetaData* meta = nullptr;
-  if (natsMsg_GetMetaData(&meta, msg_.get()) != NATS_OK) return 0;
-  int64_t ms = meta->Timestamp / 1000000;
-  jsMsgMetaData_Destroy(meta);
-  return ms;
-}
+uint64_t Delivery::NumDelivered() const { return Metadata().num_delivered; }
+
+int64_t Delivery::PublishedUnixMs() const { return Metadata().published_unix_ms; }
 
 uint64_t Delivery::StreamSeq() const { return natsMsg_GetSequence(msg_.get()); }
 

@@ -141,6 +141,12 @@ class Delivery {
   uint64_t StreamSeq() const;
   // When the message was published into the stream (Unix ms); 0 if unknown.
   int64_t PublishedUnixMs() const;
+  // Both of the above from one parse of the message's metadata.
+  struct Info {
+    uint64_t num_delivered = 1;
+    int64_t published_unix_ms = 0;
+  };
+  Info Metadata() const;
   Status Ack();          // done; asynchronous (no round trip)
   Status Term();         // done for good; never redeliver (bad input)
   Status Nak(int64_t delay_ms = 0);  // redeliver (after delay)

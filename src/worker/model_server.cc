@@ -238,7 +238,8 @@ void ModelServer::FetchLoop() {
         (void)delivery.Term();
         continue;
       }
-      if (delivery.NumDelivered() > 1) redelivered_->Inc();
+      const Delivery::Info info = delivery.Metadata();  // one parse per message
+      if (info.num_delivered > 1) redelivered_->Inc();
       if (headers->deadline_unix_ms > 0 && now_ms > headers->deadline_unix_ms) {
         expired_->Inc();
         Fail(delivery, *headers, DeadlineExceeded("deadline passed before the work was run"));
@@ -249,9 +250,9 @@ void ModelServer::FetchLoop() {
         Fail(delivery, *headers, work.status());
         continue;
       }
-      const int64_t published_ms = delivery.PublishedUnixMs();
+      const int64_t published_ms = info.published_unix_ms;
       const int64_t now_mono = d_.clock->NowMonoUs();
-      if (published_ms > 0 && published_ms < d_.loaded_unix_ms && delivery.NumDelivered() == 1) {
+      if (published_ms > 0 && published_ms < d_.loaded_unix_ms && info.num_delivered == 1) {
         // Queued before this model was loaded here: it waited for the load.
         load_waits_->Inc();
         load_wait_seconds_->Observe(static_cast<double>(d_.loaded_unix_ms - published_ms) / 1e3);
