@@ -54,7 +54,17 @@ MODELS = {
     "tiny-bert": dict(layers=2, hidden=64, heads=4, intermediate=256,
                       seed=20240602, dim=64),
 }
-ALIASES = {"tiny": "tiny-bert", "minilm": "minilm-l6", "tiny-py": "tiny-bert-py"}
+# Sequence classification heads on a BERT body (three inputs, logits out):
+# a cross-encoder for rerank / score (one label) and a text classifier.
+HEAD_MODELS = {
+    "tiny-reranker": dict(layers=2, hidden=64, heads=4, intermediate=256,
+                          seed=20240611, num_labels=1, task="score"),
+    "tiny-classifier": dict(layers=2, hidden=64, heads=4, intermediate=256,
+                            seed=20240612, num_labels=3, task="classify",
+                            labels=["negative", "neutral", "positive"]),
+}
+ALIASES = {"tiny": "tiny-bert", "minilm": "minilm-l6", "tiny-py": "tiny-bert-py",
+           "reranker": "tiny-reranker", "classifier": "tiny-classifier"}
 # Eager-mode copies served by Shoal's Python runtime (runtimes/python): same
 # architecture and seed as the TorchScript model they shadow, so both must
 # give the same embeddings.
@@ -87,11 +97,12 @@ class Embeddings(nn.Module):
             "position_ids", torch.arange(c["max_positions"]).unsqueeze(0),
             persistent=False)
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, token_type_ids=None):
         seq_len = input_ids.size(1)
         # Slicing a buffer by a traced size keeps the sequence length dynamic.
         position_ids = self.position_ids[:, :seq_len]
-        token_type_ids = torch.zeros_like(input_ids)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
         x = (self.word_embeddings(input_ids)
              + self.position_embeddings(position_ids)
              + self.token_type_embeddings(token_type_ids))
@@ -195,6 +206,47 @@ class BertEncoder(nn.Module):
         mask = attention_mask[:, None, None, :].to(x.dtype)
         mask_bias = (1.0 - mask) * torch.finfo(x.dtype).min
         return self.encoder(x, mask_bias)
+
+
+class Pooler(nn.Module):
+    """BERT's pooler: dense + tanh on the [CLS] position."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.dense = nn.Linear(c["hidden"], c["hidden"])
+
+    def forward(self, x):
+        return torch.tanh(self.dense(x[:, 0]))
+
+
+class BertModel(nn.Module):
+    """Encoder with segment ids and the pooler, as transformers' BertModel."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.embeddings = Embeddings(c)
+        self.encoder = Encoder(c)
+        self.pooler = Pooler(c)
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        x = self.embeddings(input_ids, token_type_ids)
+        mask = attention_mask[:, None, None, :].to(x.dtype)
+        mask_bias = (1.0 - mask) * torch.finfo(x.dtype).min
+        return self.pooler(self.encoder(x, mask_bias))
+
+
+class BertForSequenceClassification(nn.Module):
+    """(input_ids, attention_mask, token_type_ids) -> logits [B, labels]:
+    a cross-encoder (one label) or a text classifier. Parameter names as in
+    transformers' BertForSequenceClassification."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.bert = BertModel(c)
+        self.classifier = nn.Linear(c["hidden"], c["num_labels"])
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        return self.classifier(self.bert(input_ids, attention_mask, token_type_ids))
 
 
 def init_weights(model, seed):
@@ -536,6 +588,80 @@ def make_python_model(out_dir, name, vocab_lines, force):
     print(f"{name}: eager {base} for the Python runtime -> {mdir}")
 
 
+# Fixed segment pairs for a head model's reference.json: (first, second)
+# ids without special tokens; framed as [CLS] a [SEP] b [SEP].
+REFERENCE_PAIRS = [
+    ([7592, 1010, 2088], [2088, 999]),
+    ([1996, 4248, 2829, 4419], [14523, 2058, 1996, 13971, 3899, 1012]),
+    ([1000 + (i * 7919) % 29000 for i in range(20)], [2000 + (i * 104729) % 28000 for i in range(25)]),
+]
+
+
+def frame_pair(a, b):
+    ids = [101] + a + [102] + b + [102]
+    types = [0] * (len(a) + 2) + [1] * (len(b) + 1)
+    return ids, types
+
+
+def make_head_model(out_dir, name, vocab_lines, force):
+    """A BERT sequence-classification model in TorchScript with three
+    inputs (ids, mask, token types); reference.json holds its raw logits for
+    REFERENCE_PAIRS."""
+    arch = dict(COMMON, **HEAD_MODELS[name])
+    mdir = os.path.join(out_dir, name)
+    os.makedirs(mdir, exist_ok=True)
+    shoal_json = os.path.join(mdir, "shoal.json")
+    if not os.path.exists(shoal_json):
+        shutil.copyfile(os.path.join(REPO_MODELS_DIR, name, "shoal.json"), shoal_json)
+    stamp_path = os.path.join(mdir, ".stamp")
+    artifacts = [os.path.join(mdir, f) for f in ("model.pt", "vocab.txt", "reference.json")]
+    stamp = stamp_text(name, arch, vocab_lines)
+    if (not force and all(os.path.exists(p) for p in artifacts)
+            and os.path.exists(stamp_path) and open(stamp_path).read() == stamp):
+        print(f"{name}: up to date in {mdir}")
+        return
+    model = BertForSequenceClassification(arch)
+    init_weights(model, arch["seed"])
+    # A wider pooler and head than BERT's 0.02 so that random weights still
+    # spread the scores over (0, 1) instead of bunching them together.
+    torch.manual_seed(arch["seed"] + 1)
+    nn.init.normal_(model.bert.pooler.dense.weight, std=0.3)
+    nn.init.normal_(model.classifier.weight, std=0.3)
+    model.eval()
+    ids, types = frame_pair(*REFERENCE_PAIRS[1])
+    example = (torch.tensor([ids, ids]), torch.ones(2, len(ids), dtype=torch.int64), torch.tensor([types, types]))
+    example[1][1, 8:] = 0
+    with torch.no_grad():
+        traced = torch.jit.trace(model, example)
+        tmp = artifacts[0] + ".tmp"
+        traced.save(tmp)
+        loaded = torch.jit.load(tmp)
+        loaded.eval()
+        g = torch.Generator().manual_seed(7)
+        for b, t in [(1, 3), (3, 40), (2, 256)]:
+            x = torch.randint(1000, VOCAB_SIZE, (b, t), generator=g)
+            m = torch.ones(b, t, dtype=torch.int64)
+            tt = (torch.arange(t) >= t // 2).long().expand(b, t).contiguous()
+            err = (loaded(x, m, tt) - model(x, m, tt)).abs().max().item()
+            if err > 1e-4:
+                raise RuntimeError(f"traced {name} differs from eager by {err} at {(b, t)}")
+        pairs, logits = [], []
+        for a, bb in REFERENCE_PAIRS:
+            ids, types = frame_pair(a, bb)
+            x, tt = torch.tensor([ids]), torch.tensor([types])
+            logits.append(loaded(x, torch.ones_like(x), tt)[0].tolist())
+            pairs.append({"input_ids": ids, "token_type_ids": types})
+    ref = {"description": "raw logits of each framed pair run alone (no activation)",
+           "generator_version": GENERATOR_VERSION, "torch_version": torch.__version__,
+           "tolerance": 1e-4, "inputs": pairs, "logits": logits}
+    os.replace(tmp, artifacts[0])
+    write_atomic(artifacts[1], "\n".join(vocab_lines) + "\n")
+    write_atomic(artifacts[2], dump_reference(ref))
+    write_atomic(stamp_path, stamp)
+    print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+          f"{arch['num_labels']} label(s) -> {mdir}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="model repository directory")
@@ -544,16 +670,18 @@ def main(argv=None):
     ap.add_argument("--force", action="store_true", help="rebuild even if up to date")
     args = ap.parse_args(argv)
 
-    names = [ALIASES.get(n, n) for n in args.only] or list(MODELS) + list(PYTHON_MODELS)
-    unknown = [n for n in names if n not in MODELS and n not in PYTHON_MODELS]
+    known = list(MODELS) + list(PYTHON_MODELS) + list(HEAD_MODELS)
+    names = [ALIASES.get(n, n) for n in args.only] or known
+    unknown = [n for n in names if n not in known]
     if unknown:
-        ap.error(f"unknown model(s) {unknown}; known: {sorted(MODELS) + sorted(PYTHON_MODELS)} "
-                 f"or {sorted(ALIASES)}")
+        ap.error(f"unknown model(s) {unknown}; known: {sorted(known)} or {sorted(ALIASES)}")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     vocab = build_vocab()
     for name in names:
         if name in PYTHON_MODELS:
             make_python_model(os.path.abspath(args.out), name, vocab, args.force)
+        elif name in HEAD_MODELS:
+            make_head_model(os.path.abspath(args.out), name, vocab, args.force)
         else:
             make_model(os.path.abspath(args.out), name, vocab, args.force)
     return 0

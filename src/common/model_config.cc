@@ -21,7 +21,15 @@ void Get(const json& j, const char* key, T& out) {
 
 Status ModelConfig::Validate() const {
   if (name.empty()) return InvalidArgument("model config: name is empty");
-  if (task != "embed") return InvalidArgument("model " + name + ": unsupported task '" + task + "'");
+  if (task != "embed" && task != "score" && task != "classify")
+    return InvalidArgument("model " + name + ": unsupported task '" + task + "' (embed, score or classify)");
+  if (!activation.empty() && activation != "none" && activation != "sigmoid" && activation != "softmax")
+    return InvalidArgument("model " + name + ": activation must be 'none', 'sigmoid' or 'softmax'");
+  if (task == "score" && dim > 1)
+    return InvalidArgument("model " + name + ": a score model returns one value per pair (dim 1)");
+  if (!labels.empty() && dim > 0 && static_cast<int>(labels.size()) != dim)
+    return InvalidArgument("model " + name + ": " + std::to_string(labels.size()) + " labels for dim " +
+                           std::to_string(dim));
   if (runtime != "torchscript" && runtime != "null" && runtime != "process" && runtime != "sim")
     return InvalidArgument("model " + name + ": unknown runtime '" + runtime + "'");
   if (runtime == "sim") {
@@ -68,6 +76,9 @@ Result<ModelConfig> ParseModelConfig(const std::string& json_text, const std::st
     Get(j, "pooling", c.pooling);
     Get(j, "normalize", c.normalize);
     Get(j, "intra_op_threads", c.intra_op_threads);
+    Get(j, "activation", c.activation);
+    Get(j, "labels", c.labels);
+    if (c.task == "classify" && c.dim == 0) c.dim = static_cast<int>(c.labels.size());
     if (auto t = j.find("tokenizer"); t != j.end() && t->is_object()) {
       Get(*t, "type", c.tokenizer.type);
       Get(*t, "vocab_file", c.tokenizer.vocab_file);
@@ -105,6 +116,13 @@ Result<ModelConfig> ParseModelConfig(const std::string& json_text, const std::st
   }
   RETURN_IF_ERROR(c.Validate());
   return c;
+}
+
+std::string ModelConfig::EffectiveActivation() const {
+  if (!activation.empty()) return activation;
+  if (task == "score") return "sigmoid";
+  if (task == "classify") return "softmax";
+  return "none";
 }
 
 Result<ModelConfig> LoadModelConfig(const std::string& dir) {
@@ -148,6 +166,8 @@ std::string ModelConfigToJson(const ModelConfig& c) {
             {"dim", c.dim},
             {"pooling", c.pooling},
             {"normalize", c.normalize},
+            {"activation", c.EffectiveActivation()},
+            {"labels", c.labels},
             {"batching",
              {{"max_batch_tokens", c.batching.max_batch_tokens},
               {"max_batch_size", c.batching.max_batch_size},

@@ -55,14 +55,22 @@ struct SimConfig {
 
 struct ModelConfig {
   std::string name;                 // public model id, e.g. "minilm-l6"
-  std::string task = "embed";       // only "embed" today
+  // What the model computes from tokenized text, one row of floats per input:
+  // "embed" (a vector), "score" (a pair -> one relevance score; cross-
+  // encoders) or "classify" (a text -> one probability per label).
+  std::string task = "embed";
   std::string runtime = "torchscript";  // "torchscript" | "process" | "sim" | "null"
   std::string model_file = "model.pt";  // relative to dir
   std::string dir;                  // absolute directory, filled by the loader
   int max_seq_len = 256;            // tokens incl. [CLS]/[SEP]
   int dim = 0;                      // embedding width
   std::string pooling = "mean";     // "mean" | "cls"
-  bool normalize = true;            // L2-normalise embeddings
+  bool normalize = true;            // L2-normalise embeddings (task embed)
+  // Applied by the worker to the model's raw output rows: "none",
+  // "sigmoid" or "softmax". Empty: by task (embed none, score sigmoid,
+  // classify softmax).
+  std::string activation;
+  std::vector<std::string> labels;  // classify: one name per output column
   int intra_op_threads = 0;         // 0: worker default
   TokenizerConfig tokenizer;
   BatchingConfig batching;
@@ -71,6 +79,10 @@ struct ModelConfig {
   std::string config_json;          // the whole shoal.json, as read
 
   Status Validate() const;
+  // `activation`, or the task's default when it is empty.
+  std::string EffectiveActivation() const;
+  // Whether inputs are text pairs ([CLS] a [SEP] b [SEP]).
+  bool TakesPairs() const { return task == "score"; }
   std::string ModelPath() const { return dir + "/" + model_file; }
   std::string VocabPath() const { return dir + "/" + tokenizer.vocab_file; }
 };

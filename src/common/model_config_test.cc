@@ -41,6 +41,37 @@ TEST(ModelConfig, RejectsBadValues) {
             StatusCode::kInvalidArgument);
 }
 
+TEST(ModelConfig, ScoreAndClassifyTasksDefaultTheirActivation) {
+  auto score = ParseModelConfig(R"({"name":"r","task":"score","runtime":"null"})", "/d");
+  ASSERT_TRUE(score.ok()) << score.status().ToString();
+  EXPECT_TRUE(score->TakesPairs());
+  EXPECT_EQ(score->EffectiveActivation(), "sigmoid");
+  auto cls = ParseModelConfig(R"({"name":"c","task":"classify","runtime":"null",
+    "labels":["neg","neu","pos"]})", "/d");
+  ASSERT_TRUE(cls.ok()) << cls.status().ToString();
+  EXPECT_FALSE(cls->TakesPairs());
+  EXPECT_EQ(cls->dim, 3);  // from the labels
+  EXPECT_EQ(cls->EffectiveActivation(), "softmax");
+  auto raw = ParseModelConfig(R"({"name":"c","task":"classify","runtime":"null","activation":"none"})", "/d");
+  ASSERT_TRUE(raw.ok());
+  EXPECT_EQ(raw->EffectiveActivation(), "none");
+  auto embed = ParseModelConfig(R"({"name":"e","runtime":"null"})", "/d");
+  ASSERT_TRUE(embed.ok());
+  EXPECT_EQ(embed->EffectiveActivation(), "none");
+  EXPECT_NE(ModelConfigToJson(*cls).find(R"("labels":["neg","neu","pos"])"), std::string::npos);
+}
+
+TEST(ModelConfig, RejectsBadTaskSettings) {
+  EXPECT_EQ(ParseModelConfig(R"({"name":"m","task":"translate"})", "/d").status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseModelConfig(R"({"name":"m","activation":"relu"})", "/d").status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseModelConfig(R"({"name":"m","task":"score","dim":2})", "/d").status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseModelConfig(R"({"name":"m","task":"classify","dim":2,"labels":["a"]})", "/d").status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(ModelConfig, LoadsARepositoryAndRejectsDuplicates) {
   auto root = std::filesystem::temp_directory_path() / ("shoal_repo_" + std::to_string(::getpid()));
   std::filesystem::remove_all(root);

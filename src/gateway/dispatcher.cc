@@ -115,14 +115,20 @@ void Dispatcher::SubmitEmbed(EmbedJob job, EmbedCallback done) {
   const std::string deadline = std::to_string(job.deadline_unix_ms);
   for (int c = 0; c < chunks; ++c) {
     wire::WorkBody body;
+    body.task = job.task;
     body.model = job.model;
     body.truncate = job.truncate;
     const size_t begin = static_cast<size_t>(c) * chunk, end = std::min(n, begin + chunk);
     int64_t estimate = 0;
     if (!job.texts.empty()) {
+      const bool pairs = !job.texts_pair.empty();
       for (size_t i = begin; i < end; ++i) {
         estimate += static_cast<int64_t>(job.texts[i].size() / 4 + 2);
         body.texts.push_back(std::move(job.texts[i]));
+        if (pairs) {
+          estimate += static_cast<int64_t>(job.texts_pair[i].size() / 4 + 1);
+          body.texts_pair.push_back(std::move(job.texts_pair[i]));
+        }
       }
     } else {
       for (size_t i = begin; i < end; ++i) {

@@ -25,11 +25,14 @@
 
 namespace shoal {
 
-// One embedding request as the routes parsed it.
+// One request for a token model (embed, score or classify) as the routes
+// parsed it. Its result is one row of floats per input.
 struct EmbedJob {
+  std::string task = "embed";
   std::string model;
   std::vector<std::string> texts;                 // either texts ...
   std::vector<std::vector<int32_t>> token_ids;    // ... or token ids
+  std::vector<std::string> texts_pair;            // score: texts[i] with texts_pair[i]
   bool truncate = false;
   int64_t deadline_unix_ms = 0;
   size_t size() const { return texts.empty() ? token_ids.size() : texts.size(); }
@@ -38,7 +41,7 @@ struct EmbedJob {
 struct EmbedResult {
   int rows = 0;
   int dim = 0;
-  std::vector<float> data;  // rows * dim, in input order
+  std::vector<float> data;  // rows * dim, in input order (embeddings, scores or label probabilities)
   int64_t prompt_tokens = 0;
   bool truncated_any = false;
 };

@@ -28,6 +28,7 @@ struct CatalogModel {
   int max_seq_len = 0;
   bool normalize = true;
   std::string config_json;  // as registered
+  std::vector<std::string> labels;  // classify: output column names
 };
 
 // One model as one worker's heartbeat reports it.

@@ -8,11 +8,16 @@
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
+#include "gateway/internal/http_json.h"
 
 namespace shoal {
 namespace {
 
 using nlohmann::json;
+using internal::AppendFloats;
+using internal::AppendJsonString;
+using internal::JsonResponse;
+using internal::ParseJsonObject;
 
 constexpr const char* kMsgpackTypes[] = {"application/msgpack", "application/x-msgpack",
                                          "application/vnd.msgpack"};
@@ -27,40 +32,6 @@ bool AcceptsMsgpack(std::string_view accept) {
   for (const char* t : kMsgpackTypes)
     if (accept.find(t) != std::string_view::npos) return true;
   return false;
-}
-
-void AppendJsonString(std::string& out, std::string_view s) {
-  out.push_back('"');
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          out += buf;
-        } else {
-          out.push_back(static_cast<char>(c));
-        }
-    }
-  }
-  out.push_back('"');
-}
-
-void AppendFloats(std::string& out, const float* v, int n) {
-  out.push_back('[');
-  char buf[32];
-  for (int i = 0; i < n; ++i) {
-    if (i) out.push_back(',');
-    float f = std::isfinite(v[i]) ? v[i] : 0.0f;  // JSON has no NaN/Inf
-    auto [p, ec] = std::to_chars(buf, buf + sizeof buf, f);
-    out.append(buf, p);
-  }
-  out.push_back(']');
 }
 
 void AppendBase64(std::string& out, const unsigned char* data, size_t len) {
@@ -108,23 +79,6 @@ bool PercentDecode(const std::string& in, std::string* out) {
     i += 2;
   }
   return true;
-}
-
-HttpResponse JsonResponse(int status, std::string body) {
-  HttpResponse r;
-  r.status = status;
-  r.body = std::move(body);
-  return r;
-}
-
-Status ParseJsonObject(const std::string& text, json* out) {
-  try {
-    *out = json::parse(text);
-  } catch (const json::exception& e) {
-    return InvalidArgument(std::string("request body is not valid JSON: ") + e.what(), "invalid_json");
-  }
-  if (!out->is_object()) return InvalidArgument("request body must be a JSON object", "invalid_json");
-  return Status::Ok();
 }
 
 // Fills job->texts or job->token_ids from an OpenAI-style `input` value:
@@ -273,7 +227,8 @@ Router::Router(const RouterOptions& options, WorkSubmitter* submitter, FleetSnap
                MetricsRegistry* metrics, const Clock* clock)
     : options_(options), submitter_(submitter), fleet_(std::move(fleet)), metrics_(metrics),
       clock_(clock ? clock : SystemClock::Get()) {
-  for (const char* route : {"/v1/embeddings", "/v1/encode", "/v1/models", "/v1/models/{model}"})
+  for (const char* route : {"/v1/embeddings", "/v1/encode", "/v1/rerank", "/v1/score", "/v1/classify",
+                            "/v1/models", "/v1/models/{model}"})
     latency_[route] = metrics_->GetHistogram("shoal_http_request_seconds", "HTTP request latency by route.",
                                              {{"route", route}}, LatencyBuckets());
 }
@@ -305,6 +260,15 @@ void Router::Handle(HttpRequest&& req, HttpResponder respond) {
     auto done = Instrument("/v1/embeddings", std::move(respond));
     if (!method_is("POST")) return done(not_allowed("POST"));
     return Embeddings(std::move(req), std::move(done));
+  }
+  for (const auto& [route, handler] : {std::pair<const char*, void (Router::*)(HttpRequest&&, HttpResponder)>{
+                                           "/v1/rerank", &Router::Rerank},
+                                       {"/v1/score", &Router::Score},
+                                       {"/v1/classify", &Router::Classify}}) {
+    if (path != route) continue;
+    auto done = Instrument(route, std::move(respond));
+    if (!method_is("POST")) return done(not_allowed("POST"));
+    return (this->*handler)(std::move(req), std::move(done));
   }
   static const std::string kEncode = "/v1/encode/";
   if (path.compare(0, kEncode.size(), kEncode) == 0) {
@@ -370,14 +334,21 @@ Result<int64_t> Router::Deadline(const HttpRequest& req) const {
   return clock_->NowUnixMs() + timeout;
 }
 
-Status Router::CheckModel(const std::string& model, int* dim) const {
+Status Router::CheckModel(const std::string& model, const std::string& task, CatalogModel* entry) const {
   auto snap = fleet_();
   auto it = snap->models.find(model);
   if (it == snap->models.end())
     return NotFound("The model '" + model + "' does not exist", "model_not_found");
-  if (it->second.task != "embed")
-    return InvalidArgument("model '" + model + "' does not produce embeddings", "wrong_task");
-  if (dim) *dim = it->second.dim;
+  if (it->second.task != task) {
+    static const std::map<std::string, std::string> kRoute = {
+        {"embed", "/v1/embeddings or /v1/encode/{model}"}, {"score", "/v1/rerank or /v1/score"},
+        {"classify", "/v1/classify"}};
+    auto route = kRoute.find(it->second.task);
+    return InvalidArgument("model '" + model + "' is a '" + it->second.task + "' model, not '" + task + "'" +
+                               (route == kRoute.end() ? "" : "; use " + route->second),
+                           "wrong_task");
+  }
+  if (entry) *entry = it->second;
   if (!options_.wait_for_load && !snap->AnyWorker(model, "loaded")) {
     submitter_->RequestLoad(model);
     return Unavailable("model '" + model + "' is not loaded yet; it is being loaded, retry later", "model_loading");
@@ -414,9 +385,10 @@ void Router::Embeddings(HttpRequest&& req, HttpResponder respond) {
   }
   Status st = InputsFromJson(*input_it, options_.max_inputs, &job);
   if (!st.ok()) return respond(ErrorResponse(st));
-  int model_dim = 0;
-  st = CheckModel(job.model, &model_dim);
+  CatalogModel entry;
+  st = CheckModel(job.model, "embed", &entry);
   if (!st.ok()) return respond(ErrorResponse(st, retry));
+  const int model_dim = entry.dim;
   if (dims > 0 && model_dim > 0 && dims > model_dim)
     return respond(ErrorResponse(InvalidArgument("dimensions " + std::to_string(dims) + " exceeds the model's " +
                                                      std::to_string(model_dim),
@@ -424,8 +396,7 @@ void Router::Embeddings(HttpRequest&& req, HttpResponder respond) {
   auto deadline = Deadline(req);
   if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));
   job.deadline_unix_ms = *deadline;
-  bool normalize = true;
-  if (auto snap = fleet_(); snap->models.count(job.model)) normalize = snap->models.at(job.model).normalize;
+  const bool normalize = entry.normalize;
   std::string model = job.model;
   submitter_->SubmitEmbed(std::move(job), [respond = std::move(respond), model, base64, dims, normalize,
                                            retry](Result<EmbedResult> result) {
@@ -498,7 +469,7 @@ void Router::Encode(const std::string& model, HttpRequest&& req, HttpResponder r
     Status st = InputsFromJson(*in, options_.max_inputs, &job);
     if (!st.ok()) return respond(ErrorResponse(st));
   }
-  Status st = CheckModel(model, nullptr);
+  Status st = CheckModel(model, "embed", nullptr);
   if (!st.ok()) return respond(ErrorResponse(st, options_.retry_after_s));
   auto deadline = Deadline(req);
   if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));

@@ -1,6 +1,7 @@
 // Router: the gateway's HTTP API on Shoal's own request/response structs.
 // Validates and transcodes requests (JSON or MessagePack) into EmbedJobs for
-// a WorkSubmitter and renders results in OpenAI or native shape. Every error
+// a WorkSubmitter and renders results in OpenAI, Cohere/Jina (rerank) or
+// vLLM (score, classify) shape. Every error
 // is JSON {error:{message,type,code}} with the matching HTTP status.
 #pragma once
 
@@ -46,12 +47,21 @@ class Router {
  private:
   void Embeddings(HttpRequest&& req, HttpResponder respond);
   void Encode(const std::string& model, HttpRequest&& req, HttpResponder respond);
+  // Cross-encoder and classifier routes (task_routes.cc).
+  void Rerank(HttpRequest&& req, HttpResponder respond);
+  void Score(HttpRequest&& req, HttpResponder respond);
+  void Classify(HttpRequest&& req, HttpResponder respond);
+  // Checks job->model (its task must be `task`, see CheckModel) and the
+  // request's deadline, and fills job->task and job->deadline_unix_ms.
+  Status Admit(const HttpRequest& req, const std::string& task, EmbedJob* job, CatalogModel* entry) const;
   HttpResponse Models(const std::string& only = {}) const;
   void ModelAction(const std::string& model, const std::string& action, HttpRequest&& req, HttpResponder respond);
   HttpResponse Ready() const;
   // Deadline from the Shoal-Timeout-Ms header or the default.
   Result<int64_t> Deadline(const HttpRequest& req) const;
-  Status CheckModel(const std::string& model, int* dim) const;
+  // NotFound for an unknown model, InvalidArgument "wrong_task" when it
+  // does another task, 503 "model_loading" in no-wait mode; fills `entry`.
+  Status CheckModel(const std::string& model, const std::string& task, CatalogModel* entry) const;
   HttpResponder Instrument(const std::string& route, HttpResponder respond);
 
   RouterOptions options_;

@@ -68,6 +68,17 @@ class RoutesTest : public ::testing::Test {
     m.dim = 4;
     m.max_seq_len = 16;
     snap->models["m"] = m;
+    CatalogModel rr;
+    rr.name = "rr";
+    rr.task = "score";
+    rr.dim = 1;
+    snap->models["rr"] = rr;
+    CatalogModel cls;
+    cls.name = "cls";
+    cls.task = "classify";
+    cls.dim = 4;
+    cls.labels = {"a", "b", "c", "d"};
+    snap->models["cls"] = cls;
     snapshot_ = snap;
     RouterOptions o;
     o.max_inputs = 8;
@@ -269,9 +280,9 @@ TEST_F(RoutesTest, RoutesMethodsAndProbes) {
   AddWorker(R"({"id":"w1","models":[{"name":"m","state":"loaded","memory_bytes":5}]})");
   EXPECT_EQ(Call("GET", "/readyz", "").status, 200);
   auto models = json::parse(Call("GET", "/v1/models", "").body);
-  ASSERT_EQ(models["data"].size(), 1u);
-  EXPECT_EQ(models["data"][0]["id"], "m");
-  EXPECT_EQ(models["data"][0]["workers"][0]["worker"], "w1");
+  ASSERT_EQ(models["data"].size(), 3u);  // sorted by id: cls, m, rr
+  EXPECT_EQ(models["data"][1]["id"], "m");
+  EXPECT_EQ(models["data"][1]["workers"][0]["worker"], "w1");
   Call("POST", "/v1/embeddings", R"({"model":"m","input":""})");
   auto text = Call("GET", "/metrics", "").body;
   EXPECT_NE(text.find("shoal_http_requests_total{route=\"/v1/embeddings\",code=\"400\"}"), std::string::npos);
@@ -351,6 +362,116 @@ TEST_F(RoutesTest, NoWaitGatewayAnswers503AndAsksForTheLoad) {
   EXPECT_EQ(Call("POST", "/v1/encode/m", R"({"inputs":["a"]})").status, 503);
   AddWorker(R"({"id":"w2","models":[{"name":"m","state":"loaded"}]})");
   EXPECT_EQ(Call("POST", "/v1/embeddings", R"({"model":"m","input":"hi"})").status, 200);
+}
+
+}  // namespace
+}  // namespace shoal
+
+namespace shoal {
+namespace {
+
+// The fake answers row i with score i + 1, so later documents rank higher.
+TEST_F(RoutesTest, RerankSortsByScoreAndHonoursTopN) {
+  auto r = Call("POST", "/v1/rerank",
+                R"({"model":"rr","query":"q","documents":["d0",{"text":"d1"},"d2"],"top_n":2})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = json::parse(r.body);
+  EXPECT_EQ(j["model"], "rr");
+  EXPECT_EQ(j["id"].get<std::string>().rfind("rerank-", 0), 0u);
+  ASSERT_EQ(j["results"].size(), 2u);
+  EXPECT_EQ(j["results"][0]["index"], 2);
+  EXPECT_EQ(j["results"][0]["relevance_score"], 3.0);
+  EXPECT_EQ(j["results"][0]["document"]["text"], "d2");
+  EXPECT_EQ(j["results"][1]["index"], 1);
+  EXPECT_EQ(j["results"][1]["document"]["text"], "d1");
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 9);
+  // The queue got one pair per document, the query first, truncation on.
+  EXPECT_EQ(submitter_.last.task, "score");
+  EXPECT_EQ(submitter_.last.texts, (std::vector<std::string>{"q", "q", "q"}));
+  EXPECT_EQ(submitter_.last.texts_pair, (std::vector<std::string>{"d0", "d1", "d2"}));
+  EXPECT_TRUE(submitter_.last.truncate);
+
+  auto bare = json::parse(Call("POST", "/v1/rerank",
+                               R"({"model":"rr","query":"q","documents":["x","y"],"return_documents":false,
+                                   "truncate":false})").body);
+  ASSERT_EQ(bare["results"].size(), 2u);
+  EXPECT_FALSE(bare["results"][0].contains("document"));
+  EXPECT_FALSE(submitter_.last.truncate);
+}
+
+TEST_F(RoutesTest, ScorePairsOneToManyOrZipped) {
+  auto r = Call("POST", "/v1/score", R"({"model":"rr","text_1":"q","text_2":["a","b"]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = json::parse(r.body);
+  EXPECT_EQ(j["object"], "list");
+  ASSERT_EQ(j["data"].size(), 2u);
+  EXPECT_EQ(j["data"][1]["index"], 1);
+  EXPECT_EQ(j["data"][1]["object"], "score");
+  EXPECT_EQ(j["data"][1]["score"], 2.0);
+  EXPECT_EQ(submitter_.last.texts, (std::vector<std::string>{"q", "q"}));
+
+  ASSERT_EQ(Call("POST", "/v1/score", R"({"model":"rr","text_1":["q1","q2"],"text_2":["a","b"]})").status, 200);
+  EXPECT_EQ(submitter_.last.texts, (std::vector<std::string>{"q1", "q2"}));
+  EXPECT_EQ(submitter_.last.texts_pair, (std::vector<std::string>{"a", "b"}));
+  ASSERT_EQ(Call("POST", "/v1/score", R"({"model":"rr","text_1":"q","text_2":"a"})").status, 200);
+  EXPECT_EQ(submitter_.last.texts_pair, (std::vector<std::string>{"a"}));
+}
+
+TEST_F(RoutesTest, ClassifyNamesTheLabelAndReturnsProbabilities) {
+  auto r = Call("POST", "/v1/classify", R"({"model":"cls","input":["x","y"]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = json::parse(r.body);
+  ASSERT_EQ(j["data"].size(), 2u);
+  EXPECT_EQ(j["data"][0]["label"], "a");
+  EXPECT_EQ(j["data"][0]["num_classes"], 4);
+  EXPECT_EQ(j["data"][1]["probs"], json::parse("[2.0,0.0,0.0,0.0]"));
+  EXPECT_EQ(submitter_.last.task, "classify");
+  EXPECT_FALSE(submitter_.last.truncate);
+}
+
+TEST_F(RoutesTest, EveryBadScoringInputGetsItsStatusAndCode) {
+  struct Case {
+    const char* path;
+    const char* body;
+    int status;
+    const char* code;
+  };
+  const Case cases[] = {
+      {"/v1/rerank", R"({"query":"q","documents":["a"]})", 400, "invalid_model"},
+      {"/v1/rerank", R"({"model":"rr","documents":["a"]})", 400, "invalid_query"},
+      {"/v1/rerank", R"({"model":"rr","query":"","documents":["a"]})", 400, "invalid_query"},
+      {"/v1/rerank", R"({"model":"rr","query":"q"})", 400, "invalid_documents"},
+      {"/v1/rerank", R"({"model":"rr","query":"q","documents":[]})", 400, "invalid_documents"},
+      {"/v1/rerank", R"({"model":"rr","query":"q","documents":[7]})", 400, "invalid_documents"},
+      {"/v1/rerank", R"({"model":"rr","query":"q","documents":[{"body":"a"}]})", 400, "invalid_documents"},
+      {"/v1/rerank", R"({"model":"rr","query":"q","documents":["a","b","c","d","e","f","g","h","i"]})", 400,
+       "too_many_inputs"},
+      {"/v1/rerank", R"({"model":"rr","query":"q","documents":["a"],"top_n":0})", 400, "invalid_top_n"},
+      {"/v1/rerank", R"({"model":"rr","query":"q","documents":["a"],"top_n":"2"})", 400, "invalid_top_n"},
+      {"/v1/rerank", R"({"model":"rr","query":"q","documents":["a"],"return_documents":1})", 400,
+       "invalid_return_documents"},
+      {"/v1/rerank", R"({"model":"rr","query":"q","documents":["a"],"truncate":"no"})", 400, "invalid_truncate"},
+      {"/v1/rerank", R"({"model":"m","query":"q","documents":["a"]})", 400, "wrong_task"},
+      {"/v1/rerank", R"({"model":"nope","query":"q","documents":["a"]})", 404, "model_not_found"},
+      {"/v1/score", R"({"model":"rr","text_2":["a"]})", 400, "missing_input"},
+      {"/v1/score", R"({"model":"rr","text_1":"q","text_2":[]})", 400, "invalid_input"},
+      {"/v1/score", R"({"model":"rr","text_1":"q","text_2":[1]})", 400, "invalid_input"},
+      {"/v1/score", R"({"model":"rr","text_1":["a","b"],"text_2":["a","b","c"]})", 400, "invalid_input"},
+      {"/v1/score", R"({"model":"rr","text_1":["a","b"],"text_2":"c"})", 400, "invalid_input"},
+      {"/v1/score", R"({"model":"cls","text_1":"a","text_2":"b"})", 400, "wrong_task"},
+      {"/v1/classify", R"({"model":"cls"})", 400, "missing_input"},
+      {"/v1/classify", R"({"model":"cls","input":{"a":1}})", 400, "invalid_input"},
+      {"/v1/classify", R"({"model":"rr","input":"x"})", 400, "wrong_task"},
+      {"/v1/embeddings", R"({"model":"rr","input":"x"})", 400, "wrong_task"},
+      {"/v1/classify", "{", 400, "invalid_json"},
+  };
+  for (const auto& c : cases) {
+    auto r = Call("POST", c.path, c.body);
+    EXPECT_EQ(r.status, c.status) << c.path << " " << c.body << ": " << r.body;
+    EXPECT_EQ(ErrorCode(r), c.code) << c.path << " " << c.body;
+  }
+  EXPECT_EQ(submitter_.calls, 0) << "bad input must never reach the queue";
+  EXPECT_EQ(Call("GET", "/v1/rerank", "").status, 405);
 }
 
 }  // namespace

@@ -21,9 +21,13 @@ struct TokenBatch {
   int seq_len = 0;                     // longest row; every row padded to it
   std::vector<int64_t> input_ids;      // rows * seq_len
   std::vector<int64_t> attention_mask; // rows * seq_len, 1 = real token
+  // rows * seq_len, 1 = second text of a pair; empty: all 0 (single texts).
+  std::vector<int64_t> token_type_ids;
 };
 
-// Row-major float32 embeddings, one row per input row.
+// Row-major float32 output, one row per input row: an embedding (task
+// embed), one raw score (score) or one logit per label (classify). The
+// worker applies the model's activation afterwards.
 struct Embeddings {
   int rows = 0;
   int dim = 0;

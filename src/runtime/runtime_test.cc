@@ -24,7 +24,7 @@ TEST(CreateRuntime, MakesUnloadedRuntimes) {
     auto r = CreateRuntime(kind);
     ASSERT_TRUE(r.ok()) << kind << ": " << r.status().ToString();
     ASSERT_NE(r->get(), nullptr);
-    TokenBatch batch{1, 1, {101}, {1}};
+    TokenBatch batch{1, 1, {101}, {1}, {}};
     auto out = (*r)->Run(batch);
     ASSERT_FALSE(out.ok()) << kind;
     EXPECT_EQ(out.status().code(), StatusCode::kUnavailable) << kind;

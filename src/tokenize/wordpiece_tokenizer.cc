@@ -228,6 +228,37 @@ Encoding WordPieceTokenizer::Encode(std::string_view text, int max_len) const {
   return encoding;
 }
 
+Encoding WordPieceTokenizer::EncodePair(std::string_view a, std::string_view b, int max_len) const {
+  std::vector<int32_t> first = EncodeNoSpecials(a);
+  std::vector<int32_t> second = EncodeNoSpecials(b);
+  Encoding encoding;
+  encoding.full_length = static_cast<int>(first.size() + second.size()) + 3;
+  if (max_len > 0 && encoding.full_length > max_len) {
+    encoding.truncated = true;
+    size_t budget = static_cast<size_t>(std::max(max_len, 3) - 3);
+    // longest_first: one piece at a time from the longer text (from b on a
+    // tie), as transformers' truncate_sequences does.
+    size_t na = first.size(), nb = second.size();
+    while (na + nb > budget) {
+      if (na > nb) {
+        --na;
+      } else {
+        --nb;
+      }
+    }
+    first.resize(na);
+    second.resize(nb);
+  }
+  encoding.ids.reserve(first.size() + second.size() + 3);
+  encoding.ids.push_back(cls_id_);
+  encoding.ids.insert(encoding.ids.end(), first.begin(), first.end());
+  encoding.ids.push_back(sep_id_);
+  encoding.second_start = static_cast<int>(encoding.ids.size());
+  encoding.ids.insert(encoding.ids.end(), second.begin(), second.end());
+  encoding.ids.push_back(sep_id_);
+  return encoding;
+}
+
 int WordPieceTokenizer::CountTokens(std::string_view text) const {
   CountingSink sink;
   ForEachId(text, sink);

@@ -45,6 +45,9 @@ struct Encoding {
   std::vector<int32_t> ids;
   int full_length = 0;  // tokens incl. [CLS]/[SEP] before truncation
   bool truncated = false;
+  // A pair ([CLS] a [SEP] b [SEP]): index of b's first token, where the
+  // token type switches to 1. 0 for a single text.
+  int second_start = 0;
 };
 
 class WordPieceTokenizer {
@@ -77,6 +80,11 @@ class WordPieceTokenizer {
   // max_len-2 pieces, then [SEP], and sets truncated. max_len <= 0 means no
   // limit; [CLS] and [SEP] are always present, so max_len 1 acts like 2.
   Encoding Encode(std::string_view text, int max_len) const;
+  // A pair for cross-encoders: [CLS] a [SEP] b [SEP]. If longer than
+  // max_len, drops pieces from the end of the longer text first (Hugging
+  // Face's "longest_first"), and sets truncated. max_len <= 0: no limit; at
+  // least one piece of each non-empty text is kept when max_len allows.
+  Encoding EncodePair(std::string_view a, std::string_view b, int max_len) const;
   // Encode(text, 0).full_length without building the id vector.
   int CountTokens(std::string_view text) const;
 

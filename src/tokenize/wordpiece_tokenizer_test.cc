@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -235,6 +236,43 @@ TEST(WordPieceTokenizer, EncodeTruncatesToMaxLen) {
   EXPECT_EQ(minimal.full_length, 6);
 
   EXPECT_EQ(tokenizer->Encode(text, 0).ids.size(), 6u);
+}
+
+TEST(WordPieceTokenizer, EncodePairFramesBothTextsWithSegmentStart) {
+  auto tokenizer = LoadTestTokenizer();
+  ASSERT_NE(tokenizer, nullptr);
+  const int32_t hello = tokenizer->TokenToId("hello");
+  const int32_t world = tokenizer->TokenToId("world");
+  const int32_t the = tokenizer->TokenToId("the");
+  Encoding pair = tokenizer->EncodePair("hello world", "the", 0);
+  EXPECT_EQ(pair.ids, (std::vector<int32_t>{101, hello, world, 102, the, 102}));
+  EXPECT_EQ(pair.second_start, 4);
+  EXPECT_EQ(pair.full_length, 6);
+  EXPECT_FALSE(pair.truncated);
+  EXPECT_EQ(tokenizer->Encode("hello", 0).second_start, 0);
+}
+
+TEST(WordPieceTokenizer, EncodePairTruncatesLongestFirst) {
+  auto tokenizer = LoadTestTokenizer();
+  ASSERT_NE(tokenizer, nullptr);
+  const int32_t hello = tokenizer->TokenToId("hello");
+  const int32_t world = tokenizer->TokenToId("world");
+  const int32_t the = tokenizer->TokenToId("the");
+  const int32_t quick = tokenizer->TokenToId("quick");
+  // a: 4 pieces, b: 1 piece, limit 6 leaves 3 pieces: a loses two.
+  Encoding cut = tokenizer->EncodePair("hello world the quick", "the", 6);
+  EXPECT_EQ(cut.ids, (std::vector<int32_t>{101, hello, world, 102, the, 102}));
+  EXPECT_TRUE(cut.truncated);
+  EXPECT_EQ(cut.full_length, 8);
+  EXPECT_EQ(cut.second_start, 4);
+  // Equal lengths: b gives up the first piece.
+  Encoding even = tokenizer->EncodePair("hello world", "the quick", 6);
+  EXPECT_EQ(even.ids, (std::vector<int32_t>{101, hello, world, 102, the, 102}));
+  EXPECT_EQ(std::count(even.ids.begin(), even.ids.end(), quick), 0);
+  // Nothing left for either text: still framed.
+  Encoding tiny = tokenizer->EncodePair("hello", "world", 1);
+  EXPECT_EQ(tiny.ids, (std::vector<int32_t>{101, 102, 102}));
+  EXPECT_EQ(tiny.second_start, 2);
 }
 
 TEST(WordPieceTokenizer, CountTokensMatchesEncode) {

@@ -58,7 +58,14 @@ std::string EncodeWorkBody(const WorkBody& b) {
   PackStr(pk, "model");
   PackStr(pk, b.model);
   PackStr(pk, "inputs");
-  if (!b.texts.empty()) {
+  if (!b.texts_pair.empty()) {
+    pk.pack_array(static_cast<uint32_t>(b.texts.size()));
+    for (size_t i = 0; i < b.texts.size(); ++i) {
+      pk.pack_array(2);
+      PackStr(pk, b.texts[i]);
+      PackStr(pk, i < b.texts_pair.size() ? std::string_view(b.texts_pair[i]) : std::string_view());
+    }
+  } else if (!b.texts.empty()) {
     pk.pack_array(static_cast<uint32_t>(b.texts.size()));
     for (const auto& t : b.texts) PackStr(pk, t);
   } else {
@@ -95,11 +102,27 @@ Result<WorkBody> DecodeWorkBody(std::string_view data) {
         const auto& arr = kv.val.via.array;
         for (uint32_t j = 0; j < arr.size; ++j) {
           const auto& item = arr.ptr[j];
+          // Every input is of one kind: a string, a two-string pair, or token ids.
+          enum Kind { kText, kPair, kIds } kind;
           if (item.type == msgpack::type::STR) {
-            if (!b.token_ids.empty()) return InvalidArgument("wire: inputs mix strings and token arrays");
-            b.texts.emplace_back(item.via.str.ptr, item.via.str.size);
+            kind = kText;
           } else if (item.type == msgpack::type::ARRAY) {
-            if (!b.texts.empty()) return InvalidArgument("wire: inputs mix strings and token arrays");
+            kind = item.via.array.size > 0 && item.via.array.ptr[0].type == msgpack::type::STR ? kPair : kIds;
+          } else {
+            return InvalidArgument("wire: each input must be a string, a text pair or an array of token ids");
+          }
+          const bool mixed = (kind == kIds && !b.texts.empty()) || (kind != kIds && !b.token_ids.empty()) ||
+                             (!b.texts.empty() && (kind == kPair) != !b.texts_pair.empty());
+          if (mixed) return InvalidArgument("wire: inputs mix strings, text pairs and token arrays");
+          if (kind == kText) {
+            b.texts.emplace_back(item.via.str.ptr, item.via.str.size);
+          } else if (kind == kPair) {
+            const auto& pair = item.via.array;
+            if (pair.size != 2 || pair.ptr[1].type != msgpack::type::STR)
+              return InvalidArgument("wire: a text pair must be two strings");
+            b.texts.emplace_back(pair.ptr[0].via.str.ptr, pair.ptr[0].via.str.size);
+            b.texts_pair.emplace_back(pair.ptr[1].via.str.ptr, pair.ptr[1].via.str.size);
+          } else {
             std::vector<int32_t> row;
             row.reserve(item.via.array.size);
             for (uint32_t k = 0; k < item.via.array.size; ++k) {
@@ -108,8 +131,6 @@ Result<WorkBody> DecodeWorkBody(std::string_view data) {
               row.push_back(static_cast<int32_t>(id));
             }
             b.token_ids.push_back(std::move(row));
-          } else {
-            return InvalidArgument("wire: each input must be a string or an array of token ids");
           }
         }
       } else if (key == "params") {

@@ -43,6 +43,9 @@ struct WorkBody {
   // Exactly one of texts / token_ids is non-empty.
   std::vector<std::string> texts;
   std::vector<std::vector<int32_t>> token_ids;
+  // Text pairs (task "score"): texts[i] goes with texts_pair[i]. On the
+  // wire each input is then a two-string array.
+  std::vector<std::string> texts_pair;
   bool truncate = false;  // params.truncate
 
   size_t size() const { return texts.empty() ? token_ids.size() : texts.size(); }

@@ -31,6 +31,37 @@ TEST(WorkBody, RoundTripsTokenIds) {
   EXPECT_FALSE(d->truncate);
 }
 
+TEST(WorkBody, RoundTripsTextPairs) {
+  WorkBody b;
+  b.task = "score";
+  b.model = "reranker";
+  b.texts = {"what is shoal", "what is shoal"};
+  b.texts_pair = {"a serving cluster", ""};
+  auto d = DecodeWorkBody(EncodeWorkBody(b));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->task, "score");
+  EXPECT_EQ(d->texts, b.texts);
+  EXPECT_EQ(d->texts_pair, b.texts_pair);
+  EXPECT_EQ(d->size(), 2u);
+}
+
+TEST(WorkBody, RejectsMixedOrMalformedPairs) {
+  // {"model":"m","inputs":[...]} with the given inputs, packed by hand.
+  auto body = [](std::string inputs) { return std::string("\x82\xa5model\xa1m\xa6inputs") + inputs; };
+  const std::string a = "\xa1" "a", b = "\xa1" "b", c = "\xa1" "c";
+  // A text then a pair; a pair then a text.
+  EXPECT_EQ(DecodeWorkBody(body("\x92" + a + "\x92" + b + c)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeWorkBody(body("\x92\x92" + b + c + a)).status().code(), StatusCode::kInvalidArgument);
+  // A three-string "pair", and a string paired with a number.
+  EXPECT_EQ(DecodeWorkBody(body("\x91\x93" + a + b + c)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeWorkBody(body("\x91\x92" + a + "\x01")).status().code(), StatusCode::kInvalidArgument);
+  // Well-formed: one pair.
+  auto ok = DecodeWorkBody(body("\x91\x92" + a + b));
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->texts, std::vector<std::string>{"a"});
+  EXPECT_EQ(ok->texts_pair, std::vector<std::string>{"b"});
+}
+
 TEST(WorkBody, RejectsGarbage) {
   auto d = DecodeWorkBody(std::string("\xc1\xff\x00garbage", 10));
   EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
@@ -88,7 +119,7 @@ TEST(WorkReply, RejectsMismatchedShape) {
 }
 
 TEST(SubjectToken, IsReversibleAndSafe) {
-  for (std::string name : {"minilm-l6", "org/model.v2", "a b*c>d", "x~y", "ümlaut", "UPPER_lower-09"}) {
+  for (std::string name : {"minilm-l6", "org/model.v2", "a b*c>d", "x~y", "\xfcmlaut", "UPPER_lower-09"}) {
     std::string token = ModelToToken(name);
     EXPECT_EQ(token.find_first_of(". *>\t"), std::string::npos) << token;
     auto back = TokenToModel(token);
@@ -104,7 +135,7 @@ TEST(SubjectToken, IsReversibleAndSafe) {
 
 TEST(SubjectToken, KvKeysUseOnlyKeyCharacters) {
   std::set<std::string> keys;
-  for (std::string name : {"bge-small-en-v1.5", "org/model.v2", "a b*c>d", "x~y", "ümlaut", "x=y"}) {
+  for (std::string name : {"bge-small-en-v1.5", "org/model.v2", "a b*c>d", "x~y", "\xfcmlaut", "x=y"}) {
     std::string key = ModelKvKey(name);
     EXPECT_EQ(key.find_first_not_of("-_=abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"),
               std::string::npos) << key;

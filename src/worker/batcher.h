@@ -26,6 +26,9 @@ struct PendingWork {
   Delivery delivery{nullptr};
   wire::WorkHeaders headers;
   std::vector<std::vector<int32_t>> rows;  // token ids incl. [CLS]/[SEP]
+  // Text pairs: per row, where the second text starts (token type 1 from
+  // there). Empty for single texts.
+  std::vector<int32_t> second_starts;
   std::vector<int32_t> token_counts;       // per row (after truncation)
   bool truncated_any = false;
   int64_t tokens = 0;                      // sum of row lengths

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 
 #include "common/log.h"
 
@@ -18,6 +19,20 @@ bool ParseInt(std::string_view s, int64_t* out) {
 }
 
 }  // namespace
+
+void ApplyActivation(const std::string& activation, Embeddings* out) {
+  if (activation == "sigmoid") {
+    for (float& v : out->data) v = 1.0f / (1.0f + std::exp(-v));
+  } else if (activation == "softmax") {
+    for (int r = 0; r < out->rows; ++r) {
+      float* row = out->data.data() + static_cast<size_t>(r) * out->dim;
+      const float max = *std::max_element(row, row + out->dim);
+      float sum = 0;
+      for (int k = 0; k < out->dim; ++k) sum += row[k] = std::exp(row[k] - max);
+      for (int k = 0; k < out->dim; ++k) row[k] /= sum;
+    }
+  }
+}
 
 Result<wire::WorkHeaders> ParseWorkHeaders(const Delivery& d) {
   wire::WorkHeaders h;
@@ -43,7 +58,7 @@ Result<wire::WorkHeaders> ParseWorkHeaders(const Delivery& d) {
 }
 
 ModelServer::ModelServer(ModelServerDeps deps)
-    : d_(std::move(deps)), batcher_(d_.config.batching, d_.clock) {
+    : d_(std::move(deps)), batcher_(d_.config.batching, d_.clock), activation_(d_.config.EffectiveActivation()) {
   Labels l = {{"model", d_.config.name}};
   auto* m = d_.metrics;
   batches_ = m->GetCounter("shoal_worker_batches_total", "Forward passes run.", l);
@@ -150,12 +165,18 @@ Result<std::unique_ptr<PendingWork>> ModelServer::Prepare(std::string_view data)
                              " (send \"truncate\": true to cut it)",
                          "input_too_long");
   };
+  const bool pairs = c.TakesPairs();
+  if (pairs && (body.texts_pair.size() != body.texts.size() || !body.token_ids.empty()))
+    return InvalidArgument("model '" + c.name + "' scores text pairs; send pairs of strings");
+  if (!pairs && !body.texts_pair.empty())
+    return InvalidArgument("model '" + c.name + "' takes single texts, not pairs");
   for (size_t i = 0; i < body.texts.size(); ++i) {
-    Encoding e = tok.Encode(body.texts[i], max_len);
+    Encoding e = pairs ? tok.EncodePair(body.texts[i], body.texts_pair[i], max_len) : tok.Encode(body.texts[i], max_len);
     if (e.truncated) {
       if (!body.truncate) return too_long(i, e.full_length);
       w->truncated_any = true;
     }
+    if (pairs) w->second_starts.push_back(e.second_start);
     w->rows.push_back(std::move(e.ids));
   }
   const int64_t vocab = static_cast<int64_t>(tok.vocab_size());
@@ -359,10 +380,17 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
     tb.seq_len = pass.back().len;  // sorted ascending
     tb.input_ids.assign(static_cast<size_t>(tb.rows) * tb.seq_len, d_.tokenizer->pad_id());
     tb.attention_mask.assign(static_cast<size_t>(tb.rows) * tb.seq_len, 0);
+    if (c.TakesPairs()) tb.token_type_ids.assign(static_cast<size_t>(tb.rows) * tb.seq_len, 0);
     for (int r = 0; r < tb.rows; ++r) {
-      const auto& ids = live[pass[r].item]->rows[pass[r].row];
-      std::copy(ids.begin(), ids.end(), tb.input_ids.begin() + static_cast<size_t>(r) * tb.seq_len);
-      std::fill_n(tb.attention_mask.begin() + static_cast<size_t>(r) * tb.seq_len, ids.size(), 1);
+      const PendingWork& w = *live[pass[r].item];
+      const auto& ids = w.rows[pass[r].row];
+      const size_t at = static_cast<size_t>(r) * tb.seq_len;
+      std::copy(ids.begin(), ids.end(), tb.input_ids.begin() + at);
+      std::fill_n(tb.attention_mask.begin() + at, ids.size(), 1);
+      if (!tb.token_type_ids.empty() && !w.second_starts.empty()) {
+        const size_t second = static_cast<size_t>(w.second_starts[pass[r].row]);
+        std::fill(tb.token_type_ids.begin() + at + second, tb.token_type_ids.begin() + at + ids.size(), 1);
+      }
     }
     const int64_t t0 = d_.clock->NowMonoUs();
     auto out = d_.runtime->Run(tb);
@@ -389,10 +417,16 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
                        "runtime_error");
       break;
     }
-    if (out->rows != tb.rows || out->dim <= 0) {
-      failure = Internal("model '" + c.name + "' returned a wrong shape", "runtime_error");
+    if (out->rows != tb.rows || out->dim <= 0 || (c.task == "score" && out->dim != 1) ||
+        (!c.labels.empty() && out->dim != static_cast<int>(c.labels.size()))) {
+      failure = Internal("model '" + c.name + "' returned " + std::to_string(out->rows) + " x " +
+                             std::to_string(out->dim) + " for a batch of " + std::to_string(tb.rows) +
+                             (c.task == "score" ? " (a score model returns one value per pair)"
+                              : c.labels.empty() ? "" : " (one logit per label expected)"),
+                         "runtime_error");
       break;
     }
+    ApplyActivation(activation_, &*out);
     dim = out->dim;
     for (int r = 0; r < tb.rows; ++r) {
       auto& rep = replies[pass[r].item];

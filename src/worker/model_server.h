@@ -76,6 +76,7 @@ class ModelServer final : public ModelAttachment {
   std::condition_variable work_cv_;   // executor waits for work
   std::condition_variable space_cv_;  // fetcher waits for budget
   Batcher batcher_;
+  const std::string activation_;      // applied to every output row
   std::atomic<bool> stop_{false};
   double avg_tokens_per_msg_ = 32;    // fetcher thread only
   std::thread fetcher_;
@@ -94,6 +95,10 @@ class ModelServer final : public ModelAttachment {
   Histogram* turn_wait_seconds_ = nullptr;
   Counter* runtime_unavailable_ = nullptr;
 };
+
+// Applies a model's activation ("none", "sigmoid", "softmax" per row) in
+// place to a runtime's raw output.
+void ApplyActivation(const std::string& activation, Embeddings* out);
 
 // Parses the Shoal-* headers of a work message.
 Result<wire::WorkHeaders> ParseWorkHeaders(const Delivery& d);

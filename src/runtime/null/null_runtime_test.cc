@@ -85,7 +85,7 @@ TEST(NullRuntime, NormalisesWhenAsked) {
 TEST(NullRuntime, RejectsInconsistentBatch) {
   NullRuntime rt;
   ASSERT_TRUE(rt.Load(Config()).ok());
-  TokenBatch bad{2, 3, {1, 2, 3}, {1, 1, 1}};
+  TokenBatch bad{2, 3, {1, 2, 3}, {1, 1, 1}, {}};
   auto out = rt.Run(bad);
   ASSERT_FALSE(out.ok());
   EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument);

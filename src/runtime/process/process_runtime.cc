@@ -258,8 +258,7 @@ Result<Embeddings> ProcessRuntime::Run(const TokenBatch& batch) {
   std::lock_guard<std::mutex> lock(io_mu_);
   if (!up_ || fd_ < 0) return Unavailable("runtime process for " + config_.name + " is restarting", "runtime_crashed");
   const uint64_t id = next_id_++;
-  auto reply = CallLocked(runtime_protocol::EncodeRun(id, config_.task, batch.rows, batch.seq_len, batch.input_ids,
-                                                      batch.attention_mask),
+  auto reply = CallLocked(runtime_protocol::EncodeRun(id, config_.task, batch),
                           id, config_.process.request_timeout_ms);
   if (!reply.ok()) {
     // The stream cannot be trusted any more: restart, and let the work be

@@ -88,23 +88,28 @@ std::string EncodeLoad(uint64_t id, const ModelConfig& c) {
   return Done(buf);
 }
 
-std::string EncodeRun(uint64_t id, const std::string& task, int rows, int seq_len,
-                      const std::vector<int64_t>& input_ids, const std::vector<int64_t>& attention_mask) {
-  std::vector<int32_t> ids(input_ids.begin(), input_ids.end());
-  std::vector<uint8_t> mask(attention_mask.begin(), attention_mask.end());
-  msgpack::sbuffer buf(64 + ids.size() * 5);
+std::string EncodeRun(uint64_t id, const std::string& task, const TokenBatch& batch) {
+  std::vector<int32_t> ids(batch.input_ids.begin(), batch.input_ids.end());
+  std::vector<uint8_t> mask(batch.attention_mask.begin(), batch.attention_mask.end());
+  const bool pairs = !batch.token_type_ids.empty();
+  msgpack::sbuffer buf(64 + ids.size() * 6);
   Packer pk(buf);
-  Head(pk, "run", id, 5);
+  Head(pk, "run", id, pairs ? 6 : 5);
   Str(pk, "task");
   Str(pk, task);
   Str(pk, "rows");
-  pk.pack_int(rows);
+  pk.pack_int(batch.rows);
   Str(pk, "seq_len");
-  pk.pack_int(seq_len);
+  pk.pack_int(batch.seq_len);
   Str(pk, "input_ids");
   Bin(pk, ids.data(), ids.size() * sizeof(int32_t));  // the host is little-endian
   Str(pk, "attention_mask");
   Bin(pk, mask.data(), mask.size());
+  if (pairs) {
+    std::vector<uint8_t> types(batch.token_type_ids.begin(), batch.token_type_ids.end());
+    Str(pk, "token_type_ids");
+    Bin(pk, types.data(), types.size());
+  }
   return Done(buf);
 }
 

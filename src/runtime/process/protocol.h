@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/model_config.h"
+#include "runtime/runtime.h"
 #include "common/status.h"
 #include "runtime/process/frame.h"
 
@@ -16,9 +17,9 @@ namespace shoal::runtime_protocol {
 
 std::string EncodeHello(uint64_t id, const std::string& client);
 std::string EncodeLoad(uint64_t id, const ModelConfig& config);
-// rows x seq_len token ids (int32 LE) and attention mask (uint8).
-std::string EncodeRun(uint64_t id, const std::string& task, int rows, int seq_len,
-                      const std::vector<int64_t>& input_ids, const std::vector<int64_t>& attention_mask);
+// rows x seq_len token ids (int32 LE), attention mask (uint8) and, for
+// text pairs, token type ids (uint8).
+std::string EncodeRun(uint64_t id, const std::string& task, const TokenBatch& batch);
 // "ping", "unload", "shutdown".
 std::string EncodeSimple(uint64_t id, std::string_view op);
 

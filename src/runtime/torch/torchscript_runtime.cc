@@ -72,6 +72,9 @@ struct TorchScriptRuntime::Impl {
   int64_t vocab_size = 0;  // 0: unknown, only negative ids are rejected
   int threads = 1;
   int64_t memory_bytes = 0;
+  // forward(input_ids, attention_mask, token_type_ids): BERT-style pair
+  // models (cross-encoders) take segment ids as a third input.
+  bool takes_token_types = false;
   // OpenMP keeps the thread count per thread, and libtorch copies its global
   // value into a thread only at that thread's first parallel op; a thread
   // that ran torch work before Load() keeps its old count. Re-apply whenever
@@ -92,7 +95,16 @@ struct TorchScriptRuntime::Impl {
     const auto mask = torch::from_blob(const_cast<int64_t*>(batch.attention_mask.data()),
                                        {batch.rows, batch.seq_len}, torch::kInt64);
     c10::InferenceMode guard;
-    const c10::IValue out = module.forward({ids, mask});
+    std::vector<c10::IValue> inputs = {ids, mask};
+    if (takes_token_types) {
+      if (batch.token_type_ids.empty()) {
+        inputs.emplace_back(torch::zeros_like(ids));
+      } else {
+        inputs.emplace_back(torch::from_blob(const_cast<int64_t*>(batch.token_type_ids.data()),
+                                             {batch.rows, batch.seq_len}, torch::kInt64));
+      }
+    }
+    const c10::IValue out = module.forward(std::move(inputs));
 
     at::Tensor hidden;
     if (out.isTensor()) {
@@ -102,7 +114,8 @@ struct TorchScriptRuntime::Impl {
       hidden = out.toTupleRef().elements()[0].toTensor();
     } else if (out.isGenericDict()) {
       const auto dict = out.toGenericDict();
-      for (const char* key : {"last_hidden_state", "sentence_embedding"}) {
+      for (const char* key : {"last_hidden_state", "sentence_embedding", "logits"}) {
+        if (config.task == "embed" && std::string_view(key) == "logits") continue;  // not an embedding
         auto it = dict.find(c10::IValue(std::string(key)));
         if (it != dict.end() && it->value().isTensor()) {
           hidden = it->value().toTensor();
@@ -118,6 +131,15 @@ struct TorchScriptRuntime::Impl {
     }
 
     hidden = hidden.to(torch::kFloat32);
+    if (config.task != "embed") {
+      // Scores and class logits: one row per input, no pooling.
+      if (hidden.dim() == 1 && hidden.size(0) == batch.rows) hidden = hidden.unsqueeze(1);
+      if (hidden.dim() != 2 || hidden.size(0) != batch.rows) {
+        return Internal("a " + config.task + " model must return [" + std::to_string(batch.rows) +
+                        ", labels] logits; got shape " + c10::str(hidden.sizes()));
+      }
+      return hidden.contiguous();
+    }
     at::Tensor pooled;
     if (hidden.dim() == 3 && hidden.size(0) == batch.rows && hidden.size(1) == batch.seq_len) {
       if (config.pooling == "cls") {
@@ -168,6 +190,8 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
   try {
     s.module = torch::jit::load(path, torch::kCPU);
     s.module.eval();
+    // The schema's first argument is `self`.
+    s.takes_token_types = s.module.get_method("forward").function().getSchema().arguments().size() >= 4;
   } catch (...) {
     s.module = torch::jit::Module();
     return FromException("model " + config.name + ": cannot load " + path,

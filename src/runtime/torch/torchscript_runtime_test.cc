@@ -118,6 +118,52 @@ TEST_F(TinyBert, MatchesPythonReference) {
   for (int i = 0; i < 3; ++i) EXPECT_LT(MaxAbsDiff(Row(*batched, i), expected[i]), 1e-4);
 }
 
+// Sequence-classification heads (cross-encoder, classifier): three inputs
+// (ids, mask, token types), raw logits out.
+class HeadModel : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(HeadModel, MatchesPythonReferenceWithTokenTypes) {
+  const std::string dir = ModelsDir() + "/" + GetParam();
+  ASSERT_TRUE(fs::exists(dir + "/model.pt") && fs::exists(dir + "/reference.json")) << MissingModelHelp(dir);
+  auto config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  TorchScriptRuntime rt;
+  ASSERT_TRUE(rt.Load(*config).ok());
+  std::ifstream in(dir + "/reference.json");
+  const auto ref = nlohmann::json::parse(in);
+  const int labels = static_cast<int>(ref["logits"][0].size());
+  EXPECT_EQ(rt.Dim(), labels);
+
+  std::vector<std::vector<int64_t>> ids, types;
+  for (const auto& item : ref["inputs"]) {
+    ids.push_back(item["input_ids"]);
+    types.push_back(item["token_type_ids"]);
+  }
+  // All pairs in one padded batch, with their segment ids.
+  TokenBatch batch = Batch(ids);
+  batch.token_type_ids.assign(batch.input_ids.size(), 0);
+  for (size_t r = 0; r < types.size(); ++r)
+    std::copy(types[r].begin(), types[r].end(), batch.token_type_ids.begin() + r * batch.seq_len);
+  auto out = rt.Run(batch);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  ASSERT_EQ(out->dim, labels);
+  for (size_t r = 0; r < ids.size(); ++r)
+    EXPECT_LT(MaxAbsDiff(Row(*out, static_cast<int>(r)), ref["logits"][r].get<std::vector<float>>()), 1e-4)
+        << "pair " << r;
+
+  // Segment ids reach the model: all-zero types give other logits.
+  TokenBatch no_types = Batch(ids);
+  auto plain = rt.Run(no_types);
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_GT(MaxAbsDiff(Row(*plain, 0), Row(*out, 0)), 1e-5);
+
+  // Token types that do not match the batch shape are rejected.
+  batch.token_type_ids.pop_back();
+  EXPECT_EQ(rt.Run(batch).status().code(), StatusCode::kInvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(Demo, HeadModel, ::testing::Values("tiny-reranker", "tiny-classifier"));
+
 TEST_F(TinyBert, RunsVariableBatchAndSequenceShapes) {
   auto rt = Load(config_);
   ASSERT_NE(rt, nullptr);

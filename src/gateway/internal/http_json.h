@@ -1,0 +1,28 @@
+// JSON helpers shared by the gateway's route handlers: hand-written output
+// for the hot paths (no DOM for a response of floats), nlohmann for input.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "gateway/http.h"
+
+namespace shoal::internal {
+
+// Appends `s` as a JSON string literal (quotes and escapes included).
+void AppendJsonString(std::string& out, std::string_view s);
+// Appends a JSON array of n floats (NaN / Inf become 0: JSON has neither).
+void AppendFloats(std::string& out, const float* v, int n);
+// Appends one float, shortest round-trip form (0 for NaN / Inf).
+void AppendFloat(std::string& out, float v);
+// A 200-style response with a JSON body.
+HttpResponse JsonResponse(int status, std::string body);
+// Parses `text` into a JSON object; InvalidArgument "invalid_json" otherwise.
+Status ParseJsonObject(const std::string& text, nlohmann::json* out);
+// A fresh id for a response body ("<prefix>-<32 hex digits>").
+std::string ResponseId(std::string_view prefix);
+
+}  // namespace shoal::internal
