@@ -114,16 +114,19 @@ struct TorchScriptRuntime::Impl {
       hidden = out.toTupleRef().elements()[0].toTensor();
     } else if (out.isGenericDict()) {
       const auto dict = out.toGenericDict();
-      for (const char* key : {"last_hidden_state", "sentence_embedding", "logits"}) {
-        if (config.task == "embed" && std::string_view(key) == "logits") continue;  // not an embedding
-        auto it = dict.find(c10::IValue(std::string(key)));
+      // Embedders name their output one of two ways; classification heads
+      // (score, classify) return "logits".
+      static const std::vector<std::string> kEmbedKeys = {"last_hidden_state", "sentence_embedding"};
+      static const std::vector<std::string> kHeadKeys = {"logits"};
+      for (const std::string& key : config.task == "embed" ? kEmbedKeys : kHeadKeys) {
+        auto it = dict.find(c10::IValue(key));
         if (it != dict.end() && it->value().isTensor()) {
           hidden = it->value().toTensor();
           break;
         }
       }
       if (!hidden.defined()) {
-        return Internal("model output dict has no 'last_hidden_state' tensor");
+        return Internal("model output dict has no '" + std::string(config.task == "embed" ? "last_hidden_state" : "logits") + "' tensor");
       }
     } else {
       return Internal("model output must be a tensor, a tuple starting with one, or a "
