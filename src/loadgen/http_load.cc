@@ -1,4 +1,4 @@
-#include "http_load.h"
+#include "loadgen/http_load.h"
 
 #include <netinet/tcp.h>
 #include <pthread.h>
@@ -19,7 +19,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
-namespace shoal::bench {
+namespace shoal::loadgen {
 namespace {
 
 namespace asio = boost::asio;
@@ -49,6 +49,8 @@ int64_t PromptTokens(const std::string& body) {
 struct Shared;
 class Conn;
 
+constexpr size_t kNoRequest = static_cast<size_t>(-1);
+
 // Everything one client thread owns; touched only from its io_context.
 struct ThreadState {
   asio::io_context io{1};
@@ -61,12 +63,22 @@ struct ThreadState {
   int64_t completed = 0, errors = 0, dropped = 0, prompt_tokens = 0;
   int64_t due = 0;  // open loop: arrivals in the window
   std::string first_error;
+  std::map<int, int64_t> errors_by_status;
+  std::vector<TagCounts> per_tag;
 
-  const std::string& NextRequest();
-  void Error(const std::string& what) {
+  // The next request's index into options.requests.
+  size_t NextRequest();
+  void Error(const std::string& what, int status, size_t request) {
     ++errors;
+    ++errors_by_status[status];
+    if (!per_tag.empty() && request != kNoRequest) ++per_tag[Tag(request)].errors;
     if (first_error.empty()) first_error = what;
   }
+  void Ok(size_t request) {
+    ++completed;
+    if (!per_tag.empty()) ++per_tag[Tag(request)].completed;
+  }
+  size_t Tag(size_t request) const;
 };
 
 struct Shared {
@@ -76,12 +88,13 @@ struct Shared {
   Time window_start, window_end;
 };
 
-const std::string& ThreadState::NextRequest() {
-  const auto& r = shared->options->requests;
-  const std::string& out = r[next_request];
-  next_request = (next_request + 1) % r.size();
+size_t ThreadState::NextRequest() {
+  const size_t out = next_request;
+  next_request = (next_request + 1) % shared->options->requests.size();
   return out;
 }
+
+size_t ThreadState::Tag(size_t request) const { return static_cast<size_t>(shared->options->request_tags[request]); }
 
 class Conn : public std::enable_shared_from_this<Conn> {
  public:
@@ -114,7 +127,10 @@ class Conn : public std::enable_shared_from_this<Conn> {
   // Sends one request; `start` is when it was due (latency origin).
   void Send(Time start) {
     start_ = start;
-    const std::string& req = ts_->NextRequest();
+    request_ = ts_->NextRequest();
+    const std::string& req = ts_->shared->options->requests[request_];
+    in_flight_ = true;
+    if (LoadProgress* p = ts_->shared->options->progress) p->OnSent();
     asio::async_write(sock_, asio::buffer(req), [self = shared_from_this()](beast::error_code ec, size_t) {
       if (ec) return self->Fail("write: " + ec.message());
       self->parser_.emplace();
@@ -127,6 +143,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
  private:
   void OnResponse(beast::error_code ec) {
     if (ec) return Fail("read: " + ec.message());
+    in_flight_ = false;
     const Time end = Clock::now();
     const Shared& sh = *ts_->shared;
     auto& res = parser_->get();
@@ -134,10 +151,17 @@ class Conn : public std::enable_shared_from_this<Conn> {
     // due in it (all of which is waited for).
     const Time key = sh.open_loop ? start_ : end;
     const bool in_window = key >= sh.window_start && key < sh.window_end;
-    if (res.result() != http::status::ok) {
-      if (in_window) ts_->Error("HTTP " + std::to_string(res.result_int()) + ": " + res.body().substr(0, 200));
+    const bool ok = res.result() == http::status::ok;
+    if (LoadProgress* p = sh.options->progress) {
+      p->OnDone(ok, std::chrono::duration<double, std::milli>(end - start_).count());
+    }
+    if (!ok) {
+      if (in_window) {
+        ts_->Error("HTTP " + std::to_string(res.result_int()) + ": " + res.body().substr(0, 200), res.result_int(),
+                   request_);
+      }
     } else if (in_window) {
-      ++ts_->completed;
+      ts_->Ok(request_);
       ts_->prompt_tokens += PromptTokens(res.body());
       ts_->latencies_ms.push_back(std::chrono::duration<double, std::milli>(end - start_).count());
     }
@@ -155,7 +179,11 @@ class Conn : public std::enable_shared_from_this<Conn> {
   void Fail(const std::string& what) {
     const Shared& sh = *ts_->shared;
     const Time key = sh.open_loop ? start_ : Clock::now();  // as in OnResponse
-    if (key >= sh.window_start && key < sh.window_end) ts_->Error(what);
+    // A failed connect has no request of its own to count per tag.
+    const bool had_request = in_flight_;
+    in_flight_ = false;
+    if (had_request && sh.options->progress) sh.options->progress->OnDone(false, 0);
+    if (key >= sh.window_start && key < sh.window_end) ts_->Error(what, 0, had_request ? request_ : kNoRequest);
     Close();
     if (!ts_->shared->open_loop) Reconnect();
   }
@@ -186,6 +214,8 @@ class Conn : public std::enable_shared_from_this<Conn> {
   std::optional<http::response_parser<http::string_body>> parser_;
   std::optional<Time> pending_;
   Time start_{};
+  size_t request_ = 0;      // index of the request in flight
+  bool in_flight_ = false;  // a request was sent and has no answer yet
 };
 
 // Open loop: Poisson arrivals on thread 0 until the window ends.
@@ -238,6 +268,38 @@ class Arrivals {
 
 }  // namespace
 
+void LoadProgress::OnDone(bool ok, double latency_ms) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!ok) {
+    ++errors_;
+    return;
+  }
+  ++completed_;
+  latencies_ms_.push_back(latency_ms);
+}
+
+LoadProgress::Snapshot LoadProgress::Take() const {
+  Snapshot s;
+  s.sent = sent_.load(std::memory_order_relaxed);
+  std::vector<double> lat;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s.completed = completed_;
+    s.errors = errors_;
+    lat = latencies_ms_;
+  }
+  if (lat.empty()) return s;
+  auto at = [&lat](double p) {
+    const double rank = std::ceil(p / 100.0 * static_cast<double>(lat.size()));
+    const size_t i = static_cast<size_t>(std::clamp(rank, 1.0, static_cast<double>(lat.size()))) - 1;
+    std::nth_element(lat.begin(), lat.begin() + static_cast<std::ptrdiff_t>(i), lat.end());
+    return lat[i];
+  };
+  s.p50_ms = at(50);
+  s.p99_ms = at(99);
+  return s;
+}
+
 double LoadResult::PercentileMs(double p) const {
   if (latencies_ms.empty()) return 0;
   // Nearest rank.
@@ -246,11 +308,13 @@ double LoadResult::PercentileMs(double p) const {
   return latencies_ms[i];
 }
 
-std::string JsonPostRequest(const std::string& host, const std::string& path, const std::string& body) {
+std::string JsonPostRequest(const std::string& host, const std::string& path, const std::string& body,
+                            const std::string& extra_headers) {
   std::string r;
-  r.reserve(body.size() + 160);
+  r.reserve(body.size() + extra_headers.size() + 160);
   r += "POST " + path + " HTTP/1.1\r\nHost: " + host +
-       "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n";
+       "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n" +
+       extra_headers + "\r\n";
   r += body;
   return r;
 }
@@ -259,12 +323,27 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
   if (options.requests.empty()) return InvalidArgument("load: no requests");
   if (options.connections < 1 || options.threads < 1) return InvalidArgument("load: connections and threads must be >= 1");
   if (options.duration_s <= 0 || options.warmup_s < 0) return InvalidArgument("load: bad duration");
+  if (!options.request_tags.empty()) {
+    if (options.request_tags.size() != options.requests.size()) {
+      return InvalidArgument("load: request_tags must have one tag per request");
+    }
+    if (*std::min_element(options.request_tags.begin(), options.request_tags.end()) < 0) {
+      return InvalidArgument("load: request tags must be >= 0");
+    }
+  }
   Shared sh;
   sh.options = &options;
   boost::system::error_code ec;
   const auto addr = asio::ip::make_address(options.host, ec);
-  if (ec) return InvalidArgument("load: host must be an IP address: " + options.host);
-  sh.endpoint = tcp::endpoint(addr, static_cast<unsigned short>(options.port));
+  if (!ec) {
+    sh.endpoint = tcp::endpoint(addr, static_cast<unsigned short>(options.port));
+  } else {
+    asio::io_context io;
+    tcp::resolver resolver(io);
+    auto found = resolver.resolve(options.host, std::to_string(options.port), ec);
+    if (ec || found.empty()) return Unavailable("load: cannot resolve host '" + options.host + "': " + ec.message());
+    sh.endpoint = found.begin()->endpoint();
+  }
   sh.open_loop = options.rate_per_s > 0;
   const int nthreads = sh.open_loop ? 1 : std::min(options.threads, options.connections);
 
@@ -273,6 +352,10 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
     ts.push_back(std::make_unique<ThreadState>());
     ts.back()->shared = &sh;
     ts.back()->next_request = static_cast<size_t>(i) * options.requests.size() / nthreads;
+    if (!options.request_tags.empty()) {
+      const int most = *std::max_element(options.request_tags.begin(), options.request_tags.end());
+      ts.back()->per_tag.resize(static_cast<size_t>(most) + 1);
+    }
   }
   const Time t0 = Clock::now();
   sh.window_start = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options.warmup_s));
@@ -338,11 +421,17 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
     r.prompt_tokens += t->prompt_tokens;
     r.connections_used += static_cast<int>(t->conns.size());
     if (r.first_error.empty()) r.first_error = t->first_error;
+    for (const auto& [status, n] : t->errors_by_status) r.errors_by_status[status] += n;
+    if (r.per_tag.size() < t->per_tag.size()) r.per_tag.resize(t->per_tag.size());
+    for (size_t i = 0; i < t->per_tag.size(); ++i) {
+      r.per_tag[i].completed += t->per_tag[i].completed;
+      r.per_tag[i].errors += t->per_tag[i].errors;
+    }
     r.latencies_ms.insert(r.latencies_ms.end(), t->latencies_ms.begin(), t->latencies_ms.end());
   }
   std::sort(r.latencies_ms.begin(), r.latencies_ms.end());
-  if (r.completed == 0 && r.errors > 0) return Unavailable("load: every request failed; first error: " + r.first_error);
+  if (options.fail_when_all_failed && r.completed == 0 && r.errors > 0) return Unavailable("load: every request failed; first error: " + r.first_error);
   return r;
 }
 
-}  // namespace shoal::bench
+}  // namespace shoal::loadgen
