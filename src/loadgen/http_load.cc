@@ -268,32 +268,47 @@ class Arrivals {
 
 }  // namespace
 
+namespace {
+// Bucket i holds latencies in [kGrowth^i, kGrowth^(i+1)) microseconds.
+constexpr double kGrowth = 1.01;
+constexpr size_t kBuckets = 2100;  // 1.01^2100 us is about 20 minutes
+const double kLogGrowth = std::log(kGrowth);
+}  // namespace
+
+LoadProgress::LoadProgress() : buckets_(kBuckets, 0) {}
+
 void LoadProgress::OnDone(bool ok, double latency_ms) {
+  const double us = latency_ms * 1000;
+  const size_t i = us <= 1 ? 0 : std::min(kBuckets - 1, static_cast<size_t>(std::log(us) / kLogGrowth));
   std::lock_guard<std::mutex> lock(mu_);
   if (!ok) {
     ++errors_;
     return;
   }
   ++completed_;
-  latencies_ms_.push_back(latency_ms);
+  ++buckets_[i];
 }
 
 LoadProgress::Snapshot LoadProgress::Take() const {
   Snapshot s;
   s.sent = sent_.load(std::memory_order_relaxed);
-  std::vector<double> lat;
+  std::vector<int64_t> buckets;
   {
     std::lock_guard<std::mutex> lock(mu_);
     s.completed = completed_;
     s.errors = errors_;
-    lat = latencies_ms_;
+    buckets = buckets_;
   }
-  if (lat.empty()) return s;
-  auto at = [&lat](double p) {
-    const double rank = std::ceil(p / 100.0 * static_cast<double>(lat.size()));
-    const size_t i = static_cast<size_t>(std::clamp(rank, 1.0, static_cast<double>(lat.size()))) - 1;
-    std::nth_element(lat.begin(), lat.begin() + static_cast<std::ptrdiff_t>(i), lat.end());
-    return lat[i];
+  if (s.completed == 0) return s;
+  // Nearest rank, reported as the bucket's geometric middle.
+  auto at = [&](double p) {
+    const int64_t rank = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(p / 100.0 * static_cast<double>(s.completed))));
+    int64_t seen = 0;
+    for (size_t i = 0; i < buckets.size(); ++i) {
+      seen += buckets[i];
+      if (seen >= rank) return std::pow(kGrowth, static_cast<double>(i) + 0.5) / 1000;
+    }
+    return std::pow(kGrowth, static_cast<double>(buckets.size())) / 1000;
   };
   s.p50_ms = at(50);
   s.p99_ms = at(99);

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -19,7 +20,14 @@ struct Series {
   std::vector<std::pair<double, double>> points;  // x, y
 };
 
+// A shaded stretch of the x axis (a phase's measured window).
+struct Band {
+  double x0 = 0, x1 = 0;
+  std::string label;
+};
+
 struct Chart {
+  std::vector<Band> bands;
   std::string title;
   std::string x_label;
   std::string y_label;
@@ -108,6 +116,15 @@ std::string Render(const Chart& c) {
   o += "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   std::snprintf(buf, sizeof buf, "<text x=\"%.0f\" y=\"28\" font-size=\"16\" text-anchor=\"middle\">", L + pw / 2);
   o += buf + Escape(c.title) + "</text>\n";
+  // Phases under the grid.
+  for (const Band& b : c.bands) {
+    const double bx0 = std::clamp(px(b.x0), L, L + pw), bx1 = std::clamp(px(b.x1), L, L + pw);
+    std::snprintf(buf, sizeof buf,
+                  "<g class=\"phase\"><rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
+                  "fill=\"#f0f0f0\"/><text x=\"%.1f\" y=\"%.1f\" font-size=\"10\" text-anchor=\"middle\">",
+                  bx0, T, std::max(0.0, bx1 - bx0), ph, (bx0 + bx1) / 2, T + 12);
+    o += buf + Escape(b.label) + "</text></g>\n";
+  }
   // Grid and ticks.
   for (double y = y0; y <= y1 + ys / 2; y += ys) {
     std::snprintf(buf, sizeof buf,
@@ -316,6 +333,15 @@ std::string UtilisationSvg(const BenchReport& r) {
   c.x_label = "time since start (s)";
   c.y_label = "utilisation (busy / slots)";
   c.y_max_at_least = 1.0;
+  for (const auto& p : r.phases) {
+    std::ostringstream label;
+    if (p.mode == "open") {
+      label << p.offered_rate << "/s";
+    } else {
+      label << p.clients << " clients";
+    }
+    c.bands.push_back({p.start_s, p.end_s, label.str()});
+  }
   for (const auto& [id, points] : r.utilisation) {
     Series s{id, {}};
     for (const auto& pt : points) s.points.push_back({pt.t_s, pt.utilisation});

@@ -131,6 +131,8 @@ TEST(Report, SvgPlotsAreWellFormedWithTheirSeriesAndAxes) {
   ExpectBalancedSvg(u);
   EXPECT_THAT(u, HasSubstr("data-name=\"w&lt;1&gt;\""));
   EXPECT_THAT(u, HasSubstr("time since start (s)"));
+  EXPECT_THAT(u, HasSubstr("class=\"phase\""));  // the phases' windows
+  EXPECT_THAT(u, HasSubstr(">100/s<"));
 
   BenchReport closed;
   closed.phases.push_back(SummarizePhase("closed", 0, 4, Result(10, 0, 1), {"a"}, 1));
