@@ -112,7 +112,11 @@ class Conn : public std::enable_shared_from_this<Conn> {
       if (ec) return self->Fail("connect: " + ec.message());
       self->sock_.set_option(tcp::no_delay(true), ec);
       if (!self->ts_->shared->open_loop) return self->SendNext();
-      if (self->pending_) return self->Send(*self->pending_);
+      if (self->pending_) {
+        const Time due = *self->pending_;
+        self->pending_.reset();
+        return self->Send(due);
+      }
       self->ts_->idle.push_back(self.get());
     });
   }
@@ -168,8 +172,11 @@ class Conn : public std::enable_shared_from_this<Conn> {
     const bool keep = res.keep_alive();
     parser_.reset();
     if (!keep) {
+      // The server closes: open a new connection at once (open loop: it
+      // rejoins the idle pool), so a target without keep-alive is not
+      // mistaken for one that is out of connections.
       Close();
-      if (!sh.open_loop) Reconnect();
+      Reconnect(std::chrono::milliseconds(0));
       return;
     }
     if (!sh.open_loop) return SendNext();
@@ -178,14 +185,26 @@ class Conn : public std::enable_shared_from_this<Conn> {
 
   void Fail(const std::string& what) {
     const Shared& sh = *ts_->shared;
-    const Time key = sh.open_loop ? start_ : Clock::now();  // as in OnResponse
     // A failed connect has no request of its own to count per tag.
     const bool had_request = in_flight_;
     in_flight_ = false;
+    const std::optional<Time> pending = pending_;  // open loop: an arrival waiting for this connect
+    pending_.reset();
     if (had_request && sh.options->progress) sh.options->progress->OnDone(false, 0);
-    if (key >= sh.window_start && key < sh.window_end) ts_->Error(what, 0, had_request ? request_ : kNoRequest);
+    // As in OnResponse: the open loop counts by due time, and only failures
+    // that cost an arrival (not the retries of an idle connection).
+    bool count = false;
+    if (!sh.open_loop) {
+      const Time now = Clock::now();
+      count = now >= sh.window_start && now < sh.window_end;
+    } else if (had_request || pending) {
+      const Time due = had_request ? start_ : *pending;
+      count = due >= sh.window_start && due < sh.window_end;
+    }
+    if (count) ts_->Error(what, 0, had_request ? request_ : kNoRequest);
     Close();
-    if (!ts_->shared->open_loop) Reconnect();
+    // Open loop too: a broken connection must not hold a place in the pool.
+    Reconnect(std::chrono::milliseconds(10));
   }
 
   void Close() {
@@ -194,10 +213,11 @@ class Conn : public std::enable_shared_from_this<Conn> {
     sock_.close(ignored);
   }
 
-  // After an error: try again shortly, unless the window is over.
-  void Reconnect() {
+  // After an error or a close: connect again after `delay`, unless the
+  // window is over.
+  void Reconnect(std::chrono::milliseconds delay) {
     if (Clock::now() >= ts_->shared->window_end) return;
-    retry_.expires_after(std::chrono::milliseconds(10));
+    retry_.expires_after(delay);
     retry_.async_wait([self = shared_from_this()](beast::error_code ec) {
       if (ec) return;
       self->sock_ = tcp::socket(self->ts_->io);

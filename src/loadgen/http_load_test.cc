@@ -93,6 +93,32 @@ TEST(HttpLoad, OpenLoopAccountsForEveryArrival) {
   EXPECT_EQ(r->completed + r->errors, r->due);
 }
 
+TEST(HttpLoad, ServersThatCloseEveryConnectionKeepTheirPlaceInThePool) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
+    FakeOpenAiServer::Reply reply = FakeOpenAiServer::Embeddings(r.body);
+    reply.close = true;
+    return reply;
+  });
+  for (double rate : {0.0, 100.0}) {
+    LoadOptions o = Options(server.port());
+    o.request_tags.clear();
+    o.requests = {o.requests[0]};
+    o.rate_per_s = rate;
+    o.connections = 2;
+    o.max_connections = 8;
+    o.duration_s = 0.5;
+    auto r = RunLoad(o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->errors, 0) << r->first_error;
+    // Each connection carries one request; more answers than connections
+    // means closed ones were replaced.
+    EXPECT_GT(r->completed, o.max_connections) << "rate " << rate;
+    if (rate > 0) {
+      EXPECT_EQ(r->completed + r->dropped, r->due);
+    }
+  }
+}
+
 TEST(HttpLoad, AllFailedIsAnErrorOnlyWhenAsked) {
   FakeOpenAiServer server([](const FakeOpenAiServer::Request&) {
     return FakeOpenAiServer::Reply{503, R"({"error":{"message":"loading"}})"};

@@ -34,6 +34,7 @@ class FakeOpenAiServer {
   struct Reply {
     int status = 200;
     std::string body;
+    bool close = false;  // answer with Connection: close, then close
   };
   using Handler = std::function<Reply(const Request&)>;
 
@@ -123,11 +124,15 @@ class FakeOpenAiServer {
       Reply reply = handler_(r);
       http::response<http::string_body> res{static_cast<http::status>(reply.status), req.version()};
       res.set(http::field::content_type, "application/json");
-      res.keep_alive(req.keep_alive());
+      const bool keep = req.keep_alive() && !reply.close;
+      res.keep_alive(keep);
       res.body() = reply.body;
       res.prepare_payload();
       http::write(sock, res, ec);
-      if (ec || !req.keep_alive()) return;
+      if (ec || !keep) {
+        sock.shutdown(boost::asio::ip::tcp::socket::shutdown_send, ec);
+        return;
+      }
     }
   }
 
