@@ -61,7 +61,7 @@
 #include "common/log.h"
 #include "common/metrics.h"
 #include "gateway/gateway.h"
-#include "http_load.h"
+#include "loadgen/http_load.h"
 #include "queue/nats_client.h"
 #include "queue/nats_server_process.h"
 #include "worker/model_manager.h"
@@ -69,6 +69,11 @@
 
 namespace shoal::bench {
 namespace {
+
+using loadgen::JsonPostRequest;
+using loadgen::LoadOptions;
+using loadgen::LoadResult;
+using loadgen::RunLoad;
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;

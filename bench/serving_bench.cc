@@ -48,7 +48,7 @@
 #include "common/metrics.h"
 #include "common/model_config.h"
 #include "gateway/gateway.h"
-#include "http_load.h"
+#include "loadgen/http_load.h"
 #include "queue/nats_client.h"
 #include "queue/nats_server_process.h"
 #include "runtime/runtime.h"
@@ -57,6 +57,11 @@
 
 namespace shoal::bench {
 namespace {
+
+using loadgen::JsonPostRequest;
+using loadgen::LoadOptions;
+using loadgen::LoadResult;
+using loadgen::RunLoad;
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;

@@ -148,6 +148,7 @@ Result<HttpReply> HttpClient::Send(const std::string& method, const std::string&
     x.req.set(http::field::user_agent, "shoal-cli");
     x.req.set(http::field::accept, "application/json");
     x.req.keep_alive(false);
+    for (const auto& [name, value] : headers_) x.req.set(name, value);
     if (!body.empty() || verb == http::verb::post) {
       x.req.set(http::field::content_type, "application/json");
       x.req.body() = body;

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "common/status.h"
 
@@ -49,6 +50,10 @@ class HttpClient {
   Result<HttpReply> Get(const std::string& path) const { return Send("GET", path); }
   Result<HttpReply> Post(const std::string& path, const std::string& body) const { return Send("POST", path, body); }
 
+  // Adds a header sent with every request (e.g. Authorization). Call before
+  // sharing the client between threads.
+  void SetHeader(std::string name, std::string value) { headers_.emplace_back(std::move(name), std::move(value)); }
+
   const HttpUrl& url() const { return url_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
@@ -57,6 +62,7 @@ class HttpClient {
 
   HttpUrl url_;
   std::chrono::milliseconds timeout_;
+  std::vector<std::pair<std::string, std::string>> headers_;
 };
 
 }  // namespace shoal::cli

@@ -1,6 +1,6 @@
-// The `shoal` binary: serve (embedded default), gateway, worker. The only
-// place that reads flags and environment variables; every option has both
-// (--flag and SHOAL_FLAG), declared together below.
+// The `shoal` binary: serve (embedded default), gateway, worker, models,
+// bench. The only place that reads flags and environment variables; every
+// option has both (--flag and SHOAL_FLAG), declared together below.
 #include <signal.h>
 #include <unistd.h>
 
@@ -13,6 +13,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli/bench_command.h"
 #include "cli/models_command.h"
 #include "common/log.h"
 #include "common/metrics.h"
@@ -293,8 +294,13 @@ int main(int argc, char** argv) {
   ModelsCommandFlags models_flags;
   CLI::App* models = AddModelsCommand(&app, &models_flags);
 
+  // --- bench -------------------------------------------------------------------
+  BenchCommandFlags bench_flags;
+  CLI::App* bench = AddBenchCommand(&app, &bench_flags);
+
   CLI11_PARSE(app, argc, argv);
   if (models->parsed()) return RunModelsCommand(models_flags);
+  if (bench->parsed()) return RunBenchCommand(bench_flags);
   if (serve->parsed()) ApplyOmpWaitPolicy(serve_wk.omp_wait_policy, argv);
   if (worker->parsed()) ApplyOmpWaitPolicy(wk.omp_wait_policy, argv);
   BlockSignals();

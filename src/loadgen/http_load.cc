@@ -1,4 +1,4 @@
-#include "http_load.h"
+#include "loadgen/http_load.h"
 
 #include <netinet/tcp.h>
 #include <pthread.h>
@@ -19,7 +19,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
-namespace shoal::bench {
+namespace shoal::loadgen {
 namespace {
 
 namespace asio = boost::asio;
@@ -49,6 +49,8 @@ int64_t PromptTokens(const std::string& body) {
 struct Shared;
 class Conn;
 
+constexpr size_t kNoRequest = static_cast<size_t>(-1);
+
 // Everything one client thread owns; touched only from its io_context.
 struct ThreadState {
   asio::io_context io{1};
@@ -61,12 +63,22 @@ struct ThreadState {
   int64_t completed = 0, errors = 0, dropped = 0, prompt_tokens = 0;
   int64_t due = 0;  // open loop: arrivals in the window
   std::string first_error;
+  std::map<int, int64_t> errors_by_status;
+  std::vector<TagCounts> per_tag;
 
-  const std::string& NextRequest();
-  void Error(const std::string& what) {
+  // The next request's index into options.requests.
+  size_t NextRequest();
+  void Error(const std::string& what, int status, size_t request) {
     ++errors;
+    ++errors_by_status[status];
+    if (!per_tag.empty() && request != kNoRequest) ++per_tag[Tag(request)].errors;
     if (first_error.empty()) first_error = what;
   }
+  void Ok(size_t request) {
+    ++completed;
+    if (!per_tag.empty()) ++per_tag[Tag(request)].completed;
+  }
+  size_t Tag(size_t request) const;
 };
 
 struct Shared {
@@ -76,12 +88,13 @@ struct Shared {
   Time window_start, window_end;
 };
 
-const std::string& ThreadState::NextRequest() {
-  const auto& r = shared->options->requests;
-  const std::string& out = r[next_request];
-  next_request = (next_request + 1) % r.size();
+size_t ThreadState::NextRequest() {
+  const size_t out = next_request;
+  next_request = (next_request + 1) % shared->options->requests.size();
   return out;
 }
+
+size_t ThreadState::Tag(size_t request) const { return static_cast<size_t>(shared->options->request_tags[request]); }
 
 class Conn : public std::enable_shared_from_this<Conn> {
  public:
@@ -99,7 +112,11 @@ class Conn : public std::enable_shared_from_this<Conn> {
       if (ec) return self->Fail("connect: " + ec.message());
       self->sock_.set_option(tcp::no_delay(true), ec);
       if (!self->ts_->shared->open_loop) return self->SendNext();
-      if (self->pending_) return self->Send(*self->pending_);
+      if (self->pending_) {
+        const Time due = *self->pending_;
+        self->pending_.reset();
+        return self->Send(due);
+      }
       self->ts_->idle.push_back(self.get());
     });
   }
@@ -114,7 +131,10 @@ class Conn : public std::enable_shared_from_this<Conn> {
   // Sends one request; `start` is when it was due (latency origin).
   void Send(Time start) {
     start_ = start;
-    const std::string& req = ts_->NextRequest();
+    request_ = ts_->NextRequest();
+    const std::string& req = ts_->shared->options->requests[request_];
+    in_flight_ = true;
+    if (LoadProgress* p = ts_->shared->options->progress) p->OnSent();
     asio::async_write(sock_, asio::buffer(req), [self = shared_from_this()](beast::error_code ec, size_t) {
       if (ec) return self->Fail("write: " + ec.message());
       self->parser_.emplace();
@@ -127,6 +147,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
  private:
   void OnResponse(beast::error_code ec) {
     if (ec) return Fail("read: " + ec.message());
+    in_flight_ = false;
     const Time end = Clock::now();
     const Shared& sh = *ts_->shared;
     auto& res = parser_->get();
@@ -134,18 +155,28 @@ class Conn : public std::enable_shared_from_this<Conn> {
     // due in it (all of which is waited for).
     const Time key = sh.open_loop ? start_ : end;
     const bool in_window = key >= sh.window_start && key < sh.window_end;
-    if (res.result() != http::status::ok) {
-      if (in_window) ts_->Error("HTTP " + std::to_string(res.result_int()) + ": " + res.body().substr(0, 200));
+    const bool ok = res.result() == http::status::ok;
+    if (LoadProgress* p = sh.options->progress) {
+      p->OnDone(ok, std::chrono::duration<double, std::milli>(end - start_).count());
+    }
+    if (!ok) {
+      if (in_window) {
+        ts_->Error("HTTP " + std::to_string(res.result_int()) + ": " + res.body().substr(0, 200), res.result_int(),
+                   request_);
+      }
     } else if (in_window) {
-      ++ts_->completed;
+      ts_->Ok(request_);
       ts_->prompt_tokens += PromptTokens(res.body());
       ts_->latencies_ms.push_back(std::chrono::duration<double, std::milli>(end - start_).count());
     }
     const bool keep = res.keep_alive();
     parser_.reset();
     if (!keep) {
+      // The server closes: open a new connection at once (open loop: it
+      // rejoins the idle pool), so a target without keep-alive is not
+      // mistaken for one that is out of connections.
       Close();
-      if (!sh.open_loop) Reconnect();
+      Reconnect(std::chrono::milliseconds(0));
       return;
     }
     if (!sh.open_loop) return SendNext();
@@ -154,10 +185,26 @@ class Conn : public std::enable_shared_from_this<Conn> {
 
   void Fail(const std::string& what) {
     const Shared& sh = *ts_->shared;
-    const Time key = sh.open_loop ? start_ : Clock::now();  // as in OnResponse
-    if (key >= sh.window_start && key < sh.window_end) ts_->Error(what);
+    // A failed connect has no request of its own to count per tag.
+    const bool had_request = in_flight_;
+    in_flight_ = false;
+    const std::optional<Time> pending = pending_;  // open loop: an arrival waiting for this connect
+    pending_.reset();
+    if (had_request && sh.options->progress) sh.options->progress->OnDone(false, 0);
+    // As in OnResponse: the open loop counts by due time, and only failures
+    // that cost an arrival (not the retries of an idle connection).
+    bool count = false;
+    if (!sh.open_loop) {
+      const Time now = Clock::now();
+      count = now >= sh.window_start && now < sh.window_end;
+    } else if (had_request || pending) {
+      const Time due = had_request ? start_ : *pending;
+      count = due >= sh.window_start && due < sh.window_end;
+    }
+    if (count) ts_->Error(what, 0, had_request ? request_ : kNoRequest);
     Close();
-    if (!ts_->shared->open_loop) Reconnect();
+    // Open loop too: a broken connection must not hold a place in the pool.
+    Reconnect(std::chrono::milliseconds(10));
   }
 
   void Close() {
@@ -166,10 +213,11 @@ class Conn : public std::enable_shared_from_this<Conn> {
     sock_.close(ignored);
   }
 
-  // After an error: try again shortly, unless the window is over.
-  void Reconnect() {
+  // After an error or a close: connect again after `delay`, unless the
+  // window is over.
+  void Reconnect(std::chrono::milliseconds delay) {
     if (Clock::now() >= ts_->shared->window_end) return;
-    retry_.expires_after(std::chrono::milliseconds(10));
+    retry_.expires_after(delay);
     retry_.async_wait([self = shared_from_this()](beast::error_code ec) {
       if (ec) return;
       self->sock_ = tcp::socket(self->ts_->io);
@@ -186,6 +234,8 @@ class Conn : public std::enable_shared_from_this<Conn> {
   std::optional<http::response_parser<http::string_body>> parser_;
   std::optional<Time> pending_;
   Time start_{};
+  size_t request_ = 0;      // index of the request in flight
+  bool in_flight_ = false;  // a request was sent and has no answer yet
 };
 
 // Open loop: Poisson arrivals on thread 0 until the window ends.
@@ -238,6 +288,53 @@ class Arrivals {
 
 }  // namespace
 
+namespace {
+// Bucket i holds latencies in [kGrowth^i, kGrowth^(i+1)) microseconds.
+constexpr double kGrowth = 1.01;
+constexpr size_t kBuckets = 2100;  // 1.01^2100 us is about 20 minutes
+const double kLogGrowth = std::log(kGrowth);
+}  // namespace
+
+LoadProgress::LoadProgress() : buckets_(kBuckets, 0) {}
+
+void LoadProgress::OnDone(bool ok, double latency_ms) {
+  const double us = latency_ms * 1000;
+  const size_t i = us <= 1 ? 0 : std::min(kBuckets - 1, static_cast<size_t>(std::log(us) / kLogGrowth));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!ok) {
+    ++errors_;
+    return;
+  }
+  ++completed_;
+  ++buckets_[i];
+}
+
+LoadProgress::Snapshot LoadProgress::Take() const {
+  Snapshot s;
+  s.sent = sent_.load(std::memory_order_relaxed);
+  std::vector<int64_t> buckets;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s.completed = completed_;
+    s.errors = errors_;
+    buckets = buckets_;
+  }
+  if (s.completed == 0) return s;
+  // Nearest rank, reported as the bucket's geometric middle.
+  auto at = [&](double p) {
+    const int64_t rank = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(p / 100.0 * static_cast<double>(s.completed))));
+    int64_t seen = 0;
+    for (size_t i = 0; i < buckets.size(); ++i) {
+      seen += buckets[i];
+      if (seen >= rank) return std::pow(kGrowth, static_cast<double>(i) + 0.5) / 1000;
+    }
+    return std::pow(kGrowth, static_cast<double>(buckets.size())) / 1000;
+  };
+  s.p50_ms = at(50);
+  s.p99_ms = at(99);
+  return s;
+}
+
 double LoadResult::PercentileMs(double p) const {
   if (latencies_ms.empty()) return 0;
   // Nearest rank.
@@ -246,11 +343,13 @@ double LoadResult::PercentileMs(double p) const {
   return latencies_ms[i];
 }
 
-std::string JsonPostRequest(const std::string& host, const std::string& path, const std::string& body) {
+std::string JsonPostRequest(const std::string& host, const std::string& path, const std::string& body,
+                            const std::string& extra_headers) {
   std::string r;
-  r.reserve(body.size() + 160);
+  r.reserve(body.size() + extra_headers.size() + 160);
   r += "POST " + path + " HTTP/1.1\r\nHost: " + host +
-       "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n";
+       "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n" +
+       extra_headers + "\r\n";
   r += body;
   return r;
 }
@@ -259,12 +358,27 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
   if (options.requests.empty()) return InvalidArgument("load: no requests");
   if (options.connections < 1 || options.threads < 1) return InvalidArgument("load: connections and threads must be >= 1");
   if (options.duration_s <= 0 || options.warmup_s < 0) return InvalidArgument("load: bad duration");
+  if (!options.request_tags.empty()) {
+    if (options.request_tags.size() != options.requests.size()) {
+      return InvalidArgument("load: request_tags must have one tag per request");
+    }
+    if (*std::min_element(options.request_tags.begin(), options.request_tags.end()) < 0) {
+      return InvalidArgument("load: request tags must be >= 0");
+    }
+  }
   Shared sh;
   sh.options = &options;
   boost::system::error_code ec;
   const auto addr = asio::ip::make_address(options.host, ec);
-  if (ec) return InvalidArgument("load: host must be an IP address: " + options.host);
-  sh.endpoint = tcp::endpoint(addr, static_cast<unsigned short>(options.port));
+  if (!ec) {
+    sh.endpoint = tcp::endpoint(addr, static_cast<unsigned short>(options.port));
+  } else {
+    asio::io_context io;
+    tcp::resolver resolver(io);
+    auto found = resolver.resolve(options.host, std::to_string(options.port), ec);
+    if (ec || found.empty()) return Unavailable("load: cannot resolve host '" + options.host + "': " + ec.message());
+    sh.endpoint = found.begin()->endpoint();
+  }
   sh.open_loop = options.rate_per_s > 0;
   const int nthreads = sh.open_loop ? 1 : std::min(options.threads, options.connections);
 
@@ -273,6 +387,10 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
     ts.push_back(std::make_unique<ThreadState>());
     ts.back()->shared = &sh;
     ts.back()->next_request = static_cast<size_t>(i) * options.requests.size() / nthreads;
+    if (!options.request_tags.empty()) {
+      const int most = *std::max_element(options.request_tags.begin(), options.request_tags.end());
+      ts.back()->per_tag.resize(static_cast<size_t>(most) + 1);
+    }
   }
   const Time t0 = Clock::now();
   sh.window_start = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options.warmup_s));
@@ -338,11 +456,17 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
     r.prompt_tokens += t->prompt_tokens;
     r.connections_used += static_cast<int>(t->conns.size());
     if (r.first_error.empty()) r.first_error = t->first_error;
+    for (const auto& [status, n] : t->errors_by_status) r.errors_by_status[status] += n;
+    if (r.per_tag.size() < t->per_tag.size()) r.per_tag.resize(t->per_tag.size());
+    for (size_t i = 0; i < t->per_tag.size(); ++i) {
+      r.per_tag[i].completed += t->per_tag[i].completed;
+      r.per_tag[i].errors += t->per_tag[i].errors;
+    }
     r.latencies_ms.insert(r.latencies_ms.end(), t->latencies_ms.begin(), t->latencies_ms.end());
   }
   std::sort(r.latencies_ms.begin(), r.latencies_ms.end());
-  if (r.completed == 0 && r.errors > 0) return Unavailable("load: every request failed; first error: " + r.first_error);
+  if (options.fail_when_all_failed && r.completed == 0 && r.errors > 0) return Unavailable("load: every request failed; first error: " + r.first_error);
   return r;
 }
 
-}  // namespace shoal::bench
+}  // namespace shoal::loadgen

@@ -1,0 +1,167 @@
+// HttpLoad against a real HTTP server in the test: what it sends and what
+// it counts (per tag, per status), in closed and open loop.
+#include "loadgen/http_load.h"
+
+#include <map>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "support/fake_openai_server.h"
+
+namespace shoal::loadgen {
+namespace {
+
+using shoal::testing::FakeOpenAiServer;
+
+// Model "ok" gets 200, "busy" gets 429, "broken" gets 500.
+FakeOpenAiServer::Reply Answer(const FakeOpenAiServer::Request& r) {
+  const std::string model = nlohmann::json::parse(r.body).value("model", "");
+  if (model == "busy") return {429, R"({"error":{"message":"queue full"}})"};
+  if (model == "broken") return {500, R"({"error":{"message":"boom"}})"};
+  return FakeOpenAiServer::Embeddings(r.body);
+}
+
+LoadOptions Options(int port) {
+  LoadOptions o;
+  o.port = port;
+  const char* models[] = {"ok", "busy", "ok", "broken"};
+  for (int i = 0; i < 4; ++i) {
+    o.requests.push_back(JsonPostRequest("127.0.0.1", "/v1/embeddings",
+                                         nlohmann::json({{"model", models[i]}, {"input", {"a b c"}}}).dump(),
+                                         "Authorization: Bearer t0k\r\n"));
+  }
+  o.request_tags = {0, 1, 0, 2};
+  o.warmup_s = 0.1;
+  o.duration_s = 0.4;
+  o.fail_when_all_failed = false;
+  return o;
+}
+
+void ExpectConsistent(const LoadResult& r) {
+  ASSERT_EQ(r.per_tag.size(), 3u);
+  EXPECT_GT(r.completed, 0);
+  EXPECT_EQ(r.per_tag[0].completed, r.completed);
+  EXPECT_EQ(r.per_tag[0].errors, 0);
+  EXPECT_EQ(r.per_tag[1].completed, 0);
+  EXPECT_EQ(r.per_tag[2].completed, 0);
+  EXPECT_EQ(r.errors_by_status.count(0), 0u) << r.first_error;
+  EXPECT_EQ(r.per_tag[1].errors, r.errors_by_status.at(429));
+  EXPECT_EQ(r.per_tag[2].errors, r.errors_by_status.at(500));
+  EXPECT_EQ(r.errors, r.errors_by_status.at(429) + r.errors_by_status.at(500));
+  EXPECT_EQ(r.prompt_tokens, 3 * r.completed);
+  EXPECT_EQ(static_cast<int64_t>(r.latencies_ms.size()), r.completed);
+}
+
+TEST(HttpLoad, ClosedLoopCountsWhatTheServerAnswered) {
+  FakeOpenAiServer server(Answer);
+  LoadOptions o = Options(server.port());
+  o.connections = 2;
+  LoadProgress progress;
+  o.progress = &progress;
+  auto r = RunLoad(o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ExpectConsistent(*r);
+  // Every request the server saw was answered and counted by the progress.
+  const auto seen = server.requests();
+  const auto snap = progress.Take();
+  EXPECT_EQ(snap.sent, static_cast<int64_t>(seen.size()));
+  EXPECT_EQ(snap.completed + snap.errors, snap.sent);
+  EXPECT_GE(snap.completed, r->completed);
+  std::map<std::string, int> per_model;
+  for (const auto& req : seen) {
+    EXPECT_EQ(req.method, "POST");
+    EXPECT_EQ(req.target, "/v1/embeddings");
+    EXPECT_EQ(req.authorization, "Bearer t0k");
+    ++per_model[nlohmann::json::parse(req.body)["model"]];
+  }
+  // Two connections on one thread go through the list in turn: "ok" is half.
+  EXPECT_NEAR(per_model["ok"], static_cast<double>(seen.size()) / 2, 2.0);
+  EXPECT_EQ(snap.completed, per_model["ok"]);
+}
+
+TEST(HttpLoad, OpenLoopAccountsForEveryArrival) {
+  FakeOpenAiServer server(Answer);
+  LoadOptions o = Options(server.port());
+  o.rate_per_s = 400;
+  o.connections = 2;
+  auto r = RunLoad(o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ExpectConsistent(*r);
+  EXPECT_EQ(r->dropped, 0);
+  EXPECT_EQ(r->completed + r->errors, r->due);
+}
+
+TEST(HttpLoad, ServersThatCloseEveryConnectionKeepTheirPlaceInThePool) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
+    FakeOpenAiServer::Reply reply = FakeOpenAiServer::Embeddings(r.body);
+    reply.close = true;
+    return reply;
+  });
+  for (double rate : {0.0, 100.0}) {
+    LoadOptions o = Options(server.port());
+    o.request_tags.clear();
+    o.requests = {o.requests[0]};
+    o.rate_per_s = rate;
+    o.connections = 2;
+    o.max_connections = 8;
+    o.duration_s = 0.5;
+    auto r = RunLoad(o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->errors, 0) << r->first_error;
+    // Each connection carries one request; more answers than connections
+    // means closed ones were replaced.
+    EXPECT_GT(r->completed, o.max_connections) << "rate " << rate;
+    if (rate > 0) {
+      EXPECT_EQ(r->completed + r->dropped, r->due);
+    }
+  }
+}
+
+TEST(HttpLoad, AllFailedIsAnErrorOnlyWhenAsked) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request&) {
+    return FakeOpenAiServer::Reply{503, R"({"error":{"message":"loading"}})"};
+  });
+  LoadOptions o = Options(server.port());
+  o.request_tags.clear();
+  o.connections = 1;
+  o.duration_s = 0.2;
+  auto counted = RunLoad(o);
+  ASSERT_TRUE(counted.ok());
+  EXPECT_EQ(counted->completed, 0);
+  EXPECT_GT(counted->errors_by_status.at(503), 0);
+  EXPECT_TRUE(counted->per_tag.empty());
+  o.fail_when_all_failed = true;
+  EXPECT_EQ(RunLoad(o).status().code(), StatusCode::kUnavailable);
+}
+
+TEST(HttpLoad, RejectsMismatchedTagsAndUnknownHosts) {
+  LoadOptions o = Options(1);
+  o.request_tags.pop_back();
+  EXPECT_EQ(RunLoad(o).status().code(), StatusCode::kInvalidArgument);
+  o = Options(1);
+  o.host = "no-such-host.invalid";
+  EXPECT_EQ(RunLoad(o).status().code(), StatusCode::kUnavailable);
+}
+
+TEST(HttpLoad, ProgressPercentiles) {
+  LoadProgress p;
+  for (int i = 1; i <= 100; ++i) {
+    p.OnSent();
+    p.OnDone(true, i);
+  }
+  p.OnSent();
+  p.OnDone(false, 0);
+  const auto s = p.Take();
+  EXPECT_EQ(s.sent, 101);
+  EXPECT_EQ(s.completed, 100);
+  EXPECT_EQ(s.errors, 1);
+  // Histogram buckets are 1% wide.
+  EXPECT_NEAR(s.p50_ms, 50, 0.5);
+  EXPECT_NEAR(s.p99_ms, 99, 1.0);
+  EXPECT_EQ(LoadProgress().Take().p99_ms, 0);
+}
+
+}  // namespace
+}  // namespace shoal::loadgen
