@@ -203,6 +203,7 @@ Result<std::unique_ptr<BlobStore>> OpenBlobStore(std::string_view url, NatsClien
       else if (k == "max_bytes") o.max_bytes = static_cast<int64_t>(*n);
       else if (k == "replicas") o.replicas = static_cast<int>(*n);
       else if (k == "direct_reads") o.direct_reads = *n != 0;
+      else if (k == "stream_read_min_chunks") o.stream_read_min_chunks = static_cast<int>(*n);
       else return InvalidArgument("unknown NATS blob store option " + k);
     }
     ASSIGN_OR_RETURN(auto store, NatsObjectStore::Open(*nats, o));

@@ -109,7 +109,8 @@ class BlobStore {
 // Opens a store by URL:
 //   file:///abs/dir[?id=<store id>]   a local directory (created if missing);
 //                                     the id (default "local") names it in refs
-//   nats://[<bucket>][?chunk_bytes=N&max_age_ms=N&replicas=N&max_bytes=N&direct_reads=0|1]
+//   nats://[<bucket>][?chunk_bytes=N&max_age_ms=N&replicas=N&max_bytes=N&direct_reads=0|1
+//                                     &stream_read_min_chunks=N]
 //   nats-os://<bucket>[?...]          the NATS object store on `nats`
 //                                     (default bucket SHOAL_BLOBS; the bucket
 //                                     is created when missing)

@@ -139,7 +139,11 @@ class BlobStoreTest : public ::testing::TestWithParam<std::string> {
       NatsObjectStoreOptions so;
       so.bucket = "TEST_BLOBS";
       so.clock = &clock_;
-      so.direct_reads = GetParam() != "nats_leader_reads";
+      if (GetParam() == "nats_leader_reads") {
+        // Every read at the leader, chunk by chunk (no consumer).
+        so.direct_reads = false;
+        so.stream_read_min_chunks = 1 << 30;
+      }
       auto s = NatsObjectStore::Open(*client_, so);
       ASSERT_TRUE(s.ok()) << s.status().ToString();
       nats_ = s->get();
@@ -444,17 +448,38 @@ TEST_F(NatsObjectStoreTest, WritesTheObjectStoreLayout) {
 }
 
 TEST_F(NatsObjectStoreTest, MissingChunksAreCorrupt) {
-  auto store = Open();
-  ASSERT_TRUE(store);
-  auto ref = store->Put(RandomBytes(kChunk * 3), "partial");
-  ASSERT_TRUE(ref.ok());
-  jsOptions o;
-  jsOptions_Init(&o);
-  const std::string filter = "$O.SHOAL_BLOBS.C.>";
-  o.Stream.Purge.Subject = filter.c_str();
-  ASSERT_EQ(js_PurgeStream(client_->js(), "OBJ_SHOAL_BLOBS", &o, nullptr), NATS_OK);
-  auto got = store->Get(*ref);
-  EXPECT_EQ(got.status().reason(), kBlobCorrupt) << got.status().ToString();
+  // Both read paths: the ordered consumer and chunk-by-chunk direct gets.
+  for (int min_chunks : {2, 1 << 30}) {
+    SCOPED_TRACE(min_chunks);
+    NatsObjectStoreOptions o;
+    o.stream_read_min_chunks = min_chunks;
+    auto store = Open(o);
+    ASSERT_TRUE(store);
+    auto whole = store->Put(RandomBytes(kChunk * 3), "whole");
+    auto partial = store->Put(RandomBytes(kChunk * 3), "partial");
+    ASSERT_TRUE(whole.ok() && partial.ok());
+    // Drop the last chunk of "partial" only.
+    natsMsg* m = nullptr;
+    ASSERT_EQ(js_GetLastMsg(&m, client_->js(), "OBJ_SHOAL_BLOBS", store->MetaSubject("partial").c_str(), nullptr,
+                            nullptr),
+              NATS_OK);
+    auto pj = nlohmann::json::parse(std::string(natsMsg_GetData(m), natsMsg_GetDataLength(m)));
+    natsMsg_Destroy(m);
+    const std::string subject = store->ChunkSubject(pj["nuid"]);
+    natsMsg* last = nullptr;
+    ASSERT_EQ(js_GetLastMsg(&last, client_->js(), "OBJ_SHOAL_BLOBS", subject.c_str(), nullptr, nullptr), NATS_OK);
+    const uint64_t seq = natsMsg_GetSequence(last);
+    natsMsg_Destroy(last);
+    ASSERT_EQ(js_DeleteMsg(client_->js(), "OBJ_SHOAL_BLOBS", seq, nullptr, nullptr), NATS_OK);
+    EXPECT_EQ(store->Get(*partial).status().reason(), kBlobCorrupt) << store->Get(*partial).status().ToString();
+    EXPECT_TRUE(store->Get(*whole).ok());
+    // All chunks gone.
+    jsOptions po;
+    jsOptions_Init(&po);
+    po.Stream.Purge.Subject = subject.c_str();
+    ASSERT_EQ(js_PurgeStream(client_->js(), "OBJ_SHOAL_BLOBS", &po, nullptr), NATS_OK);
+    EXPECT_EQ(store->Get(*partial).status().reason(), kBlobCorrupt);
+  }
 }
 
 TEST_F(NatsObjectStoreTest, SweepRemovesOrphanChunks) {

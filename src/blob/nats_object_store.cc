@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <vector>
@@ -104,6 +105,7 @@ Status NatsObjectStoreOptions::Validate() const {
   if (max_age_ms < 0) return InvalidArgument("object store max_age_ms must be >= 0");
   if (replicas < 1 || replicas > 5) return InvalidArgument("object store replicas must be in [1, 5]");
   if (max_pending_chunks < 1) return InvalidArgument("object store max_pending_chunks must be >= 1");
+  if (stream_read_min_chunks < 0) return InvalidArgument("object store stream_read_min_chunks must be >= 0");
   return Status::Ok();
 }
 
@@ -393,20 +395,7 @@ Status NatsObjectStore::GetTo(const BlobRef& ref, const BlobSink& sink) {
   const std::string subject = ChunkSubject(meta.nuid);
   blob_internal::Sha256 sha;
   uint64_t got = 0;
-  uint64_t next_seq = 1;
-  // Sequential gets of "the next message on the chunk subject from seq":
-  // no consumer to create or clean up, in order, and a missing chunk is an
-  // immediate 404 rather than a timeout.
-  for (uint64_t i = 0; i < meta.chunks; ++i) {
-    auto chunk = GetMsg(subject, next_seq, /*next=*/true);
-    if (chunk.status().code() == StatusCode::kNotFound) {
-      return Internal("blob " + ref.name + " is corrupt: chunk " + std::to_string(i + 1) + " of " +
-                          std::to_string(meta.chunks) + " is missing",
-                      kBlobCorrupt);
-    }
-    if (!chunk.ok()) return chunk.status();
-    next_seq = chunk->seq + 1;
-    std::string_view piece = chunk->data();
+  auto consume = [&](std::string_view piece) -> Status {
     got += piece.size();
     if (got > ref.size) {
       return Internal("blob " + ref.name + " is corrupt: its chunks hold more than " + std::to_string(ref.size) +
@@ -414,11 +403,68 @@ Status NatsObjectStore::GetTo(const BlobRef& ref, const BlobSink& sink) {
                       kBlobCorrupt);
     }
     sha.Update(piece);
-    RETURN_IF_ERROR(sink(piece));
+    return sink(piece);
+  };
+  auto missing = [&](uint64_t present) {
+    return Internal("blob " + ref.name + " is corrupt: " + std::to_string(present) + " of its " +
+                        std::to_string(meta.chunks) + " chunks are present",
+                    kBlobCorrupt);
+  };
+  if (meta.chunks >= static_cast<uint64_t>(options_.stream_read_min_chunks)) {
+    RETURN_IF_ERROR(ReadChunksStreamed(subject, meta.chunks, consume, missing));
+  } else {
+    // Sequential gets of "the next message on the chunk subject from seq":
+    // no consumer to set up, and a missing chunk is an immediate 404.
+    uint64_t next_seq = 1;
+    for (uint64_t i = 0; i < meta.chunks; ++i) {
+      auto chunk = GetMsg(subject, next_seq, /*next=*/true);
+      if (chunk.status().code() == StatusCode::kNotFound) return missing(i);
+      if (!chunk.ok()) return chunk.status();
+      next_seq = chunk->seq + 1;
+      RETURN_IF_ERROR(consume(chunk->data()));
+    }
   }
   if (got != ref.size || sha.Final() != ref.sha256) {
     return Internal("blob " + ref.name + " is corrupt: the SHA-256 or size of its chunks does not match",
                     kBlobCorrupt);
+  }
+  return Status::Ok();
+}
+
+Status NatsObjectStore::ReadChunksStreamed(const std::string& subject, uint64_t chunks,
+                                           const std::function<Status(std::string_view)>& consume,
+                                           const std::function<Status(uint64_t)>& missing) {
+  // An ordered consumer: an ephemeral push consumer, flow-controlled, that
+  // nats.c recreates on a gap; served by the stream leader. The server
+  // pushes chunks without a round trip each.
+  jsSubOptions so;
+  jsSubOptions_Init(&so);
+  so.Stream = stream_.c_str();
+  so.Ordered = true;
+  natsSubscription* raw_sub = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  natsStatus s = js_SubscribeSync(&raw_sub, client_.js(), subject.c_str(), nullptr, &so, &jerr);
+  if (s != NATS_OK) return FromNats(s, "subscribe " + subject, jerr);
+  NatsSubscriptionPtr sub(raw_sub);  // unsubscribing deletes the consumer
+  natsSubscription_SetPendingLimits(raw_sub, -1, -1);
+  // How many chunks exist, so a missing one is an error now, not a timeout.
+  jsConsumerInfo* ci = nullptr;
+  s = natsSubscription_GetConsumerInfo(&ci, raw_sub, nullptr, &jerr);
+  if (s != NATS_OK) return FromNats(s, "consumer info " + subject, jerr);
+  const uint64_t present = ci->Delivered.Consumer + ci->NumPending;
+  jsConsumerInfo_Destroy(ci);
+  if (present < chunks) return missing(present);
+  const int64_t timeout_ms = client_.options().js_api_timeout_ms;
+  for (uint64_t i = 0; i < chunks; ++i) {
+    natsMsg* raw = nullptr;
+    s = natsSubscription_NextMsg(&raw, raw_sub, timeout_ms);
+    if (s == NATS_TIMEOUT) {
+      return DeadlineExceeded("chunk " + std::to_string(i + 1) + " of " + subject + " did not arrive within " +
+                              std::to_string(timeout_ms) + " ms");
+    }
+    if (s != NATS_OK) return FromNats(s, "read " + subject);
+    NatsMsgPtr msg(raw);
+    RETURN_IF_ERROR(consume(std::string_view(natsMsg_GetData(raw), static_cast<size_t>(natsMsg_GetDataLength(raw)))));
   }
   return Status::Ok();
 }

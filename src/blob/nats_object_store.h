@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -28,6 +29,11 @@ struct NatsObjectStoreOptions {
   // spreads load). A miss is retried at the stream leader, since a replica
   // can trail a write by moments. false: every read asks the leader.
   bool direct_reads = true;
+  // Objects of at least this many chunks are read through an ordered
+  // consumer (pushed by the stream leader, flow-controlled; ~3x the
+  // throughput of one direct get per chunk on big objects); smaller ones by
+  // direct gets (no consumer to set up). 0: always the consumer.
+  int stream_read_min_chunks = 2;
   // Async chunk publishes in flight per Put.
   int max_pending_chunks = 32;
   const Clock* clock = nullptr;  // null: the system clock
@@ -60,6 +66,10 @@ class NatsObjectStore final : public BlobStore {
   // on `subject`. NotFound when there is none.
   Result<StoredMsg> GetMsg(const std::string& subject, uint64_t seq, bool next);
   Result<StoredMsg> GetMsgFromLeader(const std::string& subject, uint64_t seq, bool next);
+  // Feeds the `chunks` chunks on `subject` to `consume` in order.
+  Status ReadChunksStreamed(const std::string& subject, uint64_t chunks,
+                            const std::function<Status(std::string_view)>& consume,
+                            const std::function<Status(uint64_t present)>& missing);
   NatsObjectStore(NatsClient& client, NatsObjectStoreOptions options);
   Result<Meta> ReadMeta(const std::string& name);
   Status PublishMeta(const Meta& meta);
