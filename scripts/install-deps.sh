@@ -10,6 +10,7 @@ PACKAGES=(
   libboost-dev
   libtorch-dev libopenblas0-openmp python3-torch python3-numpy python3-msgpack
   nlohmann-json3-dev
+  libssl-dev
   libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   wrk

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets Shoal up (see setup.sh) and runs the whole test suite: unit,
 # integration (real nats-server), end-to-end (built binaries over HTTP) and
-# the official OpenAI SDK against `shoal serve`.
+# the official OpenAI SDK against `shoal serve`, and object-store interop with
+# the official nats Node.js client.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -15,5 +16,8 @@ if [ -f tests/js/package.json ]; then
   npm ci --prefix tests/js --no-audit --no-fund --loglevel=error
   SHOAL_BIN="$(pwd)/${BUILD_DIR}/src/cli/shoal" SHOAL_MODELS_DIR="$(pwd)/models" \
     node --test tests/js/openai_sdk_test.mjs
+  echo "test: NATS object store interop with the nats Node.js client"
+  SHOAL_BLOB_TOOL="$(pwd)/${BUILD_DIR}/tests/shoal_blob_tool" \
+    node --test tests/js/objstore_interop_test.mjs
 fi
 echo "test: all passed"

@@ -1,0 +1,557 @@
+// Blob stores: the same behaviour suite over the local directory store and
+// the NATS object store (against a real nats-server -js), plus reference
+// parsing, the object-store layout, tampering and orphan clean-up.
+#include "blob/blob_store.h"
+
+#include <nats/nats.h>
+#include <sys/stat.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "blob/internal/codec.h"
+#include "blob/local_dir_blob_store.h"
+#include "blob/nats_object_store.h"
+#include "common/clock.h"
+#include "queue/nats_client.h"
+#include "support/test_env.h"
+
+namespace shoal {
+namespace {
+
+std::string RandomBytes(size_t n, uint32_t seed = 7) {
+  std::mt19937 rng(seed);
+  std::string s(n, '\0');
+  for (auto& c : s) c = static_cast<char>(rng() & 0xff);
+  return s;
+}
+
+#define EXPECT_STATUS(expr, code_, reason_)                                   \
+  do {                                                                        \
+    const ::shoal::Status _st = (expr);                                       \
+    EXPECT_EQ(_st.code(), (code_)) << _st.ToString();                         \
+    EXPECT_EQ(_st.ReasonOrDefault(), std::string(reason_)) << _st.ToString(); \
+  } while (0)
+
+constexpr int64_t kChunk = 128 * 1024;
+
+// ----- References ---------------------------------------------------------------
+
+TEST(BlobRef, RoundTripsThroughText) {
+  BlobRef ref;
+  ref.scheme = "nats-os";
+  ref.store = "SHOAL_BLOBS";
+  ref.name = "req-1.payload";
+  ref.size = 1048579;
+  ref.sha256 = blob_internal::Sha256Of("abc");
+  const std::string text = ref.ToString();
+  EXPECT_EQ(text,
+            "nats-os://SHOAL_BLOBS/req-1.payload?size=1048579&sha256="
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  auto parsed = ParseBlobRef(text);
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_EQ(*parsed, ref);
+}
+
+TEST(BlobRef, RejectsBadReferences) {
+  const std::string digest = blob_internal::HexEncode(blob_internal::Sha256Of(""));
+  const std::string ok_tail = "?size=0&sha256=" + digest;
+  for (const std::string& bad : std::vector<std::string>{
+           "s3x://bucket/name" + ok_tail,           // unknown scheme
+           "no-scheme" + ok_tail,
+           "file://local/../etc/passwd" + ok_tail,  // traversal
+           "file://local/..%2fetc" + ok_tail,
+           "file://local/a/b" + ok_tail,            // no sub-directories
+           "file://local/.hidden" + ok_tail,
+           "file://local/" + ok_tail,               // empty name
+           "file://../x" + ok_tail,                 // bad store id
+           std::string("file://local/x"),           // no size, no digest
+           "file://local/x?size=1",
+           "file://local/x?size=-1&sha256=" + digest,
+           "file://local/x?size=1&sha256=abc",
+           "file://local/x?size=1&sha256=" + std::string(64, 'z'),
+       }) {
+    auto r = ParseBlobRef(bad);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_EQ(r.status().reason(), kBlobRefInvalid) << bad;
+  }
+}
+
+TEST(BlobCodec, Base64AndTimes) {
+  using namespace blob_internal;
+  EXPECT_EQ(Base64UrlEncode("name", true), "bmFtZQ==");
+  EXPECT_EQ(Base64UrlEncode("\xfb\xff", true), "-_8=");
+  EXPECT_EQ(Base64UrlEncode("\xfb\xff", false), "-_8");
+  EXPECT_EQ(Base64Decode("-_8=").value(), "\xfb\xff");
+  EXPECT_EQ(Base64Decode("+/8").value(), "\xfb\xff");
+  EXPECT_FALSE(Base64Decode("a").has_value());
+  EXPECT_EQ(FormatRfc3339Ms(1700000000123), "2023-11-14T22:13:20.123Z");
+  EXPECT_EQ(ParseRfc3339Ms("2023-11-14T22:13:20.123Z").value(), 1700000000123);
+  EXPECT_EQ(ParseRfc3339Ms("2023-11-14T22:13:20.123456789Z").value(), 1700000000123);
+  EXPECT_EQ(ParseRfc3339Ms("2023-11-14T23:13:20+01:00").value(), 1700000000000);
+  EXPECT_FALSE(ParseRfc3339Ms("yesterday").has_value());
+}
+
+TEST(OpenBlobStore, ChoosesTheStoreByUrl) {
+  testing::TempDir dir;
+  auto file = OpenBlobStore("file://" + dir.path() + "/blobs?id=box1", nullptr);
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  EXPECT_EQ((*file)->scheme(), "file");
+  EXPECT_EQ((*file)->store_id(), "box1");
+  EXPECT_EQ(OpenBlobStore("ftp://x/y", nullptr).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(OpenBlobStore("file://relative/dir", nullptr).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(OpenBlobStore("nats://", nullptr).status().code(), StatusCode::kInvalidArgument);
+
+  testing::TestNatsServer server;
+  NatsOptions o;
+  o.url = server.url();
+  auto client = NatsClient::Connect(o);
+  ASSERT_TRUE(client.ok());
+  auto def = OpenBlobStore("nats://", client->get());
+  ASSERT_TRUE(def.ok()) << def.status().ToString();
+  EXPECT_EQ((*def)->scheme(), "nats-os");
+  EXPECT_EQ((*def)->store_id(), "SHOAL_BLOBS");
+  auto named = OpenBlobStore("nats-os://MINE?chunk_bytes=4096&max_age_ms=60000", client->get());
+  ASSERT_TRUE(named.ok()) << named.status().ToString();
+  EXPECT_EQ((*named)->store_id(), "MINE");
+  EXPECT_EQ(OpenBlobStore("nats://bad.bucket", client->get()).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(OpenBlobStore("nats://B?color=red", client->get()).status().code(), StatusCode::kInvalidArgument);
+}
+
+// ----- The suite both stores pass -------------------------------------------------
+
+class BlobStoreTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (GetParam() != "file") {
+      server_ = std::make_unique<testing::TestNatsServer>();
+      NatsOptions o;
+      o.url = server_->url();
+      auto c = NatsClient::Connect(o);
+      ASSERT_TRUE(c.ok()) << c.status().ToString();
+      client_ = std::move(c).value();
+      NatsObjectStoreOptions so;
+      so.bucket = "TEST_BLOBS";
+      so.clock = &clock_;
+      if (GetParam() == "nats_leader_reads") {
+        // Every read at the leader, chunk by chunk (no consumer).
+        so.direct_reads = false;
+        so.stream_read_min_chunks = 1 << 30;
+      }
+      auto s = NatsObjectStore::Open(*client_, so);
+      ASSERT_TRUE(s.ok()) << s.status().ToString();
+      nats_ = s->get();
+      store_ = std::move(s).value();
+    } else {
+      LocalDirBlobStoreOptions lo;
+      lo.dir = dir_.path() + "/blobs";
+      lo.clock = &clock_;
+      auto s = LocalDirBlobStore::Create(lo);
+      ASSERT_TRUE(s.ok()) << s.status().ToString();
+      local_ = s->get();
+      store_ = std::move(s).value();
+    }
+  }
+
+  // Replaces the stored bytes of `ref` by others of the same length,
+  // leaving the store's own metadata alone.
+  void TamperBytes(const BlobRef& ref) {
+    std::string other = RandomBytes(ref.size, 99);
+    if (local_) {
+      std::ofstream f(local_->PathOf(ref.name), std::ios::binary | std::ios::trunc);
+      f << other;
+      return;
+    }
+    auto meta = LastMeta(ref.name);
+    const std::string subject = nats_->ChunkSubject(meta["nuid"]);
+    jsOptions o;
+    jsOptions_Init(&o);
+    o.Stream.Purge.Subject = subject.c_str();
+    ASSERT_EQ(js_PurgeStream(client_->js(), nats_->stream_name().c_str(), &o, nullptr), NATS_OK);
+    for (size_t off = 0; off < other.size(); off += kChunk) {
+      const size_t n = std::min<size_t>(kChunk, other.size() - off);
+      ASSERT_EQ(js_Publish(nullptr, client_->js(), subject.c_str(), other.data() + off, static_cast<int>(n),
+                           nullptr, nullptr),
+                NATS_OK);
+    }
+  }
+
+  nlohmann::json LastMeta(const std::string& name) {
+    const std::string subject = nats_->MetaSubject(name);
+    natsMsg* m = nullptr;
+    EXPECT_EQ(js_GetLastMsg(&m, client_->js(), nats_->stream_name().c_str(), subject.c_str(), nullptr, nullptr),
+              NATS_OK);
+    if (m == nullptr) return {};
+    NatsMsgPtr owned(m);
+    return nlohmann::json::parse(std::string(natsMsg_GetData(m), natsMsg_GetDataLength(m)));
+  }
+
+  testing::TempDir dir_;
+  FakeClock clock_;
+  std::unique_ptr<testing::TestNatsServer> server_;
+  std::unique_ptr<NatsClient> client_;
+  std::unique_ptr<BlobStore> store_;
+  NatsObjectStore* nats_ = nullptr;
+  LocalDirBlobStore* local_ = nullptr;
+};
+
+TEST_P(BlobStoreTest, RoundTripsEverySize) {
+  for (size_t size : {size_t{0}, size_t{1}, size_t(kChunk), size_t(kChunk + 1), size_t{5} << 20}) {
+    SCOPED_TRACE(size);
+    const std::string data = RandomBytes(size, static_cast<uint32_t>(size));
+    auto ref = store_->Put(data);
+    ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+    EXPECT_EQ(ref->scheme, store_->scheme());
+    EXPECT_EQ(ref->store, store_->store_id());
+    EXPECT_EQ(ref->size, size);
+    EXPECT_EQ(ref->sha256, blob_internal::Sha256Of(data));
+    // What travels in a message is the text form.
+    auto parsed = ParseBlobRef(ref->ToString());
+    ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+    auto got = store_->Get(*parsed);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_TRUE(*got == data);
+    auto stat = store_->Stat(ref->name);
+    ASSERT_TRUE(stat.ok()) << stat.status().ToString();
+    EXPECT_EQ(*stat, *ref);
+  }
+}
+
+TEST_P(BlobStoreTest, StreamsFromASourceAndToASink) {
+  const std::string data = RandomBytes((1 << 20) + 3);
+  size_t offset = 0;
+  // Odd piece sizes: chunking must not depend on how the source slices.
+  BlobSource source = [&](char* buf, size_t cap) -> Result<size_t> {
+    size_t n = std::min({cap, size_t{7777}, data.size() - offset});
+    std::memcpy(buf, data.data() + offset, n);
+    offset += n;
+    return n;
+  };
+  auto ref = store_->PutFrom(source, "streamed.bin");
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  EXPECT_EQ(ref->name, "streamed.bin");
+  std::string out;
+  size_t pieces = 0;
+  ASSERT_TRUE(store_->GetTo(*ref, [&](std::string_view p) {
+                      out.append(p);
+                      ++pieces;
+                      return Status::Ok();
+                    }).ok());
+  EXPECT_TRUE(out == data);
+  EXPECT_GT(pieces, 1u);
+}
+
+TEST_P(BlobStoreTest, AFailingSourceLeavesNothing) {
+  int calls = 0;
+  BlobSource source = [&](char* buf, size_t cap) -> Result<size_t> {
+    if (++calls > 3) return Unavailable("client went away");
+    std::memset(buf, 'x', cap);
+    return cap;
+  };
+  auto ref = store_->PutFrom(source, "broken");
+  EXPECT_EQ(ref.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(store_->Stat("broken").status().reason(), kBlobNotFound);
+  if (local_) {
+    size_t files = 0;
+    for (auto& e : std::filesystem::directory_iterator(dir_.path() + "/blobs")) {
+      (void)e;
+      ++files;
+    }
+    EXPECT_EQ(files, 0u);
+  } else {
+    auto counts = GetSubjectCounts(*client_, nats_->stream_name(), "$O.TEST_BLOBS.>");
+    ASSERT_TRUE(counts.ok());
+    EXPECT_TRUE(counts->empty());
+  }
+}
+
+TEST_P(BlobStoreTest, MissingBlobIsNotFound) {
+  BlobRef ref;
+  ref.scheme = std::string(store_->scheme());
+  ref.store = store_->store_id();
+  ref.name = "never-written";
+  ref.size = 3;
+  ref.sha256 = blob_internal::Sha256Of("abc");
+  EXPECT_STATUS(store_->Get(ref).status(), StatusCode::kNotFound, kBlobNotFound);
+  EXPECT_STATUS(store_->Stat("never-written").status(), StatusCode::kNotFound, kBlobNotFound);
+}
+
+TEST_P(BlobStoreTest, DeleteThenGetIsNotFound) {
+  auto ref = store_->Put("payload");
+  ASSERT_TRUE(ref.ok());
+  ASSERT_TRUE(store_->Delete(ref->name).ok());
+  EXPECT_STATUS(store_->Get(*ref).status(), StatusCode::kNotFound, kBlobNotFound);
+  EXPECT_TRUE(store_->Delete(ref->name).ok());  // idempotent
+  EXPECT_TRUE(store_->Delete("never-written").ok());
+}
+
+TEST_P(BlobStoreTest, TamperedBytesAreCorrupt) {
+  const std::string data = RandomBytes(3 * kChunk + 5);
+  auto ref = store_->Put(data, "victim");
+  ASSERT_TRUE(ref.ok());
+  TamperBytes(*ref);
+  EXPECT_STATUS(store_->Get(*ref).status(), StatusCode::kInternal, kBlobCorrupt);
+}
+
+TEST_P(BlobStoreTest, AReferenceWithAnotherDigestIsCorrupt) {
+  auto ref = store_->Put("the real bytes");
+  ASSERT_TRUE(ref.ok());
+  BlobRef forged = *ref;
+  forged.sha256[0] ^= 1;
+  EXPECT_STATUS(store_->Get(forged).status(), StatusCode::kInternal, kBlobCorrupt);
+  forged = *ref;
+  forged.size += 1;
+  EXPECT_STATUS(store_->Get(forged).status(), StatusCode::kInternal, kBlobCorrupt);
+}
+
+TEST_P(BlobStoreTest, ReplacingANameInvalidatesOldReferences) {
+  auto first = store_->Put("first version", "doc");
+  auto second = store_->Put("second, longer version", "doc");
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_EQ(store_->Get(*second).value(), "second, longer version");
+  EXPECT_STATUS(store_->Get(*first).status(), StatusCode::kInternal, kBlobCorrupt);
+}
+
+TEST_P(BlobStoreTest, RefusesForeignReferencesAndBadNames) {
+  auto ref = store_->Put("x");
+  ASSERT_TRUE(ref.ok());
+  BlobRef other = *ref;
+  other.scheme = GetParam() == "file" ? "nats-os" : "file";
+  EXPECT_STATUS(store_->Get(other).status(), StatusCode::kInvalidArgument, kBlobStoreMismatch);
+  other = *ref;
+  other.store = "elsewhere";
+  EXPECT_STATUS(store_->Get(other).status(), StatusCode::kInvalidArgument, kBlobStoreMismatch);
+  other = *ref;
+  other.name = "../../etc/passwd";
+  EXPECT_STATUS(store_->Get(other).status(), StatusCode::kInvalidArgument, kBlobRefInvalid);
+  EXPECT_STATUS(store_->Put("x", "../escape").status(), StatusCode::kInvalidArgument, kBlobRefInvalid);
+  EXPECT_STATUS(store_->Put("x", "a/b").status(), StatusCode::kInvalidArgument, kBlobRefInvalid);
+  EXPECT_STATUS(store_->Delete(".."), StatusCode::kInvalidArgument, kBlobRefInvalid);
+}
+
+TEST_P(BlobStoreTest, SweepRemovesOldBlobsOnly) {
+  auto old_ref = store_->Put(RandomBytes(2 * kChunk), "old");
+  ASSERT_TRUE(old_ref.ok());
+  clock_.AdvanceUs(int64_t{10} * 1000 * 1000);
+  auto fresh_ref = store_->Put("fresh", "fresh");
+  ASSERT_TRUE(fresh_ref.ok());
+  auto removed = store_->Sweep(5000);
+  ASSERT_TRUE(removed.ok()) << removed.status().ToString();
+  EXPECT_EQ(*removed, 1u);
+  EXPECT_STATUS(store_->Get(*old_ref).status(), StatusCode::kNotFound, kBlobNotFound);
+  EXPECT_EQ(store_->Get(*fresh_ref).value(), "fresh");
+  EXPECT_EQ(store_->Sweep(5000).value(), 0u);
+  clock_.AdvanceUs(int64_t{10} * 1000 * 1000);
+  EXPECT_EQ(store_->Sweep(5000).value(), 1u);
+  EXPECT_STATUS(store_->Get(*fresh_ref).status(), StatusCode::kNotFound, kBlobNotFound);
+}
+
+TEST_P(BlobStoreTest, ConcurrentPutsAndGets) {
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 5; ++i) {
+        const std::string data = RandomBytes(kChunk * 2 + static_cast<size_t>(t * 100 + i), t * 10 + i);
+        auto ref = store_->Put(data);
+        if (!ref.ok() || store_->Get(*ref).value() != data || !store_->Delete(ref->name).ok()) ++failures;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Stores, BlobStoreTest, ::testing::Values("file", "nats", "nats_leader_reads"),
+                         [](const auto& info) { return info.param; });
+
+// ----- Store-specific ---------------------------------------------------------------
+
+class NatsObjectStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    NatsOptions o;
+    o.url = server_.url();
+    auto c = NatsClient::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    client_ = std::move(c).value();
+  }
+  std::unique_ptr<NatsObjectStore> Open(NatsObjectStoreOptions o = {}) {
+    auto s = NatsObjectStore::Open(*client_, o);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    return s.ok() ? std::move(s).value() : nullptr;
+  }
+  testing::TestNatsServer server_;
+  std::unique_ptr<NatsClient> client_;
+};
+
+TEST_F(NatsObjectStoreTest, WritesTheObjectStoreLayout) {
+  auto store = Open();
+  ASSERT_TRUE(store);
+  const std::string data = RandomBytes(kChunk * 2 + 3);
+  auto ref = store->Put(data, "layout.bin");
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+
+  jsStreamInfo* si = nullptr;
+  ASSERT_EQ(js_GetStreamInfo(&si, client_->js(), "OBJ_SHOAL_BLOBS", nullptr, nullptr), NATS_OK);
+  EXPECT_TRUE(si->Config->AllowRollup);
+  EXPECT_TRUE(si->Config->AllowDirect);
+  EXPECT_EQ(si->Config->Discard, js_DiscardNew);
+  ASSERT_EQ(si->Config->SubjectsLen, 2);
+  EXPECT_STREQ(si->Config->Subjects[0], "$O.SHOAL_BLOBS.C.>");
+  EXPECT_STREQ(si->Config->Subjects[1], "$O.SHOAL_BLOBS.M.>");
+  jsStreamInfo_Destroy(si);
+
+  EXPECT_EQ(store->MetaSubject("layout.bin"), "$O.SHOAL_BLOBS.M.bGF5b3V0LmJpbg==");
+  natsMsg* m = nullptr;
+  ASSERT_EQ(js_GetLastMsg(&m, client_->js(), "OBJ_SHOAL_BLOBS", "$O.SHOAL_BLOBS.M.bGF5b3V0LmJpbg==", nullptr,
+                          nullptr),
+            NATS_OK);
+  NatsMsgPtr owned(m);
+  const char* rollup = nullptr;
+  ASSERT_EQ(natsMsgHeader_Get(m, "Nats-Rollup", &rollup), NATS_OK);
+  EXPECT_STREQ(rollup, "sub");
+  auto meta = nlohmann::json::parse(std::string(natsMsg_GetData(m), natsMsg_GetDataLength(m)));
+  EXPECT_EQ(meta["name"], "layout.bin");
+  EXPECT_EQ(meta["bucket"], "SHOAL_BLOBS");
+  EXPECT_EQ(meta["size"], data.size());
+  EXPECT_EQ(meta["chunks"], 3);
+  EXPECT_EQ(meta["options"]["max_chunk_size"], kChunk);
+  const auto d = blob_internal::Sha256Of(data);
+  EXPECT_EQ(meta["digest"], "SHA-256=" + blob_internal::Base64UrlEncode(
+                                             std::string(reinterpret_cast<const char*>(d.data()), d.size()), true));
+  EXPECT_TRUE(blob_internal::ParseRfc3339Ms(meta["mtime"].get<std::string>()).has_value());
+  auto counts = GetSubjectCounts(*client_, "OBJ_SHOAL_BLOBS", "$O.SHOAL_BLOBS.C.>");
+  ASSERT_TRUE(counts.ok());
+  ASSERT_EQ(counts->size(), 1u);
+  EXPECT_EQ(counts->begin()->first, "$O.SHOAL_BLOBS.C." + meta["nuid"].get<std::string>());
+  EXPECT_EQ(counts->begin()->second, 3u);
+
+  // Delete: a tombstone meta (what other clients expect) and no chunks.
+  ASSERT_TRUE(store->Delete("layout.bin").ok());
+  natsMsg* t = nullptr;
+  ASSERT_EQ(js_GetLastMsg(&t, client_->js(), "OBJ_SHOAL_BLOBS", "$O.SHOAL_BLOBS.M.bGF5b3V0LmJpbg==", nullptr,
+                          nullptr),
+            NATS_OK);
+  NatsMsgPtr owned_t(t);
+  auto tomb = nlohmann::json::parse(std::string(natsMsg_GetData(t), natsMsg_GetDataLength(t)));
+  EXPECT_EQ(tomb["deleted"], true);
+  EXPECT_EQ(tomb["size"], 0);
+  EXPECT_EQ(tomb["chunks"], 0);
+  EXPECT_TRUE(GetSubjectCounts(*client_, "OBJ_SHOAL_BLOBS", "$O.SHOAL_BLOBS.C.>")->empty());
+}
+
+TEST_F(NatsObjectStoreTest, MissingChunksAreCorrupt) {
+  // Both read paths: the ordered consumer and chunk-by-chunk direct gets.
+  for (int min_chunks : {2, 1 << 30}) {
+    SCOPED_TRACE(min_chunks);
+    NatsObjectStoreOptions o;
+    o.stream_read_min_chunks = min_chunks;
+    auto store = Open(o);
+    ASSERT_TRUE(store);
+    auto whole = store->Put(RandomBytes(kChunk * 3), "whole");
+    auto partial = store->Put(RandomBytes(kChunk * 3), "partial");
+    ASSERT_TRUE(whole.ok() && partial.ok());
+    // Drop the last chunk of "partial" only.
+    natsMsg* m = nullptr;
+    ASSERT_EQ(js_GetLastMsg(&m, client_->js(), "OBJ_SHOAL_BLOBS", store->MetaSubject("partial").c_str(), nullptr,
+                            nullptr),
+              NATS_OK);
+    auto pj = nlohmann::json::parse(std::string(natsMsg_GetData(m), natsMsg_GetDataLength(m)));
+    natsMsg_Destroy(m);
+    const std::string subject = store->ChunkSubject(pj["nuid"]);
+    natsMsg* last = nullptr;
+    ASSERT_EQ(js_GetLastMsg(&last, client_->js(), "OBJ_SHOAL_BLOBS", subject.c_str(), nullptr, nullptr), NATS_OK);
+    const uint64_t seq = natsMsg_GetSequence(last);
+    natsMsg_Destroy(last);
+    ASSERT_EQ(js_DeleteMsg(client_->js(), "OBJ_SHOAL_BLOBS", seq, nullptr, nullptr), NATS_OK);
+    EXPECT_EQ(store->Get(*partial).status().reason(), kBlobCorrupt) << store->Get(*partial).status().ToString();
+    EXPECT_TRUE(store->Get(*whole).ok());
+    // All chunks gone.
+    jsOptions po;
+    jsOptions_Init(&po);
+    po.Stream.Purge.Subject = subject.c_str();
+    ASSERT_EQ(js_PurgeStream(client_->js(), "OBJ_SHOAL_BLOBS", &po, nullptr), NATS_OK);
+    EXPECT_EQ(store->Get(*partial).status().reason(), kBlobCorrupt);
+  }
+}
+
+TEST_F(NatsObjectStoreTest, SweepRemovesOrphanChunks) {
+  auto store = Open();
+  ASSERT_TRUE(store);
+  // A writer that crashed between its chunks and its meta.
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(js_Publish(nullptr, client_->js(), "$O.SHOAL_BLOBS.C.crashedwriter", "chunk", 5, nullptr, nullptr),
+              NATS_OK);
+  }
+  auto live = store->Put(RandomBytes(kChunk + 1), "live");
+  ASSERT_TRUE(live.ok());
+  EXPECT_EQ(store->Sweep(60000).value(), 0u);  // too young to judge
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // Both are older than 20 ms now: the orphan and the live object go.
+  auto removed = store->Sweep(20);
+  ASSERT_TRUE(removed.ok()) << removed.status().ToString();
+  EXPECT_EQ(*removed, 2u);
+  EXPECT_EQ(store->Get(*live).status().reason(), kBlobNotFound);
+  auto counts = GetSubjectCounts(*client_, "OBJ_SHOAL_BLOBS", "$O.SHOAL_BLOBS.C.crashedwriter");
+  ASSERT_TRUE(counts.ok());
+  EXPECT_TRUE(counts->empty());
+}
+
+TEST_F(NatsObjectStoreTest, BindsToABucketAnotherClientMade) {
+  // Created without rollups: not an object store, refuse it clearly.
+  jsStreamConfig cfg;
+  jsStreamConfig_Init(&cfg);
+  const char* subjects[] = {"$O.PLAIN.C.>", "$O.PLAIN.M.>"};
+  cfg.Name = "OBJ_PLAIN";
+  cfg.Subjects = subjects;
+  cfg.SubjectsLen = 2;
+  jsStreamInfo* si = nullptr;
+  ASSERT_EQ(js_AddStream(&si, client_->js(), &cfg, nullptr, nullptr), NATS_OK);
+  jsStreamInfo_Destroy(si);
+  NatsObjectStoreOptions o;
+  o.bucket = "PLAIN";
+  EXPECT_EQ(NatsObjectStore::Open(*client_, o).status().code(), StatusCode::kInvalidArgument);
+  // A second Open of a proper bucket binds to it.
+  ASSERT_TRUE(Open());
+  ASSERT_TRUE(Open());
+}
+
+TEST_F(NatsObjectStoreTest, AFullBucketSaysSo) {
+  NatsObjectStoreOptions o;
+  o.bucket = "SMALL";
+  o.max_bytes = 256 * 1024;
+  auto store = Open(o);
+  ASSERT_TRUE(store);
+  auto ref = store->Put(RandomBytes(1 << 20));
+  EXPECT_STATUS(ref.status(), StatusCode::kResourceExhausted, kBlobStoreFull);
+  EXPECT_TRUE(store->Put("small enough").ok());
+}
+
+TEST(LocalDirBlobStore, SweepsLeftoverTempFilesAndIgnoresForeignFiles) {
+  testing::TempDir dir;
+  FakeClock clock;
+  LocalDirBlobStoreOptions o;
+  o.dir = dir.path();
+  o.clock = &clock;
+  auto store = LocalDirBlobStore::Create(o);
+  ASSERT_TRUE(store.ok());
+  { std::ofstream(dir.path() + "/.tmp.crashed.abc") << "half"; }
+  { std::ofstream(dir.path() + "/README txt") << "not a blob name"; }
+  // Files dated now by the real clock are far newer than the fake clock.
+  clock.AdvanceUs(int64_t{1} << 50);
+  auto removed = (*store)->Sweep(1000);
+  ASSERT_TRUE(removed.ok());
+  EXPECT_EQ(*removed, 1u);
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/.tmp.crashed.abc"));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/README txt"));
+}
+
+}  // namespace
+}  // namespace shoal
