@@ -79,7 +79,7 @@ class TesseractOcr {
   TesseractOcr& operator=(const TesseractOcr&) = delete;
 
   // Decodes one encoded image and recognises it; blocks for the duration
-  // (tens of ms for a line, seconds for a dense page). Errors, all
+  // (0.1-0.5 s for a few lines, seconds for a dense page). Errors, all
   // InvalidArgument unless noted:
   //   "invalid_image"             empty, not an image, truncated or corrupt
   //   "image_too_large"           width x height over options.max_pixels
@@ -105,7 +105,8 @@ std::string DefaultTessdataDir();
 
 // Reads the "ocr" object of a model's shoal.json document (absent: the
 // defaults): {"languages": "eng", "psm": 3, "dpi": 0, "tessdata_dir": "",
-// "max_pixels": 100000000}. A relative tessdata_dir is taken from model_dir.
+// "max_pixels": 100000000, "parallel": false}; unknown keys are an error.
+// A relative tessdata_dir is taken from model_dir.
 // Returns validated options; InvalidArgument "invalid_ocr_options" otherwise.
 Result<OcrOptions> ParseOcrOptions(std::string_view shoal_json, const std::string& model_dir);
 
