@@ -15,6 +15,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   wrk
   wamerican
+  libtesseract-dev libleptonica-dev tesseract-ocr-eng tesseract-ocr-vie
+  python3-pil fonts-dejavu-core
   nodejs
 )
 

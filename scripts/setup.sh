@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets Shoal up on a Debian 12 machine: system packages, the demo model
-# repository (generated with Debian's python3-torch) and a Release build in
+# repository (generated with Debian's python3-torch), the OCR test images
+# (rendered with Debian's Pillow and DejaVu font) and a Release build in
 # ./build. Idempotent: a second run only rebuilds what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,9 @@ bash scripts/install-deps.sh
 echo "setup: generating the demo model repository in models/"
 # Debian's interpreter has python3-torch; a python3 earlier on PATH may not.
 /usr/bin/python3 scripts/make_models.py --out models
+
+echo "setup: rendering the OCR test images in testdata/ocr/"
+/usr/bin/python3 scripts/make_ocr_images.py --out testdata/ocr
 
 echo "setup: building in ${BUILD_DIR}/"
 cmake -S . -B "${BUILD_DIR}" -G Ninja -DCMAKE_BUILD_TYPE="${SHOAL_BUILD_TYPE:-Release}" > /dev/null
