@@ -21,8 +21,9 @@ void Get(const json& j, const char* key, T& out) {
 
 Status ModelConfig::Validate() const {
   if (name.empty()) return InvalidArgument("model config: name is empty");
-  if (task != "embed" && task != "score" && task != "classify")
-    return InvalidArgument("model " + name + ": unsupported task '" + task + "' (embed, score or classify)");
+  if (task != "embed" && task != "score" && task != "classify" && task != "ocr" && task != "generate")
+    return InvalidArgument("model " + name + ": unsupported task '" + task +
+                           "' (embed, score, classify, ocr or generate)");
   if (!activation.empty() && activation != "none" && activation != "sigmoid" && activation != "softmax")
     return InvalidArgument("model " + name + ": activation must be 'none', 'sigmoid' or 'softmax'");
   if (task == "score" && dim > 1)
@@ -30,7 +31,8 @@ Status ModelConfig::Validate() const {
   if (!labels.empty() && dim > 0 && static_cast<int>(labels.size()) != dim)
     return InvalidArgument("model " + name + ": " + std::to_string(labels.size()) + " labels for dim " +
                            std::to_string(dim));
-  if (runtime != "torchscript" && runtime != "null" && runtime != "process" && runtime != "sim")
+  if (runtime != "torchscript" && runtime != "null" && runtime != "process" && runtime != "sim" &&
+      runtime != "tesseract" && runtime != "openai")
     return InvalidArgument("model " + name + ": unknown runtime '" + runtime + "'");
   if (runtime == "sim") {
     if (sim.fixed_us < 0 || !(sim.per_padded_token_us >= 0) || sim.max_batch_rows < 0 || sim.memory_bytes < 0 ||

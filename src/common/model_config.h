@@ -55,11 +55,14 @@ struct SimConfig {
 
 struct ModelConfig {
   std::string name;                 // public model id, e.g. "minilm-l6"
-  // What the model computes from tokenized text, one row of floats per input:
-  // "embed" (a vector), "score" (a pair -> one relevance score; cross-
-  // encoders) or "classify" (a text -> one probability per label).
+  // What the model computes. From tokenized text, one row of floats per
+  // input: "embed" (a vector), "score" (a pair -> one relevance score;
+  // cross-encoders) or "classify" (a text -> one probability per label).
+  // From whole inputs the runtime takes itself (WorkBody::items): "ocr" (an
+  // image -> text with word boxes) or "generate" (a completion request).
   std::string task = "embed";
-  std::string runtime = "torchscript";  // "torchscript" | "process" | "sim" | "null"
+  // "torchscript" | "process" | "sim" | "null" | "tesseract" | "openai"
+  std::string runtime = "torchscript";
   std::string model_file = "model.pt";  // relative to dir
   std::string dir;                  // absolute directory, filled by the loader
   int max_seq_len = 256;            // tokens incl. [CLS]/[SEP]
@@ -83,6 +86,8 @@ struct ModelConfig {
   std::string EffectiveActivation() const;
   // Whether inputs are text pairs ([CLS] a [SEP] b [SEP]).
   bool TakesPairs() const { return task == "score"; }
+  // Whether the task's inputs are whole items rather than tokenized text.
+  bool ItemTask() const { return task == "ocr" || task == "generate"; }
   std::string ModelPath() const { return dir + "/" + model_file; }
   std::string VocabPath() const { return dir + "/" + tokenizer.vocab_file; }
 };

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,6 +35,11 @@ struct Embeddings {
   std::vector<float> data;  // rows * dim
 };
 
+// Receives streamed output while Runtime::RunItems runs (generation):
+// `item` indexes the batch's inputs, `chunk` is one MessagePack document.
+// Called on the executor thread.
+using PartialSink = std::function<void(size_t item, std::string_view chunk)>;
+
 class Runtime {
  public:
   virtual ~Runtime() = default;
@@ -42,6 +48,20 @@ class Runtime {
   // Runs one batch; blocks for the duration of the forward pass. Pooling and
   // normalisation follow the config given to Load(). Never throws.
   virtual Result<Embeddings> Run(const TokenBatch& batch) = 0;
+  // Whether the runtime takes whole inputs (RunItems) instead of token
+  // batches (Run): OCR images, generation requests, text for a backend that
+  // tokenizes itself. Known after Load(). The worker then skips its
+  // tokenizer and batches items.
+  virtual bool TakesItems() const { return false; }
+  // Runs a batch of opaque inputs (WorkBody::items); one MessagePack result
+  // document per input, in order. A failure fails the whole batch. `partial`
+  // (may be empty) receives streamed output before the results. Never throws.
+  virtual Result<std::vector<std::string>> RunItems(const std::vector<std::string>& items,
+                                                    const PartialSink& partial) {
+    (void)items;
+    (void)partial;
+    return Unprocessable("this runtime takes token batches, not whole inputs", "wrong_task");
+  }
   // Releases the model. Safe to call twice.
   virtual void Unload() = 0;
   // Resident memory attributed to this model, measured at load time.

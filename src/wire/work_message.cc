@@ -65,6 +65,12 @@ std::string EncodeWorkBody(const WorkBody& b) {
       PackStr(pk, b.texts[i]);
       PackStr(pk, i < b.texts_pair.size() ? std::string_view(b.texts_pair[i]) : std::string_view());
     }
+  } else if (!b.items.empty()) {
+    pk.pack_array(static_cast<uint32_t>(b.items.size()));
+    for (const auto& item : b.items) {
+      pk.pack_bin(static_cast<uint32_t>(item.size()));
+      pk.pack_bin_body(item.data(), static_cast<uint32_t>(item.size()));
+    }
   } else if (!b.texts.empty()) {
     pk.pack_array(static_cast<uint32_t>(b.texts.size()));
     for (const auto& t : b.texts) PackStr(pk, t);
@@ -102,8 +108,16 @@ Result<WorkBody> DecodeWorkBody(std::string_view data) {
         const auto& arr = kv.val.via.array;
         for (uint32_t j = 0; j < arr.size; ++j) {
           const auto& item = arr.ptr[j];
-          // Every input is of one kind: a string, a two-string pair, or token ids.
-          enum Kind { kText, kPair, kIds } kind;
+          // Every input is of one kind: a string, a two-string pair, token
+          // ids, or an opaque item (bin).
+          enum Kind { kText, kPair, kIds, kItem } kind;
+          if (item.type == msgpack::type::BIN) {
+            if (!b.texts.empty() || !b.token_ids.empty())
+              return InvalidArgument("wire: inputs mix binary items with text or token arrays");
+            b.items.emplace_back(item.via.bin.ptr, item.via.bin.size);
+            continue;
+          }
+          if (!b.items.empty()) return InvalidArgument("wire: inputs mix binary items with text or token arrays");
           if (item.type == msgpack::type::STR) {
             kind = kText;
           } else if (item.type == msgpack::type::ARRAY) {
@@ -153,13 +167,20 @@ std::string EncodeWorkReply(const WorkReply& r) {
   msgpack::sbuffer buf(256 + r.embeddings.size() * sizeof(float));
   Packer pk(buf);
   const bool ok = r.status.ok();
-  pk.pack_map(ok ? 8 : 4);
+  const bool has_items = ok && !r.items.empty();
+  pk.pack_map((ok ? 8 : 4) + (has_items ? 1 : 0) + (r.partial ? 2 : 0));
   PackStr(pk, "id");
   PackStr(pk, r.request_id);
   PackStr(pk, "chunk");
   pk.pack_int32(r.chunk_index);
   PackStr(pk, "worker");
   PackStr(pk, r.worker_id);
+  if (r.partial) {
+    PackStr(pk, "partial");
+    pk.pack_true();
+    PackStr(pk, "seq");
+    pk.pack_int32(r.seq);
+  }
   if (!ok) {
     PackStr(pk, "error");
     pk.pack_map(3);
@@ -185,6 +206,14 @@ std::string EncodeWorkReply(const WorkReply& r) {
   for (int32_t t : r.token_counts) pk.pack_int32(t);
   PackStr(pk, "truncated");
   r.truncated_any ? pk.pack_true() : pk.pack_false();
+  if (has_items) {
+    PackStr(pk, "items");
+    pk.pack_array(static_cast<uint32_t>(r.items.size()));
+    for (const auto& item : r.items) {
+      pk.pack_bin(static_cast<uint32_t>(item.size()));
+      pk.pack_bin_body(item.data(), static_cast<uint32_t>(item.size()));
+    }
+  }
   return std::string(buf.data(), buf.size());
 }
 
@@ -222,6 +251,17 @@ Result<WorkReply> DecodeWorkReply(std::string_view data) {
       }
     } else if (key == "truncated") {
       if (kv.val.type == msgpack::type::BOOLEAN) r.truncated_any = kv.val.via.boolean;
+    } else if (key == "partial") {
+      if (kv.val.type == msgpack::type::BOOLEAN) r.partial = kv.val.via.boolean;
+    } else if (key == "seq") {
+      ASSIGN_OR_RETURN(int64_t v, AsInt(kv.val, "seq"));
+      r.seq = static_cast<int>(v);
+    } else if (key == "items") {
+      RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::ARRAY, "items"));
+      for (uint32_t j = 0; j < kv.val.via.array.size; ++j) {
+        ASSIGN_OR_RETURN(std::string item, AsString(kv.val.via.array.ptr[j], "items[]"));
+        r.items.push_back(std::move(item));
+      }
     } else if (key == "error") {
       RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::MAP, "error"));
       std::string code, message, reason;

@@ -46,9 +46,16 @@ struct WorkBody {
   // Text pairs (task "score"): texts[i] goes with texts_pair[i]. On the
   // wire each input is then a two-string array.
   std::vector<std::string> texts_pair;
+  // Opaque inputs for tasks the runtime handles whole, without the worker's
+  // tokenizer (ocr: image bytes; generate: one request document as
+  // MessagePack). On the wire each is a MessagePack bin.
+  std::vector<std::string> items;
   bool truncate = false;  // params.truncate
 
-  size_t size() const { return texts.empty() ? token_ids.size() : texts.size(); }
+  size_t size() const {
+    if (!items.empty()) return items.size();
+    return texts.empty() ? token_ids.size() : texts.size();
+  }
 };
 
 // The headers of a work message, parsed.
@@ -76,6 +83,13 @@ struct WorkReply {
   std::vector<int32_t> token_counts;    // real tokens per row, for usage
   bool truncated_any = false;
   std::string worker_id;
+  // Item tasks: one result per input item, each a MessagePack document.
+  std::vector<std::string> items;
+  // A partial reply (streamed output): more replies follow for this chunk.
+  // `seq` counts a chunk's partial replies from 0; the final reply has
+  // partial = false.
+  bool partial = false;
+  int seq = 0;
 };
 
 std::string EncodeWorkReply(const WorkReply& reply);

@@ -62,6 +62,46 @@ TEST(WorkBody, RejectsMixedOrMalformedPairs) {
   EXPECT_EQ(ok->texts_pair, std::vector<std::string>{"b"});
 }
 
+TEST(WorkBody, RoundTripsBinaryItems) {
+  WorkBody b;
+  b.task = "ocr";
+  b.model = "ocr-eng";
+  b.items = {std::string("\x89PNG\r\n\x1a\n\0\0", 10), std::string()};
+  auto d = DecodeWorkBody(EncodeWorkBody(b));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->task, "ocr");
+  EXPECT_EQ(d->items, b.items);
+  EXPECT_TRUE(d->texts.empty());
+  EXPECT_EQ(d->size(), 2u);
+}
+
+TEST(WorkBody, RejectsItemsMixedWithText) {
+  auto body = [](std::string inputs) { return std::string("\x82\xa5model\xa1m\xa6inputs") + inputs; };
+  const std::string bin = std::string("\xc4\x01", 2) + "x", text = "\xa1" "a";
+  EXPECT_EQ(DecodeWorkBody(body("\x92" + bin + text)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeWorkBody(body("\x92" + text + bin)).status().code(), StatusCode::kInvalidArgument);
+  auto ok = DecodeWorkBody(body("\x92" + bin + bin));
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->items, (std::vector<std::string>{"x", "x"}));
+}
+
+TEST(WorkReply, RoundTripsItemsAndPartials) {
+  WorkReply r;
+  r.request_id = "r1";
+  r.items = {"\x81\xa4text\xa2hi", std::string("\0", 1)};
+  r.partial = true;
+  r.seq = 3;
+  auto d = DecodeWorkReply(EncodeWorkReply(r));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->items, r.items);
+  EXPECT_TRUE(d->partial);
+  EXPECT_EQ(d->seq, 3);
+  r.partial = false;
+  d = DecodeWorkReply(EncodeWorkReply(r));
+  ASSERT_TRUE(d.ok());
+  EXPECT_FALSE(d->partial);
+}
+
 TEST(WorkBody, RejectsGarbage) {
   auto d = DecodeWorkBody(std::string("\xc1\xff\x00garbage", 10));
   EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
