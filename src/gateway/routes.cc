@@ -198,6 +198,76 @@ void Shorten(EmbedResult* r, int dims, bool normalize) {
   r->dim = dims;
 }
 
+// Routes that read and write MessagePack natively (binary fields); every
+// other route gets the generic transcoding in Router::Handle.
+bool NativeMsgpackRoute(std::string_view path) {
+  for (std::string_view prefix : {"/v1/encode/", "/v1/ocr/"})
+    if (path.substr(0, prefix.size()) == prefix) return true;
+  return false;
+}
+
+// A MessagePack request body for a JSON route, as JSON text: the handlers
+// parse one format. Binary fields have no JSON form and fail validation.
+Status MsgpackBodyToJson(std::string* body) {
+  json j = json::from_msgpack(*body, /*strict=*/true, /*allow_exceptions=*/false);
+  if (j.is_discarded())
+    return InvalidArgument("request body is not valid MessagePack", "invalid_msgpack");
+  if (!j.is_object()) return InvalidArgument("request body must be a MessagePack map", "invalid_msgpack");
+  *body = j.dump(-1, ' ', false, json::error_handler_t::replace);
+  return Status::Ok();
+}
+
+// The OpenAI embeddings shape in MessagePack, each embedding a bin of
+// little-endian float32 (whatever encoding_format says).
+HttpResponse EmbeddingsMsgpack(const EmbedResult& r, const std::string& model) {
+  msgpack::sbuffer buf(static_cast<size_t>(r.rows) * (r.dim * 4 + 40) + 128);
+  msgpack::packer<msgpack::sbuffer> pk(buf);
+  pk.pack_map(4);
+  pk.pack(std::string("object"));
+  pk.pack(std::string("list"));
+  pk.pack(std::string("data"));
+  pk.pack_array(static_cast<uint32_t>(r.rows));
+  const uint32_t row_bytes = static_cast<uint32_t>(r.dim * sizeof(float));
+  for (int i = 0; i < r.rows; ++i) {
+    pk.pack_map(3);
+    pk.pack(std::string("object"));
+    pk.pack(std::string("embedding"));
+    pk.pack(std::string("index"));
+    pk.pack(i);
+    pk.pack(std::string("embedding"));
+    pk.pack_bin(row_bytes);
+    pk.pack_bin_body(reinterpret_cast<const char*>(r.data.data() + static_cast<size_t>(i) * r.dim), row_bytes);
+  }
+  pk.pack(std::string("model"));
+  pk.pack(model);
+  pk.pack(std::string("usage"));
+  pk.pack_map(2);
+  pk.pack(std::string("prompt_tokens"));
+  pk.pack(r.prompt_tokens);
+  pk.pack(std::string("total_tokens"));
+  pk.pack(r.prompt_tokens);
+  HttpResponse out;
+  out.content_type = "application/msgpack";
+  out.body.assign(buf.data(), buf.size());
+  return out;
+}
+
+// Answers a caller that asked for MessagePack in MessagePack: JSON bodies
+// (results and errors) are transcoded; others pass as they are.
+HttpResponder MsgpackResponder(HttpResponder respond) {
+  return [respond = std::move(respond)](HttpResponse r) {
+    if (r.content_type.rfind("application/json", 0) == 0) {
+      json j = json::parse(r.body, nullptr, /*allow_exceptions=*/false);
+      if (!j.is_discarded()) {
+        std::vector<uint8_t> packed = json::to_msgpack(j);
+        r.body.assign(packed.begin(), packed.end());
+        r.content_type = "application/msgpack";
+      }
+    }
+    respond(std::move(r));
+  };
+}
+
 }  // namespace
 
 Status RouterOptions::Validate() const {
@@ -250,6 +320,10 @@ HttpResponder Router::Instrument(const std::string& route, HttpResponder respond
 
 void Router::Handle(HttpRequest&& req, HttpResponder respond) {
   const std::string& path = req.path;
+  if (AcceptsMsgpack(req.Header("accept"))) respond = MsgpackResponder(std::move(respond));
+  if (!NativeMsgpackRoute(path) && IsMsgpack(req.Header("content-type")) && !req.body.empty()) {
+    if (Status st = MsgpackBodyToJson(&req.body); !st.ok()) return respond(ErrorResponse(st));
+  }
   auto method_is = [&](const char* m) { return req.method == m; };
   auto not_allowed = [&](const char* allowed) {
     auto r = ErrorResponse(Status(StatusCode::kMethodNotAllowed, req.method + " is not allowed on " + path));
@@ -397,12 +471,14 @@ void Router::Embeddings(HttpRequest&& req, HttpResponder respond) {
   if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));
   job.deadline_unix_ms = *deadline;
   const bool normalize = entry.normalize;
+  const bool want_msgpack = AcceptsMsgpack(req.Header("accept"));
   std::string model = job.model;
   submitter_->SubmitEmbed(std::move(job), [respond = std::move(respond), model, base64, dims, normalize,
-                                           retry](Result<EmbedResult> result) {
+                                           want_msgpack, retry](Result<EmbedResult> result) {
     if (!result.ok()) return respond(ErrorResponse(result.status(), retry));
     EmbedResult& r = *result;
     Shorten(&r, dims, normalize);
+    if (want_msgpack) return respond(EmbeddingsMsgpack(r, model));
     std::string out;
     out.reserve(static_cast<size_t>(r.rows) * (base64 ? r.dim * 4 / 3 + 64 : r.dim * 12 + 64) + 128);
     out += "{\"object\":\"list\",\"data\":[";

@@ -270,6 +270,48 @@ TEST_F(RoutesTest, EncodeSpeaksJsonAndMessagePack) {
   EXPECT_EQ(ErrorCode(r), "model_not_found");
 }
 
+TEST_F(RoutesTest, EveryJsonRouteAlsoSpeaksMessagePack) {
+  const std::vector<std::pair<std::string, std::string>> kMsgpack = {{"content-type", "application/msgpack"},
+                                                                        {"accept", "application/msgpack"}};
+  auto unpack = [](const HttpResponse& r) { return json::from_msgpack(r.body); };
+  // /v1/embeddings: the OpenAI shape, each embedding a bin of float32.
+  auto body = json::to_msgpack(json{{"model", "m"}, {"input", {"a", "b"}}});
+  auto r = Call("POST", "/v1/embeddings", std::string(body.begin(), body.end()),
+                kMsgpack);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.content_type, "application/msgpack");
+  auto h = msgpack::unpack(r.body.data(), r.body.size());
+  auto m = h.get().as<std::map<std::string, msgpack::object>>();
+  auto data = m["data"].as<std::vector<std::map<std::string, msgpack::object>>>();
+  ASSERT_EQ(data.size(), 2u);
+  ASSERT_EQ(data[1]["embedding"].type, msgpack::type::BIN);
+  ASSERT_EQ(data[1]["embedding"].via.bin.size, 4 * sizeof(float));
+  float first;
+  std::memcpy(&first, data[1]["embedding"].via.bin.ptr, sizeof first);
+  EXPECT_EQ(first, 2.0f);
+  // /v1/rerank: request and response transcoded.
+  body = json::to_msgpack(json{{"model", "rr"}, {"query", "q"}, {"documents", {"d0", "d1"}}});
+  r = Call("POST", "/v1/rerank", std::string(body.begin(), body.end()), kMsgpack);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.content_type, "application/msgpack");
+  EXPECT_EQ(unpack(r)["results"].size(), 2u);
+  // /v1/models answers in MessagePack when asked.
+  r = Call("GET", "/v1/models", "", {{"accept", "application/msgpack"}});
+  ASSERT_EQ(r.status, 200);
+  EXPECT_EQ(unpack(r)["object"], "list");
+  // Errors too: the OpenAI error shape, in MessagePack.
+  r = Call("POST", "/v1/rerank", "\xc1", kMsgpack);
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(r.content_type, "application/msgpack");
+  EXPECT_EQ(unpack(r)["error"]["code"], "invalid_msgpack");
+  // A MessagePack array is not a request object; a JSON caller gets JSON.
+  body = json::to_msgpack(json::array({1, 2}));
+  r = Call("POST", "/v1/embeddings", std::string(body.begin(), body.end()), {{"content-type", "application/msgpack"}});
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(r.content_type, "application/json");
+  EXPECT_EQ(ErrorCode(r), "invalid_msgpack");
+}
+
 TEST_F(RoutesTest, RoutesMethodsAndProbes) {
   EXPECT_EQ(Call("GET", "/nope", "").status, 404);
   EXPECT_EQ(Call("GET", "/v1/embeddings", "").status, 405);
