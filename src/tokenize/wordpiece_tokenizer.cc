@@ -229,16 +229,21 @@ Encoding WordPieceTokenizer::Encode(std::string_view text, int max_len) const {
 }
 
 Encoding WordPieceTokenizer::EncodePair(std::string_view a, std::string_view b, int max_len) const {
-  std::vector<int32_t> first = EncodeNoSpecials(a);
-  std::vector<int32_t> second = EncodeNoSpecials(b);
+  // Neither text keeps more than the whole budget, so only that much of
+  // each is stored; the sinks still count every piece for full_length.
+  const size_t budget = max_len <= 0 ? std::numeric_limits<size_t>::max()
+                                     : static_cast<size_t>(std::max(max_len, 3) - 3);
+  std::vector<int32_t> first, second;
+  TruncatingSink sink_a{&first, budget}, sink_b{&second, budget};
+  ForEachId(a, sink_a);
+  ForEachId(b, sink_b);
   Encoding encoding;
-  encoding.full_length = static_cast<int>(first.size() + second.size()) + 3;
+  encoding.full_length = sink_a.count + sink_b.count + 3;
   if (max_len > 0 && encoding.full_length > max_len) {
     encoding.truncated = true;
-    size_t budget = static_cast<size_t>(std::max(max_len, 3) - 3);
     // longest_first: one piece at a time from the longer text (from b on a
     // tie), as transformers' truncate_sequences does.
-    size_t na = first.size(), nb = second.size();
+    size_t na = static_cast<size_t>(sink_a.count), nb = static_cast<size_t>(sink_b.count);
     while (na + nb > budget) {
       if (na > nb) {
         --na;
@@ -246,8 +251,8 @@ Encoding WordPieceTokenizer::EncodePair(std::string_view a, std::string_view b, 
         --nb;
       }
     }
-    first.resize(na);
-    second.resize(nb);
+    first.resize(std::min(na, first.size()));
+    second.resize(std::min(nb, second.size()));
   }
   encoding.ids.reserve(first.size() + second.size() + 3);
   encoding.ids.push_back(cls_id_);
