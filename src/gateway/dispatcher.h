@@ -48,12 +48,33 @@ struct EmbedResult {
 
 using EmbedCallback = std::function<void(Result<EmbedResult>)>;
 
+// One request for an item model (ocr, generate): opaque inputs, each its own
+// queue message; the result is one MessagePack document per input.
+struct ItemJob {
+  std::string task, model;
+  std::vector<std::string> items;
+  int64_t deadline_unix_ms = 0;
+};
+
+struct ItemResult {
+  std::vector<std::string> items;  // one MessagePack doc per input, in input order
+};
+
+using ItemCallback = std::function<void(Result<ItemResult>)>;
+using PartialCallback = std::function<void(size_t item, std::string_view chunk)>;
+
 // What routes need from the queue side; faked in route unit tests.
 class WorkSubmitter {
  public:
   virtual ~WorkSubmitter() = default;
   // Completes `done` exactly once, from any thread, possibly inline.
   virtual void SubmitEmbed(EmbedJob job, EmbedCallback done) = 0;
+  // The same for item tasks; `partial` (may be empty) gets streamed output.
+  virtual void SubmitItems(ItemJob job, ItemCallback done, PartialCallback partial = {}) {
+    (void)job;
+    (void)partial;
+    done(Unavailable("item tasks are not supported by this gateway", "not_supported"));
+  }
   // Asks the fleet to load `model` without sending work (a gateway that
   // answers 503 instead of waiting). Best effort; repeated asks coalesce.
   virtual void RequestLoad(const std::string& model) { (void)model; }
