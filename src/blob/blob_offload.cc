@@ -80,6 +80,14 @@ void BlobOffload::PutAsync(std::string data, std::string kind, std::function<voi
   cv_.notify_one();
 }
 
+void BlobOffload::Post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
 void BlobOffload::DeleteAsync(std::string ref_text) {
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -57,6 +57,9 @@ class BlobOffload {
   // reference. Never blocks the caller. `kind` labels the metric
   // ("request" | "reply").
   void PutAsync(std::string data, std::string kind, std::function<void(Result<BlobRef>)> done);
+  // Runs `task` on an offload thread (blocking store calls of a caller that
+  // must not block, e.g. fetching a reply on a NATS callback thread).
+  void Post(std::function<void()> task);
   // Deletes the blob on an offload thread; errors are logged.
   void DeleteAsync(std::string ref_text);
 

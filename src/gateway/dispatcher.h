@@ -25,6 +25,8 @@
 
 namespace shoal {
 
+class BlobOffload;
+
 // One request for a token model (embed, score or classify) as the routes
 // parsed it. Its result is one row of floats per input.
 struct EmbedJob {
@@ -94,6 +96,9 @@ class Dispatcher final : public WorkSubmitter {
                                                     MetricsRegistry* metrics, const Clock* clock = nullptr);
   ~Dispatcher() override;
   void SubmitEmbed(EmbedJob job, EmbedCallback done) override;
+  // Offloads work messages over its threshold (docs/blob-store.md); must
+  // outlive the dispatcher's use of it. Call before the first Submit.
+  void SetBlobOffload(BlobOffload* offload) { offload_ = offload; }
   // Queues a load hint on the model's subject (de-duplicated per 10 s).
   void RequestLoad(const std::string& model) override;
   // Fails every pending request with Unavailable and stops the timer.
@@ -113,6 +118,7 @@ class Dispatcher final : public WorkSubmitter {
 
   DispatcherOptions options_;
   NatsClient* client_ = nullptr;
+  BlobOffload* offload_ = nullptr;
   const Clock* clock_ = nullptr;
   std::string id_;
   std::string reply_subject_;   // _SHOAL.gw.<id>.r
