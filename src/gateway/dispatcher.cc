@@ -1,5 +1,7 @@
 #include "gateway/dispatcher.h"
 
+#include "blob/blob_offload.h"
+
 #include <random>
 
 #include <nats/nats.h>
@@ -10,12 +12,15 @@
 namespace shoal {
 
 struct Dispatcher::Pending {
-  EmbedCallback done;
+  std::function<void(Parts)> done;
+  PartialCallback partial;
+  std::vector<size_t> first_item;  // per chunk: the job index of its first input (partials)
   int chunk_count = 0;
   int received = 0;
   int64_t deadline_unix_ms = 0;
   std::vector<bool> have;
   std::vector<wire::WorkReply> parts;
+  std::vector<std::string> blob_refs;  // offloaded chunks, deleted on completion; guarded by mu_
 };
 
 Status DispatcherOptions::Validate() const {
@@ -88,37 +93,14 @@ void Dispatcher::SubmitEmbed(EmbedJob job, EmbedCallback done) {
     done(InvalidArgument("no inputs"));
     return;
   }
-  if (job.deadline_unix_ms <= 0) job.deadline_unix_ms = clock_->NowUnixMs() + 30000;
-  const int chunk = options_.chunk_size;
-  const int chunks = static_cast<int>((n + chunk - 1) / chunk);
-  const std::string id = id_ + "-" + std::to_string(seq_.fetch_add(1));
-  auto p = std::make_shared<Pending>();
-  p->done = std::move(done);
-  p->chunk_count = chunks;
-  p->deadline_unix_ms = job.deadline_unix_ms;
-  p->have.assign(chunks, false);
-  p->parts.resize(chunks);
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (stop_) {
-      lock.unlock();
-      p->done(Unavailable("gateway is shutting down"));
-      return;
-    }
-    pending_.emplace(id, p);
-    deadlines_.emplace(job.deadline_unix_ms, id);
-  }
-  timer_cv_.notify_one();
-  chunks_per_request_->Observe(chunks);
-
-  const std::string subject = wire::WorkSubject(job.model);
-  const std::string deadline = std::to_string(job.deadline_unix_ms);
-  for (int c = 0; c < chunks; ++c) {
+  const size_t chunk = static_cast<size_t>(options_.chunk_size);
+  std::vector<Chunk> chunks;
+  for (size_t begin = 0; begin < n; begin += chunk) {
     wire::WorkBody body;
     body.task = job.task;
     body.model = job.model;
     body.truncate = job.truncate;
-    const size_t begin = static_cast<size_t>(c) * chunk, end = std::min(n, begin + chunk);
+    const size_t end = std::min(n, begin + chunk);
     int64_t estimate = 0;
     if (!job.texts.empty()) {
       const bool pairs = !job.texts_pair.empty();
@@ -136,30 +118,145 @@ void Dispatcher::SubmitEmbed(EmbedJob job, EmbedCallback done) {
         body.token_ids.push_back(std::move(job.token_ids[i]));
       }
     }
-    std::string data = wire::EncodeWorkBody(body);
-    std::string chunk_id = std::to_string(c) + "/" + std::to_string(chunks);
-    std::string ack_subject = ack_prefix_ + id + "." + std::to_string(c);
-    natsMsg* raw = nullptr;
-    natsStatus s = natsMsg_Create(&raw, subject.c_str(), ack_subject.c_str(), data.data(),
-                                  static_cast<int>(data.size()));
-    if (s != NATS_OK) {
-      Complete(id, Internal("cannot build work message"));
-      return;
-    }
-    NatsMsgPtr msg(raw);
-    natsMsgHeader_Set(raw, wire::kHdrRequestId, id.c_str());
-    natsMsgHeader_Set(raw, wire::kHdrChunk, chunk_id.c_str());
-    natsMsgHeader_Set(raw, wire::kHdrDeadline, deadline.c_str());
-    natsMsgHeader_Set(raw, wire::kHdrTokenEstimate, std::to_string(estimate).c_str());
-    natsMsgHeader_Set(raw, wire::kHdrReplyTo, reply_subject_.c_str());
-    natsMsgHeader_Set(raw, wire::kHdrMsgId, (id + "." + std::to_string(c)).c_str());
-    Status ps = client_->PublishMsg(raw);
-    if (!ps.ok()) {
-      Complete(id, Unavailable("cannot publish work: " + ps.message(), "queue_unavailable"));
-      return;
-    }
-    published_->Inc();
+    chunks.push_back({wire::EncodeWorkBody(body), estimate});
   }
+  auto assemble = [done = std::move(done)](Parts parts) {
+    if (!parts.ok()) return done(parts.status());
+    EmbedResult r;
+    for (const auto& part : *parts) {
+      if (r.dim == 0) r.dim = part.dim;
+      if (part.dim != r.dim) return done(Internal("workers returned different embedding widths"));
+      r.rows += part.rows;
+      for (int32_t t : part.token_counts) r.prompt_tokens += t;
+      r.truncated_any = r.truncated_any || part.truncated_any;
+    }
+    r.data.reserve(static_cast<size_t>(r.rows) * r.dim);
+    for (const auto& part : *parts) r.data.insert(r.data.end(), part.embeddings.begin(), part.embeddings.end());
+    done(std::move(r));
+  };
+  Submit(job.model, job.deadline_unix_ms, std::move(chunks), std::move(assemble), {}, {});
+}
+
+void Dispatcher::SubmitItems(ItemJob job, ItemCallback done, PartialCallback partial) {
+  const size_t n = job.items.size();
+  if (n == 0) {
+    done(InvalidArgument("no inputs"));
+    return;
+  }
+  std::vector<Chunk> chunks;
+  std::vector<size_t> first_item;
+  for (size_t i = 0; i < n; ++i) {
+    wire::WorkBody body;
+    body.task = job.task;
+    body.model = job.model;
+    body.items.push_back(std::move(job.items[i]));
+    chunks.push_back({wire::EncodeWorkBody(body), 1});
+    first_item.push_back(i);
+  }
+  auto assemble = [n, done = std::move(done)](Parts parts) {
+    if (!parts.ok()) return done(parts.status());
+    ItemResult r;
+    r.items.reserve(n);
+    for (auto& part : *parts)
+      for (auto& item : part.items) r.items.push_back(std::move(item));
+    if (r.items.size() != n)
+      return done(Internal("workers returned " + std::to_string(r.items.size()) + " results for " +
+                           std::to_string(n) + " inputs"));
+    done(std::move(r));
+  };
+  Submit(job.model, job.deadline_unix_ms, std::move(chunks), std::move(assemble), std::move(partial),
+         std::move(first_item));
+}
+
+void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std::vector<Chunk> chunks,
+                        std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item) {
+  if (deadline_unix_ms <= 0) deadline_unix_ms = clock_->NowUnixMs() + 30000;
+  const int count = static_cast<int>(chunks.size());
+  const std::string id = id_ + "-" + std::to_string(seq_.fetch_add(1));
+  auto p = std::make_shared<Pending>();
+  p->done = std::move(done);
+  p->partial = std::move(partial);
+  p->first_item = std::move(first_item);
+  p->chunk_count = count;
+  p->deadline_unix_ms = deadline_unix_ms;
+  p->have.assign(count, false);
+  p->parts.resize(count);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (stop_) {
+      lock.unlock();
+      p->done(Unavailable("gateway is shutting down"));
+      return;
+    }
+    pending_.emplace(id, p);
+    deadlines_.emplace(deadline_unix_ms, id);
+  }
+  timer_cv_.notify_one();
+  chunks_per_request_->Observe(count);
+
+  const std::string subject = wire::WorkSubject(model);
+  const std::string deadline = std::to_string(deadline_unix_ms);
+  for (int c = 0; c < count; ++c) {
+    if (offload_ && offload_->ShouldOffload(chunks[c].data.size())) {
+      // The put blocks on file or network I/O: never on this thread (an
+      // HTTP event loop). The message follows once the blob is stored.
+      const int64_t estimate = chunks[c].estimate;
+      offload_->PutAsync(std::move(chunks[c].data), "request",
+                         [this, id, c, count, subject, deadline, estimate](Result<BlobRef> ref) {
+                           if (!ref.ok()) {
+                             const Status& st = ref.status();
+                             Complete(id, Status(st.code() == StatusCode::kResourceExhausted ? st.code()
+                                                                                              : StatusCode::kUnavailable,
+                                                 "cannot store the request payload: " + st.message(),
+                                                 st.reason().empty() ? "blob_store_unavailable" : st.reason()));
+                             return;
+                           }
+                           std::string text = ref->ToString();
+                           bool live = false;
+                           {
+                             std::lock_guard<std::mutex> lock(mu_);
+                             auto it = pending_.find(id);
+                             if (it != pending_.end()) {
+                               live = true;
+                               it->second->blob_refs.push_back(text);
+                             }
+                           }
+                           if (!live) return offload_->DeleteAsync(std::move(text));  // answered meanwhile
+                           PublishChunk(id, c, count, subject, deadline, estimate, {}, text);
+                         });
+      continue;
+    }
+    if (!PublishChunk(id, c, count, subject, deadline, chunks[c].estimate, chunks[c].data, {})) return;
+  }
+}
+
+bool Dispatcher::PublishChunk(const std::string& id, int c, int count, const std::string& subject,
+                              const std::string& deadline, int64_t estimate, std::string_view data,
+                              const std::string& payload_ref) {
+  std::string chunk_id = std::to_string(c) + "/" + std::to_string(count);
+  std::string ack_subject = ack_prefix_ + id + "." + std::to_string(c);
+  natsMsg* raw = nullptr;
+  natsStatus s = natsMsg_Create(&raw, subject.c_str(), ack_subject.c_str(), data.data(),
+                                static_cast<int>(data.size()));
+  if (s != NATS_OK) {
+    Complete(id, Internal("cannot build work message"));
+    return false;
+  }
+  NatsMsgPtr msg(raw);
+  natsMsgHeader_Set(raw, wire::kHdrRequestId, id.c_str());
+  natsMsgHeader_Set(raw, wire::kHdrChunk, chunk_id.c_str());
+  natsMsgHeader_Set(raw, wire::kHdrDeadline, deadline.c_str());
+  natsMsgHeader_Set(raw, wire::kHdrTokenEstimate, std::to_string(estimate).c_str());
+  natsMsgHeader_Set(raw, wire::kHdrReplyTo, reply_subject_.c_str());
+  natsMsgHeader_Set(raw, wire::kHdrMsgId, (id + "." + std::to_string(c)).c_str());
+  if (!payload_ref.empty()) natsMsgHeader_Set(raw, wire::kHdrPayloadRef, payload_ref.c_str());
+  Status ps = client_->PublishMsg(raw);
+  if (!ps.ok()) {
+    Complete(id, Unavailable("cannot publish work: " + ps.message(), "queue_unavailable"));
+    return false;
+  }
+  published_->Inc();
+  return true;
 }
 
 void Dispatcher::RequestLoad(const std::string& model) {
@@ -183,10 +280,32 @@ void Dispatcher::OnMessage(natsConnection*, natsSubscription*, natsMsg* raw, voi
   std::string_view subject = natsMsg_GetSubject(raw);
   std::string_view data(natsMsg_GetData(raw), static_cast<size_t>(natsMsg_GetDataLength(raw)));
   if (subject == self->reply_subject_) {
+    const char* ref = nullptr;
+    if (natsMsgHeader_Get(raw, wire::kHdrPayloadRef, &ref) == NATS_OK && ref != nullptr && *ref != '\0') {
+      const char* id = nullptr;
+      if (natsMsgHeader_Get(raw, wire::kHdrRequestId, &id) != NATS_OK || id == nullptr) id = "";
+      self->HandleReplyRef(ref, id);
+      return;
+    }
     self->HandleReply(data);
   } else if (subject.substr(0, self->ack_prefix_.size()) == self->ack_prefix_) {
     self->HandlePubAck(subject.substr(self->ack_prefix_.size()), raw);
   }
+}
+
+void Dispatcher::HandleReplyRef(std::string ref, std::string request_id) {
+  if (!offload_) {
+    LOG_WARN("gateway", "a reply came by reference but this gateway has no blob store (--blob-store)");
+    return;  // the request ends at its deadline
+  }
+  // Fetching blocks: not on the NATS callback thread.
+  offload_->Post([this, ref = std::move(ref), request_id = std::move(request_id)] {
+    auto data = offload_->Fetch(ref);
+    offload_->DeleteAsync(ref);
+    if (data.ok()) return HandleReply(*data);
+    LOG_WARN("gateway", "reply payload " << ref << ": " << data.status().ToString());
+    if (!request_id.empty()) Complete(request_id, data.status());
+  });
 }
 
 void Dispatcher::HandlePubAck(std::string_view tail, natsMsg* msg) {
@@ -219,6 +338,7 @@ void Dispatcher::HandleReply(std::string_view data) {
     return;
   }
   const std::string id = reply->request_id;  // reply is moved from below
+  const bool is_partial = reply->partial;
   std::shared_ptr<Pending> p;
   bool complete = false;
   Status error;
@@ -235,7 +355,12 @@ void Dispatcher::HandleReply(std::string_view data) {
       duplicates_->Inc();
       return;
     }
-    if (!reply->status.ok()) {
+    if (is_partial) {
+      // Replies arrive in order on this one subscription thread, so a
+      // chunk's partials reach the callback in the order they were sent.
+      // (A redelivered chunk may repeat partials already passed on.)
+      if (!p->partial || !reply->status.ok() || reply->items.empty()) return;
+    } else if (!reply->status.ok()) {
       error = reply->status;
     } else {
       p->have[c] = true;
@@ -243,36 +368,31 @@ void Dispatcher::HandleReply(std::string_view data) {
       complete = ++p->received == p->chunk_count;
     }
   }
+  if (is_partial) {
+    const size_t c = static_cast<size_t>(reply->chunk_index);
+    const size_t item = (c < p->first_item.size() ? p->first_item[c] : 0) + static_cast<size_t>(reply->item);
+    p->partial(item, reply->items.front());
+    return;
+  }
   if (!error.ok()) {
     Complete(id, error);
     return;
   }
   if (!complete) return;
   // All chunks here; only this thread can reach this point for the request.
-  EmbedResult r;
-  for (auto& part : p->parts) {
-    if (r.dim == 0) r.dim = part.dim;
-    if (part.dim != r.dim) {
-      Complete(id, Internal("workers returned different embedding widths"));
-      return;
-    }
-    r.rows += part.rows;
-    for (int32_t t : part.token_counts) r.prompt_tokens += t;
-    r.truncated_any = r.truncated_any || part.truncated_any;
-  }
-  r.data.reserve(static_cast<size_t>(r.rows) * r.dim);
-  for (auto& part : p->parts) r.data.insert(r.data.end(), part.embeddings.begin(), part.embeddings.end());
-  Complete(id, std::move(r));
+  Complete(id, std::move(p->parts));
 }
 
-void Dispatcher::Complete(const std::string& id, Result<EmbedResult> result) {
+void Dispatcher::Complete(const std::string& id, Parts result) {
   std::shared_ptr<Pending> p;
+  std::vector<std::string> blob_refs;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_.find(id);
     if (it == pending_.end()) return;  // already completed
     p = std::move(it->second);
     pending_.erase(it);
+    blob_refs.swap(p->blob_refs);
     auto range = deadlines_.equal_range(p->deadline_unix_ms);
     for (auto d = range.first; d != range.second; ++d)
       if (d->second == id) {
@@ -281,6 +401,8 @@ void Dispatcher::Complete(const std::string& id, Result<EmbedResult> result) {
       }
   }
   p->done(std::move(result));
+  // The request is answered: its offloaded payloads can go.
+  for (auto& ref : blob_refs) offload_->DeleteAsync(std::move(ref));
 }
 
 void Dispatcher::TimerLoop() {

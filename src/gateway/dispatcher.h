@@ -22,6 +22,7 @@
 #include "common/metrics.h"
 #include "common/status.h"
 #include "queue/nats_client.h"
+#include "wire/work_message.h"
 
 namespace shoal {
 
@@ -50,19 +51,24 @@ struct EmbedResult {
 
 using EmbedCallback = std::function<void(Result<EmbedResult>)>;
 
-// One request for an item model (ocr, generate): opaque inputs, each its own
-// queue message; the result is one MessagePack document per input.
+// One request for an item task (ocr, generate): whole inputs the runtime
+// takes itself. Each item travels in its own queue message, so several
+// workers can serve one request.
 struct ItemJob {
-  std::string task, model;
-  std::vector<std::string> items;
+  std::string task;
+  std::string model;
+  std::vector<std::string> items;  // image bytes, or a MessagePack request document
   int64_t deadline_unix_ms = 0;
 };
 
 struct ItemResult {
-  std::vector<std::string> items;  // one MessagePack doc per input, in input order
+  std::vector<std::string> items;  // one MessagePack result document per input, in input order
 };
 
 using ItemCallback = std::function<void(Result<ItemResult>)>;
+// Streamed output before the result: `item` indexes the job's inputs,
+// `chunk` is one MessagePack document. Called in order for each item, on
+// the dispatcher's reply thread; it must not block.
 using PartialCallback = std::function<void(size_t item, std::string_view chunk)>;
 
 // What routes need from the queue side; faked in route unit tests.
@@ -71,11 +77,12 @@ class WorkSubmitter {
   virtual ~WorkSubmitter() = default;
   // Completes `done` exactly once, from any thread, possibly inline.
   virtual void SubmitEmbed(EmbedJob job, EmbedCallback done) = 0;
-  // The same for item tasks; `partial` (may be empty) gets streamed output.
+  // Same contract for item tasks; `partial` (may be empty) gets streamed
+  // output before `done`.
   virtual void SubmitItems(ItemJob job, ItemCallback done, PartialCallback partial = {}) {
     (void)job;
     (void)partial;
-    done(Unavailable("item tasks are not supported by this gateway", "not_supported"));
+    done(Unavailable("this gateway cannot queue item tasks"));
   }
   // Asks the fleet to load `model` without sending work (a gateway that
   // answers 503 instead of waiting). Best effort; repeated asks coalesce.
@@ -96,6 +103,7 @@ class Dispatcher final : public WorkSubmitter {
                                                     MetricsRegistry* metrics, const Clock* clock = nullptr);
   ~Dispatcher() override;
   void SubmitEmbed(EmbedJob job, EmbedCallback done) override;
+  void SubmitItems(ItemJob job, ItemCallback done, PartialCallback partial = {}) override;
   // Offloads work messages over its threshold (docs/blob-store.md); must
   // outlive the dispatcher's use of it. Call before the first Submit.
   void SetBlobOffload(BlobOffload* offload) { offload_ = offload; }
@@ -108,12 +116,29 @@ class Dispatcher final : public WorkSubmitter {
 
  private:
   struct Pending;
+  // Every chunk's reply, in chunk order, or the request's first error.
+  using Parts = Result<std::vector<wire::WorkReply>>;
+  struct Chunk {
+    std::string data;      // encoded WorkBody
+    int64_t estimate = 0;  // Shoal-Token-Estimate
+  };
   Dispatcher() = default;
+  // Registers the request and publishes its chunks; `done` gets the parts.
+  void Submit(const std::string& model, int64_t deadline_unix_ms, std::vector<Chunk> chunks,
+              std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item);
+  // Publishes chunk `c` (its body `data`, or empty with `payload_ref` set);
+  // on failure completes the request with the error and returns false.
+  bool PublishChunk(const std::string& id, int c, int count, const std::string& subject,
+                    const std::string& deadline, int64_t estimate, std::string_view data,
+                    const std::string& payload_ref);
   static void OnMessage(natsConnection*, natsSubscription*, natsMsg*, void* closure);
   void HandleReply(std::string_view data);
+  // A reply stored in the blob store: fetched, handled and deleted on an
+  // offload thread.
+  void HandleReplyRef(std::string ref, std::string request_id);
   void HandlePubAck(std::string_view subject_tail, natsMsg* msg);
   // Removes the request and completes it with `result`, once.
-  void Complete(const std::string& id, Result<EmbedResult> result);
+  void Complete(const std::string& id, Parts result);
   void TimerLoop();
 
   DispatcherOptions options_;

@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 
+#include "blob/blob_offload.h"
 #include "common/clock.h"
 #include "common/metrics.h"
 #include "common/model_config.h"
@@ -39,6 +40,9 @@ struct ModelServerDeps {
   int64_t ack_wait_ms = 30000;
   int max_deliver = 5;
   DeviceScheduler* scheduler = nullptr;           // null: run without turns
+  // Fetches payloads of work messages that carry a reference and offloads
+  // large replies; null: a referenced payload is answered blob_store_missing.
+  BlobOffload* blob = nullptr;
   std::function<void()> on_batch;                 // after each batch (marks the model used)
   std::function<int64_t()> backlog;               // messages waiting for this model in the stream
   int64_t loaded_unix_ms = 0;                     // work queued before this waited for the load
@@ -60,9 +64,21 @@ class ModelServer final : public ModelAttachment {
   Result<std::unique_ptr<PendingWork>> Prepare(std::string_view body) const;
 
  private:
+  // Stores an encoded reply too large for a message in the blob store and
+  // sends only its reference (header Shoal-Payload-Ref, empty body).
+  Status ReplyByRef(const std::string& encoded, const wire::WorkReply& reply, const std::string& reply_to);
   void FetchLoop();
   void ExecLoop();
   void RunBatch(std::vector<std::unique_ptr<PendingWork>> batch);
+  // Item work (TakesItems runtimes): whole inputs, no tokenizer.
+  Result<std::unique_ptr<PendingWork>> PrepareItems(wire::WorkBody body) const;
+  void RunItemBatch(std::vector<std::unique_ptr<PendingWork>> live);
+  // Runs the items of `work` through the runtime, streaming partial output
+  // to each caller. Fills one reply per work on success.
+  Status RunItems(const std::vector<std::unique_ptr<PendingWork>>& work, std::vector<wire::WorkReply>* replies);
+  // Sends each reply and acks, or fails the work with `failure`.
+  void Finish(std::vector<std::unique_ptr<PendingWork>>& live, std::vector<wire::WorkReply>& replies,
+              const Status& failure);
   // Hands pulled-but-unrun work back to the queue for redelivery, except
   // work on its last allowed delivery: its caller gets `last_chance` (a
   // message past MaxDeliver would sit in the queue unanswered).

@@ -147,6 +147,8 @@ class Worker {
   std::unique_ptr<KvBucket> workers_kv_;
   std::unique_ptr<KvBucket> models_kv_;
   std::unique_ptr<KvBucket> placement_kv_;
+  // Before the manager: the model servers using it stop first.
+  std::unique_ptr<BlobOffload> blob_;
   std::unique_ptr<DeviceScheduler> scheduler_;
   std::unique_ptr<ModelManager> manager_;
   ModelManager* manager_raw_ = nullptr;  // the same, for threads that outlive manager_'s reset
