@@ -81,6 +81,39 @@ void AddGateway(CLI::App* app, GatewayOptions& g) {
       "A request for a model no worker has loaded waits for the load (true) or gets 503 model_loading with Retry-After (false)");
 }
 
+Result<int64_t> ParseBytes(const std::string& text);
+
+// Blob offload (docs/blob-store.md), for gateway, worker and serve alike.
+struct BlobFlags {
+  std::string store;  // empty: the command's default
+  std::string threshold = "1MiB";
+  int64_t ttl_ms = int64_t{3600} * 1000;
+  int64_t sweep_interval_ms = 15 * 60 * 1000;
+};
+
+void AddBlob(CLI::App* app, BlobFlags& b, const std::string& default_store) {
+  Opt(app, "--blob-store", b.store, "SHOAL_BLOB_STORE",
+      "Blob store for payloads over --blob-threshold: file:///dir, nats://[bucket] (NATS object store) or none "
+      "(default: " + default_store + ")");
+  Opt(app, "--blob-threshold", b.threshold, "SHOAL_BLOB_THRESHOLD",
+      "Work messages and replies larger than this go through the blob store (B, KiB, MiB, ...)");
+  Opt(app, "--blob-ttl-ms", b.ttl_ms, "SHOAL_BLOB_TTL_MS", "Age after which a leftover blob is an orphan and swept");
+  Opt(app, "--blob-sweep-interval-ms", b.sweep_interval_ms, "SHOAL_BLOB_SWEEP_INTERVAL_MS",
+      "How often a gateway sweeps orphan blobs (0: never)");
+}
+
+// `sweeps`: whether this process runs the orphan sweep (gateways do).
+Result<BlobOffloadOptions> ApplyBlob(const BlobFlags& b, const std::string& default_store, bool sweeps) {
+  BlobOffloadOptions o;
+  o.store_url = b.store.empty() ? default_store : b.store;
+  if (o.store_url == "none") o.store_url.clear();
+  ASSIGN_OR_RETURN(o.threshold_bytes, ParseBytes(b.threshold));
+  o.ttl_ms = b.ttl_ms;
+  o.sweep_interval_ms = sweeps ? b.sweep_interval_ms : 0;
+  RETURN_IF_ERROR(o.Validate());
+  return o;
+}
+
 struct WorkerFlags {
   WorkerOptions options;
   std::string models_csv;
@@ -269,6 +302,8 @@ int main(int argc, char** argv) {
   AddStream(serve, serve_stream);
   Opt(serve, "--data-dir", data_dir, "SHOAL_DATA_DIR", "Where the private nats-server keeps the queue");
   Opt(serve, "--nats-port", nats_port, "SHOAL_NATS_PORT", "Port of the private nats-server (0: a free one)");
+  BlobFlags serve_blob;
+  AddBlob(serve, serve_blob, "file://<data dir>/blobs");
 
   // --- gateway ---------------------------------------------------------------
   CLI::App* gateway = app.add_subcommand("gateway", "Run an HTTP gateway against a NATS cluster");
@@ -278,6 +313,8 @@ int main(int argc, char** argv) {
   gw.http.port = 8080;
   AddCommon(gateway, gw_common, true);
   AddGateway(gateway, gw);
+  BlobFlags gw_blob;
+  AddBlob(gateway, gw_blob, "nats://SHOAL_BLOBS");
 
   // --- worker ----------------------------------------------------------------
   CLI::App* worker = app.add_subcommand("worker", "Run a worker that pulls work from a NATS cluster");
@@ -288,6 +325,8 @@ int main(int argc, char** argv) {
   AddCommon(worker, wk_common, true);
   AddWorker(worker, wk);
   AddStream(worker, wk_stream);
+  BlobFlags wk_blob;
+  AddBlob(worker, wk_blob, "nats://SHOAL_BLOBS");
   Opt(worker, "--metrics-port", wk.metrics_port, "SHOAL_METRICS_PORT", "Serve /metrics on this port (-1: off)");
 
   // --- models ------------------------------------------------------------------
@@ -324,6 +363,12 @@ int main(int argc, char** argv) {
     if (!client.ok()) return Fail(client.status());
     MetricsRegistry metrics;
     if (Status s = ApplyWorkerFlags(serve_wk); !s.ok()) return Fail(s);
+    const std::string serve_store = "file://" + std::filesystem::absolute(data_dir).lexically_normal().string() + "/blobs";
+    auto serve_gw_blob = ApplyBlob(serve_blob, serve_store, /*sweeps=*/true);
+    if (!serve_gw_blob.ok()) return Fail(serve_gw_blob.status());
+    serve_gw.blob = *serve_gw_blob;
+    serve_wk.options.blob = *serve_gw_blob;
+    serve_wk.options.blob.sweep_interval_ms = 0;
     ApplyStream(serve_stream, &serve_wk.options.stream);
     auto w = Worker::Create(serve_wk.options, client->get(), &metrics);
     if (!w.ok()) return Fail(w.status());
@@ -355,6 +400,9 @@ int main(int argc, char** argv) {
     auto client = ConnectNats(gw_common.nats_url, "shoal-gateway");
     if (!client.ok()) return Fail(client.status());
     MetricsRegistry metrics;
+    auto gw_blob_opts = ApplyBlob(gw_blob, "nats://SHOAL_BLOBS", /*sweeps=*/true);
+    if (!gw_blob_opts.ok()) return Fail(gw_blob_opts.status());
+    gw.blob = *gw_blob_opts;
     auto g = Gateway::Create(gw, client->get(), &metrics);
     if (!g.ok()) return Fail(g.status());
     LOG_INFO("gateway", "listening on " << gw.http.host << ":" << (*g)->port() << ", NATS " << gw_common.nats_url);
@@ -372,6 +420,9 @@ int main(int argc, char** argv) {
     if (!client.ok()) return Fail(client.status());
     MetricsRegistry metrics;
     if (Status s = ApplyWorkerFlags(wk); !s.ok()) return Fail(s);
+    auto wk_blob_opts = ApplyBlob(wk_blob, "nats://SHOAL_BLOBS", /*sweeps=*/false);
+    if (!wk_blob_opts.ok()) return Fail(wk_blob_opts.status());
+    wk.options.blob = *wk_blob_opts;
     ApplyStream(wk_stream, &wk.options.stream);
     auto w = Worker::Create(wk.options, client->get(), &metrics);
     if (!w.ok()) return Fail(w.status());

@@ -1,5 +1,7 @@
 #include "gateway/dispatcher.h"
 
+#include "blob/blob_offload.h"
+
 #include <random>
 
 #include <nats/nats.h>
@@ -18,6 +20,7 @@ struct Dispatcher::Pending {
   int64_t deadline_unix_ms = 0;
   std::vector<bool> have;
   std::vector<wire::WorkReply> parts;
+  std::vector<std::string> blob_refs;  // offloaded chunks, deleted on completion; guarded by mu_
 };
 
 Status DispatcherOptions::Validate() const {
@@ -194,30 +197,66 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
   const std::string subject = wire::WorkSubject(model);
   const std::string deadline = std::to_string(deadline_unix_ms);
   for (int c = 0; c < count; ++c) {
-    const std::string& data = chunks[c].data;
-    std::string chunk_id = std::to_string(c) + "/" + std::to_string(count);
-    std::string ack_subject = ack_prefix_ + id + "." + std::to_string(c);
-    natsMsg* raw = nullptr;
-    natsStatus s = natsMsg_Create(&raw, subject.c_str(), ack_subject.c_str(), data.data(),
-                                  static_cast<int>(data.size()));
-    if (s != NATS_OK) {
-      Complete(id, Internal("cannot build work message"));
-      return;
+    if (offload_ && offload_->ShouldOffload(chunks[c].data.size())) {
+      // The put blocks on file or network I/O: never on this thread (an
+      // HTTP event loop). The message follows once the blob is stored.
+      const int64_t estimate = chunks[c].estimate;
+      offload_->PutAsync(std::move(chunks[c].data), "request",
+                         [this, id, c, count, subject, deadline, estimate](Result<BlobRef> ref) {
+                           if (!ref.ok()) {
+                             const Status& st = ref.status();
+                             Complete(id, Status(st.code() == StatusCode::kResourceExhausted ? st.code()
+                                                                                              : StatusCode::kUnavailable,
+                                                 "cannot store the request payload: " + st.message(),
+                                                 st.reason().empty() ? "blob_store_unavailable" : st.reason()));
+                             return;
+                           }
+                           std::string text = ref->ToString();
+                           bool live = false;
+                           {
+                             std::lock_guard<std::mutex> lock(mu_);
+                             auto it = pending_.find(id);
+                             if (it != pending_.end()) {
+                               live = true;
+                               it->second->blob_refs.push_back(text);
+                             }
+                           }
+                           if (!live) return offload_->DeleteAsync(std::move(text));  // answered meanwhile
+                           PublishChunk(id, c, count, subject, deadline, estimate, {}, text);
+                         });
+      continue;
     }
-    NatsMsgPtr msg(raw);
-    natsMsgHeader_Set(raw, wire::kHdrRequestId, id.c_str());
-    natsMsgHeader_Set(raw, wire::kHdrChunk, chunk_id.c_str());
-    natsMsgHeader_Set(raw, wire::kHdrDeadline, deadline.c_str());
-    natsMsgHeader_Set(raw, wire::kHdrTokenEstimate, std::to_string(chunks[c].estimate).c_str());
-    natsMsgHeader_Set(raw, wire::kHdrReplyTo, reply_subject_.c_str());
-    natsMsgHeader_Set(raw, wire::kHdrMsgId, (id + "." + std::to_string(c)).c_str());
-    Status ps = client_->PublishMsg(raw);
-    if (!ps.ok()) {
-      Complete(id, Unavailable("cannot publish work: " + ps.message(), "queue_unavailable"));
-      return;
-    }
-    published_->Inc();
+    if (!PublishChunk(id, c, count, subject, deadline, chunks[c].estimate, chunks[c].data, {})) return;
   }
+}
+
+bool Dispatcher::PublishChunk(const std::string& id, int c, int count, const std::string& subject,
+                              const std::string& deadline, int64_t estimate, std::string_view data,
+                              const std::string& payload_ref) {
+  std::string chunk_id = std::to_string(c) + "/" + std::to_string(count);
+  std::string ack_subject = ack_prefix_ + id + "." + std::to_string(c);
+  natsMsg* raw = nullptr;
+  natsStatus s = natsMsg_Create(&raw, subject.c_str(), ack_subject.c_str(), data.data(),
+                                static_cast<int>(data.size()));
+  if (s != NATS_OK) {
+    Complete(id, Internal("cannot build work message"));
+    return false;
+  }
+  NatsMsgPtr msg(raw);
+  natsMsgHeader_Set(raw, wire::kHdrRequestId, id.c_str());
+  natsMsgHeader_Set(raw, wire::kHdrChunk, chunk_id.c_str());
+  natsMsgHeader_Set(raw, wire::kHdrDeadline, deadline.c_str());
+  natsMsgHeader_Set(raw, wire::kHdrTokenEstimate, std::to_string(estimate).c_str());
+  natsMsgHeader_Set(raw, wire::kHdrReplyTo, reply_subject_.c_str());
+  natsMsgHeader_Set(raw, wire::kHdrMsgId, (id + "." + std::to_string(c)).c_str());
+  if (!payload_ref.empty()) natsMsgHeader_Set(raw, wire::kHdrPayloadRef, payload_ref.c_str());
+  Status ps = client_->PublishMsg(raw);
+  if (!ps.ok()) {
+    Complete(id, Unavailable("cannot publish work: " + ps.message(), "queue_unavailable"));
+    return false;
+  }
+  published_->Inc();
+  return true;
 }
 
 void Dispatcher::RequestLoad(const std::string& model) {
@@ -241,10 +280,32 @@ void Dispatcher::OnMessage(natsConnection*, natsSubscription*, natsMsg* raw, voi
   std::string_view subject = natsMsg_GetSubject(raw);
   std::string_view data(natsMsg_GetData(raw), static_cast<size_t>(natsMsg_GetDataLength(raw)));
   if (subject == self->reply_subject_) {
+    const char* ref = nullptr;
+    if (natsMsgHeader_Get(raw, wire::kHdrPayloadRef, &ref) == NATS_OK && ref != nullptr && *ref != '\0') {
+      const char* id = nullptr;
+      if (natsMsgHeader_Get(raw, wire::kHdrRequestId, &id) != NATS_OK || id == nullptr) id = "";
+      self->HandleReplyRef(ref, id);
+      return;
+    }
     self->HandleReply(data);
   } else if (subject.substr(0, self->ack_prefix_.size()) == self->ack_prefix_) {
     self->HandlePubAck(subject.substr(self->ack_prefix_.size()), raw);
   }
+}
+
+void Dispatcher::HandleReplyRef(std::string ref, std::string request_id) {
+  if (!offload_) {
+    LOG_WARN("gateway", "a reply came by reference but this gateway has no blob store (--blob-store)");
+    return;  // the request ends at its deadline
+  }
+  // Fetching blocks: not on the NATS callback thread.
+  offload_->Post([this, ref = std::move(ref), request_id = std::move(request_id)] {
+    auto data = offload_->Fetch(ref);
+    offload_->DeleteAsync(ref);
+    if (data.ok()) return HandleReply(*data);
+    LOG_WARN("gateway", "reply payload " << ref << ": " << data.status().ToString());
+    if (!request_id.empty()) Complete(request_id, data.status());
+  });
 }
 
 void Dispatcher::HandlePubAck(std::string_view tail, natsMsg* msg) {
@@ -324,12 +385,14 @@ void Dispatcher::HandleReply(std::string_view data) {
 
 void Dispatcher::Complete(const std::string& id, Parts result) {
   std::shared_ptr<Pending> p;
+  std::vector<std::string> blob_refs;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_.find(id);
     if (it == pending_.end()) return;  // already completed
     p = std::move(it->second);
     pending_.erase(it);
+    blob_refs.swap(p->blob_refs);
     auto range = deadlines_.equal_range(p->deadline_unix_ms);
     for (auto d = range.first; d != range.second; ++d)
       if (d->second == id) {
@@ -338,6 +401,8 @@ void Dispatcher::Complete(const std::string& id, Parts result) {
       }
   }
   p->done(std::move(result));
+  // The request is answered: its offloaded payloads can go.
+  for (auto& ref : blob_refs) offload_->DeleteAsync(std::move(ref));
 }
 
 void Dispatcher::TimerLoop() {

@@ -26,6 +26,8 @@
 
 namespace shoal {
 
+class BlobOffload;
+
 // One request for a token model (embed, score or classify) as the routes
 // parsed it. Its result is one row of floats per input.
 struct EmbedJob {
@@ -102,6 +104,9 @@ class Dispatcher final : public WorkSubmitter {
   ~Dispatcher() override;
   void SubmitEmbed(EmbedJob job, EmbedCallback done) override;
   void SubmitItems(ItemJob job, ItemCallback done, PartialCallback partial = {}) override;
+  // Offloads work messages over its threshold (docs/blob-store.md); must
+  // outlive the dispatcher's use of it. Call before the first Submit.
+  void SetBlobOffload(BlobOffload* offload) { offload_ = offload; }
   // Queues a load hint on the model's subject (de-duplicated per 10 s).
   void RequestLoad(const std::string& model) override;
   // Fails every pending request with Unavailable and stops the timer.
@@ -121,8 +126,16 @@ class Dispatcher final : public WorkSubmitter {
   // Registers the request and publishes its chunks; `done` gets the parts.
   void Submit(const std::string& model, int64_t deadline_unix_ms, std::vector<Chunk> chunks,
               std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item);
+  // Publishes chunk `c` (its body `data`, or empty with `payload_ref` set);
+  // on failure completes the request with the error and returns false.
+  bool PublishChunk(const std::string& id, int c, int count, const std::string& subject,
+                    const std::string& deadline, int64_t estimate, std::string_view data,
+                    const std::string& payload_ref);
   static void OnMessage(natsConnection*, natsSubscription*, natsMsg*, void* closure);
   void HandleReply(std::string_view data);
+  // A reply stored in the blob store: fetched, handled and deleted on an
+  // offload thread.
+  void HandleReplyRef(std::string ref, std::string request_id);
   void HandlePubAck(std::string_view subject_tail, natsMsg* msg);
   // Removes the request and completes it with `result`, once.
   void Complete(const std::string& id, Parts result);
@@ -130,6 +143,7 @@ class Dispatcher final : public WorkSubmitter {
 
   DispatcherOptions options_;
   NatsClient* client_ = nullptr;
+  BlobOffload* offload_ = nullptr;
   const Clock* clock_ = nullptr;
   std::string id_;
   std::string reply_subject_;   // _SHOAL.gw.<id>.r

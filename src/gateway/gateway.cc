@@ -6,6 +6,7 @@ Status GatewayOptions::Validate() const {
   RETURN_IF_ERROR(http.Validate());
   RETURN_IF_ERROR(dispatcher.Validate());
   RETURN_IF_ERROR(control.Validate());
+  RETURN_IF_ERROR(blob.Validate());
   return router.Validate();
 }
 
@@ -14,6 +15,10 @@ Result<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& options, 
   RETURN_IF_ERROR(options.Validate());
   auto g = std::unique_ptr<Gateway>(new Gateway());
   ASSIGN_OR_RETURN(g->dispatcher_, Dispatcher::Create(options.dispatcher, client, metrics));
+  if (!options.blob.store_url.empty()) {
+    ASSIGN_OR_RETURN(g->blob_, BlobOffload::Create(options.blob, client, metrics));
+    g->dispatcher_->SetBlobOffload(g->blob_.get());
+  }
   ASSIGN_OR_RETURN(g->fleet_, FleetView::Create(options.fleet, client, metrics));
   FleetView* fleet = g->fleet_.get();
   g->router_ = std::make_unique<Router>(options.router, g->dispatcher_.get(),
@@ -37,6 +42,7 @@ void Gateway::Stop() {
   if (http_) http_->Stop();
   if (control_) control_->Stop();
   if (dispatcher_) dispatcher_->Stop();
+  blob_.reset();  // after Stop(): no new puts are queued
   if (fleet_) fleet_->Stop();
 }
 

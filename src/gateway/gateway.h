@@ -5,6 +5,7 @@
 
 #include <memory>
 
+#include "blob/blob_offload.h"
 #include "common/metrics.h"
 #include "common/status.h"
 #include "gateway/dispatcher.h"
@@ -22,6 +23,8 @@ struct GatewayOptions {
   RouterOptions router;
   FleetViewOptions fleet;
   FleetControlOptions control;
+  // Offload of large work messages; store_url empty: off.
+  BlobOffloadOptions blob;
   Status Validate() const;
 };
 
@@ -38,6 +41,9 @@ class Gateway {
  private:
   Gateway() = default;
   std::unique_ptr<Dispatcher> dispatcher_;
+  // Declared after the dispatcher: destroyed (its queued puts and deletes
+  // finished) while the dispatcher its callbacks use still exists.
+  std::unique_ptr<BlobOffload> blob_;
   std::unique_ptr<FleetView> fleet_;
   std::unique_ptr<FleetControl> control_;
   std::unique_ptr<Router> router_;

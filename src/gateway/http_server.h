@@ -19,7 +19,7 @@ struct HttpServerOptions {
   int port = 0;                    // 0 = pick a free port; see port()
   int threads = 2;                 // io threads sharing one io_context
   // A larger body is answered 413 and the connection closed.
-  size_t max_body_bytes = 8 << 20;
+  size_t max_body_bytes = size_t{256} << 20;
   // How long a keep-alive connection may wait for the first byte of its
   // next request.
   int64_t idle_timeout_ms = 60000;

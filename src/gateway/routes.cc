@@ -298,7 +298,7 @@ Router::Router(const RouterOptions& options, WorkSubmitter* submitter, FleetSnap
     : options_(options), submitter_(submitter), fleet_(std::move(fleet)), metrics_(metrics),
       clock_(clock ? clock : SystemClock::Get()) {
   for (const char* route : {"/v1/embeddings", "/v1/encode", "/v1/rerank", "/v1/score", "/v1/classify",
-                            "/v1/models", "/v1/models/{model}"})
+                            "/v1/ocr", "/v1/models", "/v1/models/{model}"})
     latency_[route] = metrics_->GetHistogram("shoal_http_request_seconds", "HTTP request latency by route.",
                                              {{"route", route}}, LatencyBuckets());
 }
@@ -351,6 +351,15 @@ void Router::Handle(HttpRequest&& req, HttpResponder respond) {
     std::string model = path.substr(kEncode.size());
     if (model.empty()) return done(ErrorResponse(InvalidArgument("missing model in path /v1/encode/{model}")));
     return Encode(model, std::move(req), std::move(done));
+  }
+  static const std::string kOcr = "/v1/ocr/";
+  if (path.compare(0, kOcr.size(), kOcr) == 0) {
+    auto done = Instrument("/v1/ocr", std::move(respond));
+    if (!method_is("POST")) return done(not_allowed("POST"));
+    std::string model;
+    if (!PercentDecode(path.substr(kOcr.size()), &model) || model.empty())
+      return done(ErrorResponse(InvalidArgument("missing or bad model in path /v1/ocr/{model}", "invalid_model")));
+    return Ocr(model, std::move(req), std::move(done));
   }
   if (path == "/v1/models") {
     auto done = Instrument("/v1/models", std::move(respond));
@@ -416,7 +425,7 @@ Status Router::CheckModel(const std::string& model, const std::string& task, Cat
   if (it->second.task != task) {
     static const std::map<std::string, std::string> kRoute = {
         {"embed", "/v1/embeddings or /v1/encode/{model}"}, {"score", "/v1/rerank or /v1/score"},
-        {"classify", "/v1/classify"}};
+        {"classify", "/v1/classify"}, {"ocr", "/v1/ocr/{model}"}};
     auto route = kRoute.find(it->second.task);
     return InvalidArgument("model '" + model + "' is a '" + it->second.task + "' model, not '" + task + "'" +
                                (route == kRoute.end() ? "" : "; use " + route->second),

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/clock.h"
 #include "common/metrics.h"
@@ -51,6 +52,11 @@ class Router {
   void Rerank(HttpRequest&& req, HttpResponder respond);
   void Score(HttpRequest&& req, HttpResponder respond);
   void Classify(HttpRequest&& req, HttpResponder respond);
+  // POST /v1/ocr/{model} (ocr_routes.cc).
+  void Ocr(const std::string& model, HttpRequest&& req, HttpResponder respond);
+  // The encoded images of an OCR request in any of its body forms; moves
+  // a raw image body out of `req`. Checks count and format magic.
+  Status ImagesFromRequest(HttpRequest& req, std::vector<std::string>* images) const;
   // Checks job->model (its task must be `task`, see CheckModel) and the
   // request's deadline, and fills job->task and job->deadline_unix_ms.
   Status Admit(const HttpRequest& req, const std::string& task, EmbedJob* job, CatalogModel* entry) const;

@@ -1,3 +1,5 @@
+#include <nats/nats.h>
+
 #include "worker/model_server.h"
 
 #include <algorithm>
@@ -124,7 +126,32 @@ void ModelServer::Release(std::vector<std::unique_ptr<PendingWork>> work, const 
 }
 
 Status ModelServer::Reply(const wire::WorkReply& reply, const std::string& reply_to) {
-  Status s = d_.client->Publish(reply_to, wire::EncodeWorkReply(reply));
+  std::string encoded = wire::EncodeWorkReply(reply);
+  if (d_.blob && d_.blob->ShouldOffload(encoded.size())) return ReplyByRef(encoded, reply, reply_to);
+  Status s = d_.client->Publish(reply_to, encoded);
+  if (!s.ok()) LOG_WARN("worker", "reply to " << reply_to << " failed: " << s.ToString());
+  return s;
+}
+
+Status ModelServer::ReplyByRef(const std::string& encoded, const wire::WorkReply& reply,
+                               const std::string& reply_to) {
+  auto ref = d_.blob->Put(encoded, "reply");
+  if (!ref.ok()) {
+    wire::WorkReply error;
+    error.request_id = reply.request_id;
+    error.chunk_index = reply.chunk_index;
+    error.worker_id = reply.worker_id;
+    error.status = Status(StatusCode::kBadGateway, "cannot store the result: " + ref.status().message(),
+                          ref.status().reason());
+    return d_.client->Publish(reply_to, wire::EncodeWorkReply(error));
+  }
+  natsMsg* raw = nullptr;
+  if (natsMsg_Create(&raw, reply_to.c_str(), nullptr, nullptr, 0) != NATS_OK) return Internal("cannot build reply");
+  NatsMsgPtr msg(raw);
+  natsMsgHeader_Set(raw, wire::kHdrPayloadRef, ref->ToString().c_str());
+  // So the gateway can fail the request at once if the payload is lost.
+  natsMsgHeader_Set(raw, wire::kHdrRequestId, reply.request_id.c_str());
+  Status s = d_.client->PublishMsg(raw);
   if (!s.ok()) LOG_WARN("worker", "reply to " << reply_to << " failed: " << s.ToString());
   return s;
 }
@@ -284,7 +311,24 @@ void ModelServer::FetchLoop() {
         Fail(delivery, *headers, DeadlineExceeded("deadline passed before the work was run"));
         continue;
       }
-      auto work = Prepare(delivery.Data());
+      std::string fetched;  // an offloaded payload, fetched here on the fetcher thread
+      std::string_view data = delivery.Data();
+      if (!headers->payload_ref.empty()) {
+        if (!d_.blob) {
+          Fail(delivery, *headers,
+               Status(StatusCode::kBadGateway, "the work payload is in a blob store and this worker has none (--blob-store)",
+                      "blob_store_missing"));
+          continue;
+        }
+        auto got = d_.blob->Fetch(headers->payload_ref);
+        if (!got.ok()) {
+          Fail(delivery, *headers, got.status());
+          continue;
+        }
+        fetched = std::move(got).value();
+        data = fetched;
+      }
+      auto work = Prepare(data);
       if (!work.ok()) {
         Fail(delivery, *headers, work.status());
         continue;

@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 
+#include "blob/blob_offload.h"
 #include "common/clock.h"
 #include "common/metrics.h"
 #include "common/model_config.h"
@@ -39,6 +40,9 @@ struct ModelServerDeps {
   int64_t ack_wait_ms = 30000;
   int max_deliver = 5;
   DeviceScheduler* scheduler = nullptr;           // null: run without turns
+  // Fetches payloads of work messages that carry a reference and offloads
+  // large replies; null: a referenced payload is answered blob_store_missing.
+  BlobOffload* blob = nullptr;
   std::function<void()> on_batch;                 // after each batch (marks the model used)
   std::function<int64_t()> backlog;               // messages waiting for this model in the stream
   int64_t loaded_unix_ms = 0;                     // work queued before this waited for the load
@@ -60,6 +64,9 @@ class ModelServer final : public ModelAttachment {
   Result<std::unique_ptr<PendingWork>> Prepare(std::string_view body) const;
 
  private:
+  // Stores an encoded reply too large for a message in the blob store and
+  // sends only its reference (header Shoal-Payload-Ref, empty body).
+  Status ReplyByRef(const std::string& encoded, const wire::WorkReply& reply, const std::string& reply_to);
   void FetchLoop();
   void ExecLoop();
   void RunBatch(std::vector<std::unique_ptr<PendingWork>> batch);

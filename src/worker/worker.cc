@@ -93,6 +93,11 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
 
   RETURN_IF_ERROR(EnsureWorkStream(*client, options.stream));
   ASSIGN_OR_RETURN(w->workers_kv_, KvBucket::Open(*client, wire::kWorkersBucket, options.heartbeat_ttl_ms));
+  if (!options.blob.store_url.empty()) {
+    BlobOffloadOptions bo = options.blob;
+    bo.sweep_interval_ms = 0;  // gateways sweep
+    ASSIGN_OR_RETURN(w->blob_, BlobOffload::Create(bo, client, metrics, clock));
+  }
   ASSIGN_OR_RETURN(w->models_kv_, KvBucket::Open(*client, wire::kModelsBucket, 0));
   ASSIGN_OR_RETURN(w->placement_kv_, KvBucket::Open(*client, wire::kPlacementBucket, options.claim_ttl_ms));
 
@@ -277,6 +282,7 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   deps.ack_wait_ms = options_.consumer.ack_wait_ms;
   deps.max_deliver = options_.consumer.max_deliver;
   deps.scheduler = scheduler_.get();
+  deps.blob = blob_.get();
   const std::string name = c.name;
   // The manager itself, not manager_: Stop() resets manager_ (null) while
   // the manager's destructor still stops this server.

@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "blob/blob_offload.h"
 #include "common/clock.h"
 #include "common/metrics.h"
 #include "common/model_config.h"
@@ -71,6 +72,9 @@ struct WorkerOptions {
   int64_t fetch_poll_ms = 500;       // long-poll when idle
   int64_t heartbeat_interval_ms = 2000;
   int64_t heartbeat_ttl_ms = 6000;
+  // Fetches work messages that carry a payload reference and offloads
+  // large replies (docs/blob-store.md); store_url empty: off.
+  BlobOffloadOptions blob;
   Status Validate() const;
 };
 
@@ -143,6 +147,8 @@ class Worker {
   std::unique_ptr<KvBucket> workers_kv_;
   std::unique_ptr<KvBucket> models_kv_;
   std::unique_ptr<KvBucket> placement_kv_;
+  // Before the manager: the model servers using it stop first.
+  std::unique_ptr<BlobOffload> blob_;
   std::unique_ptr<DeviceScheduler> scheduler_;
   std::unique_ptr<ModelManager> manager_;
   ModelManager* manager_raw_ = nullptr;  // the same, for threads that outlive manager_'s reset

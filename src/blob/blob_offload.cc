@@ -1,0 +1,129 @@
+#include "blob/blob_offload.h"
+
+#include "common/log.h"
+
+namespace shoal {
+
+Status BlobOffloadOptions::Validate() const {
+  if (threshold_bytes < 0) return InvalidArgument("blob threshold must be >= 0");
+  if (threads < 1) return InvalidArgument("blob offload threads must be >= 1");
+  if (sweep_interval_ms < 0) return InvalidArgument("blob sweep interval must be >= 0");
+  if (ttl_ms < 1) return InvalidArgument("blob TTL must be positive");
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<BlobOffload>> BlobOffload::Create(const BlobOffloadOptions& options, NatsClient* nats,
+                                                         MetricsRegistry* metrics, const Clock* clock) {
+  RETURN_IF_ERROR(options.Validate());
+  if (options.store_url.empty()) return InvalidArgument("blob offload needs a store URL");
+  auto o = std::unique_ptr<BlobOffload>(new BlobOffload());
+  o->options_ = options;
+  o->metrics_ = metrics;
+  ASSIGN_OR_RETURN(o->store_, OpenBlobStore(options.store_url, nats, clock));
+  o->swept_ = metrics->GetCounter("shoal_blob_swept_total", "Orphan blobs removed by the TTL sweep.");
+  o->fetched_ = metrics->GetCounter("shoal_blob_fetched_total", "Offloaded payloads fetched from the blob store.");
+  for (int i = 0; i < options.threads; ++i) o->threads_.emplace_back([p = o.get()] { p->Loop(); });
+  if (options.sweep_interval_ms > 0) o->sweeper_ = std::thread([p = o.get()] { p->SweepLoop(); });
+  return o;
+}
+
+BlobOffload::~BlobOffload() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+  if (sweeper_.joinable()) sweeper_.join();
+}
+
+void BlobOffload::Loop() {
+  while (true) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stopping, and nothing left to do
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    task();
+  }
+}
+
+void BlobOffload::SweepLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    cv_.wait_for(lock, std::chrono::milliseconds(options_.sweep_interval_ms), [&] { return stop_; });
+    if (stop_) return;
+    lock.unlock();
+    auto n = SweepNow();
+    if (!n.ok()) LOG_WARN("blob", "sweep failed: " << n.status().ToString());
+    lock.lock();
+  }
+}
+
+Result<size_t> BlobOffload::SweepNow() {
+  ASSIGN_OR_RETURN(size_t n, store_->Sweep(options_.ttl_ms));
+  swept_->Inc(static_cast<int64_t>(n));
+  if (n > 0) LOG_INFO("blob", "swept " << n << " orphan blob(s) older than " << options_.ttl_ms << " ms");
+  return n;
+}
+
+void BlobOffload::PutAsync(std::string data, std::string kind, std::function<void(Result<BlobRef>)> done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back([this, data = std::move(data), kind = std::move(kind), done = std::move(done)] {
+      done(Put(data, kind));
+    });
+  }
+  cv_.notify_one();
+}
+
+void BlobOffload::Post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+void BlobOffload::DeleteAsync(std::string ref_text) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back([this, ref_text = std::move(ref_text)] {
+      if (Status st = Delete(ref_text); !st.ok()) LOG_WARN("blob", "delete of " << ref_text << " failed: " << st.ToString());
+    });
+  }
+  cv_.notify_one();
+}
+
+Result<BlobRef> BlobOffload::Put(std::string_view data, const std::string& kind) {
+  auto ref = store_->Put(data);
+  if (ref.ok()) {
+    metrics_->GetCounter("shoal_blob_offloaded_total", "Payloads moved through the blob store.", {{"kind", kind}})->Inc();
+    metrics_->GetCounter("shoal_blob_offloaded_bytes_total", "Bytes moved through the blob store.", {{"kind", kind}})
+        ->Inc(static_cast<int64_t>(data.size()));
+  }
+  return ref;
+}
+
+Result<std::string> BlobOffload::Fetch(std::string_view ref_text) {
+  auto ref = ParseBlobRef(ref_text);
+  if (!ref.ok()) return Status(StatusCode::kBadGateway, "payload reference: " + ref.status().message(), ref.status().reason());
+  auto data = store_->Get(*ref);
+  if (!data.ok()) {
+    const Status& st = data.status();
+    return Status(StatusCode::kBadGateway, "offloaded payload " + ref->name + ": " + st.message(),
+                  st.reason().empty() ? std::string(kBlobNotFound) : st.reason());
+  }
+  fetched_->Inc();
+  return data;
+}
+
+Status BlobOffload::Delete(std::string_view ref_text) {
+  ASSIGN_OR_RETURN(BlobRef ref, ParseBlobRef(ref_text));
+  return store_->Delete(ref.name);
+}
+
+}  // namespace shoal

@@ -1,0 +1,101 @@
+// BlobOffload: moves payloads too large for a queue message through a blob
+// store. The gateway offloads encoded work messages above a threshold (the
+// message then carries only the reference, header Shoal-Payload-Ref, and an
+// empty body), deletes them once the request is answered and sweeps orphans
+// on a timer; the worker fetches referenced payloads before decoding and
+// offloads large replies the same way. Puts and deletes the gateway asks for
+// run on the offload's own threads, never on the caller's (an event loop).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "blob/blob_store.h"
+#include "common/metrics.h"
+#include "common/status.h"
+
+namespace shoal {
+
+struct BlobOffloadOptions {
+  // Store URL (see OpenBlobStore); empty: offload is off.
+  std::string store_url;
+  // Payloads (encoded work messages and replies) larger than this go to
+  // the store. NATS' default max_payload is 1 MiB.
+  int64_t threshold_bytes = int64_t{1} << 20;
+  // Threads for asynchronous puts and deletes.
+  int threads = 2;
+  // Sweep(ttl_ms) every sweep_interval_ms; 0: no sweeping (workers).
+  int64_t sweep_interval_ms = 0;
+  // Blobs older than this are orphans; far above the longest deadline.
+  int64_t ttl_ms = int64_t{3600} * 1000;
+  Status Validate() const;
+};
+
+class BlobOffload {
+ public:
+  // Opens the store; `nats` (for nats:// stores) and `metrics` must outlive
+  // the offload. Starts the threads (and the sweeper when asked).
+  static Result<std::unique_ptr<BlobOffload>> Create(const BlobOffloadOptions& options, NatsClient* nats,
+                                                     MetricsRegistry* metrics, const Clock* clock = nullptr);
+  // Finishes queued puts and deletes, then joins every thread.
+  ~BlobOffload();
+  BlobOffload(const BlobOffload&) = delete;
+  BlobOffload& operator=(const BlobOffload&) = delete;
+
+  bool ShouldOffload(size_t bytes) const { return static_cast<int64_t>(bytes) > options_.threshold_bytes; }
+
+  // Stores `data` on an offload thread and calls `done` there with the
+  // reference. Never blocks the caller. `kind` labels the metric
+  // ("request" | "reply").
+  void PutAsync(std::string data, std::string kind, std::function<void(Result<BlobRef>)> done);
+  // Runs `task` on an offload thread (blocking store calls of a caller that
+  // must not block, e.g. fetching a reply on a NATS callback thread).
+  void Post(std::function<void()> task);
+  // Deletes the blob on an offload thread; errors are logged.
+  void DeleteAsync(std::string ref_text);
+
+  // Blocking forms for callers on their own threads (the worker).
+  Result<BlobRef> Put(std::string_view data, const std::string& kind);
+  // Fetches and verifies the payload of a reference's text. Errors keep the
+  // store's reason (blob_not_found, blob_corrupt, blob_ref_invalid,
+  // blob_store_mismatch) with code BadGateway: a missing or tampered payload
+  // is a failure inside the cluster, not the client's.
+  Result<std::string> Fetch(std::string_view ref_text);
+  Status Delete(std::string_view ref_text);
+
+  // One sweep now; returns how many blobs it removed.
+  Result<size_t> SweepNow();
+
+  BlobStore* store() const { return store_.get(); }
+  const BlobOffloadOptions& options() const { return options_; }
+
+ private:
+  BlobOffload() = default;
+  void Loop();
+  void SweepLoop();
+
+  BlobOffloadOptions options_;
+  std::unique_ptr<BlobStore> store_;
+  MetricsRegistry* metrics_ = nullptr;
+
+  std::mutex mu_;  // guards tasks_, stop_
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+  std::thread sweeper_;
+
+  Counter* swept_ = nullptr;
+  Counter* fetched_ = nullptr;
+};
+
+}  // namespace shoal

@@ -1,0 +1,99 @@
+#include "runtime/ocr/tesseract_runtime.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include <msgpack.hpp>
+
+namespace shoal {
+namespace {
+
+int64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size_pages = 0, resident_pages = 0;
+  if (!(statm >> size_pages >> resident_pages)) return 0;
+  return resident_pages * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
+
+void PackString(msgpack::packer<msgpack::sbuffer>& pk, std::string_view s) {
+  pk.pack_str(static_cast<uint32_t>(s.size()));
+  pk.pack_str_body(s.data(), static_cast<uint32_t>(s.size()));
+}
+
+}  // namespace
+
+std::string EncodeOcrResult(const OcrResult& result) {
+  msgpack::sbuffer buf;
+  msgpack::packer<msgpack::sbuffer> pk(buf);
+  pk.pack_map(4);
+  PackString(pk, "text");
+  PackString(pk, result.text);
+  PackString(pk, "words");
+  pk.pack_array(static_cast<uint32_t>(result.words.size()));
+  for (const OcrWord& w : result.words) {
+    pk.pack_map(4);
+    PackString(pk, "text");
+    PackString(pk, w.text);
+    PackString(pk, "box");
+    pk.pack_array(4);
+    pk.pack(w.box.x);
+    pk.pack(w.box.y);
+    pk.pack(w.box.w);
+    pk.pack(w.box.h);
+    PackString(pk, "confidence");
+    pk.pack(w.confidence);
+    PackString(pk, "line");
+    pk.pack(w.line);
+  }
+  PackString(pk, "width");
+  pk.pack(result.width);
+  PackString(pk, "height");
+  pk.pack(result.height);
+  return std::string(buf.data(), buf.size());
+}
+
+TesseractRuntime::TesseractRuntime() = default;
+TesseractRuntime::~TesseractRuntime() = default;
+
+Status TesseractRuntime::Load(const ModelConfig& config) {
+  if (config.task != "ocr")
+    return InvalidArgument("runtime 'tesseract' serves task 'ocr', not '" + config.task + "'", "wrong_task");
+  ASSIGN_OR_RETURN(OcrOptions options, ParseOcrOptions(config.config_json, config.dir));
+  const int64_t before = ResidentBytes();
+  ASSIGN_OR_RETURN(engine_, TesseractOcr::Create(options));
+  memory_bytes_ = std::max<int64_t>(ResidentBytes() - before, 0);
+  return Status::Ok();
+}
+
+Result<Embeddings> TesseractRuntime::Run(const TokenBatch& batch) {
+  (void)batch;
+  return Unprocessable("an OCR model takes images, not token batches", "wrong_task");
+}
+
+Result<std::vector<std::string>> TesseractRuntime::RunItems(const std::vector<std::string>& items,
+                                                            const PartialSink& partial) {
+  (void)partial;
+  if (!engine_) return Unavailable("the OCR model is not loaded");
+  std::vector<std::string> out;
+  out.reserve(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    Result<OcrResult> r = engine_->Recognize(items[i]);
+    if (!r.ok()) {
+      const Status& st = r.status();
+      std::string where = items.size() > 1 ? "image " + std::to_string(i) + ": " : "";
+      return Status(st.code(), where + st.message(), std::string(st.reason()));
+    }
+    out.push_back(EncodeOcrResult(*r));
+  }
+  return out;
+}
+
+void TesseractRuntime::Unload() {
+  engine_.reset();
+  memory_bytes_ = 0;
+}
+
+}  // namespace shoal

@@ -1,0 +1,178 @@
+// Integration tests of OCR on the pull path with blob offload: a real
+// nats-server -js, the real Worker serving the demo OCR model on Tesseract,
+// the gateway's Dispatcher in-process, and a local-directory blob store
+// shared by both. Also work messages whose payload reference is missing or
+// tampered with, published by hand.
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <sstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nats/nats.h>
+
+#include "blob/blob_offload.h"
+#include "gateway/dispatcher.h"
+#include "support/test_env.h"
+#include "wire/work_message.h"
+#include "worker/worker.h"
+
+namespace shoal {
+namespace {
+
+using shoal::testing::ModelsDir;
+using shoal::testing::TestNatsServer;
+using namespace std::chrono_literals;
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+class OcrOffloadTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    NatsOptions no;
+    no.url = server_.url();
+    auto c = NatsClient::Connect(no);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    client_ = std::move(c).value();
+    store_url_ = "file://" + blobs_.path() + "/blobs";
+    WorkerOptions wo;
+    wo.model_repository = ModelsDir();
+    wo.models = {"ocr-eng"};
+    wo.intra_op_threads = 1;
+    wo.blob.store_url = store_url_;
+    auto w = Worker::Create(wo, client_.get(), &metrics_);
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    worker_ = std::move(w).value();
+    BlobOffloadOptions bo;
+    bo.store_url = store_url_;
+    bo.threshold_bytes = 0;  // every request goes through the store
+    auto b = BlobOffload::Create(bo, client_.get(), &metrics_);
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    offload_ = std::move(b).value();
+    auto d = Dispatcher::Create(DispatcherOptions{}, client_.get(), &metrics_);
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    dispatcher_ = std::move(d).value();
+    dispatcher_->SetBlobOffload(offload_.get());
+  }
+  void TearDown() override {
+    if (dispatcher_) dispatcher_->Stop();
+    offload_.reset();
+  }
+
+  size_t BlobFiles() const {
+    size_t n = 0;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(blobs_.path() + "/blobs", ec)) n += e.is_regular_file();
+    return n;
+  }
+
+  // Publishes a work message for ocr-eng whose body is only `ref` and
+  // returns the worker's reply.
+  wire::WorkReply SendRef(const std::string& ref) {
+    struct Inbox {
+      std::promise<std::string> got;
+      std::once_flag once;
+    } inbox;
+    const std::string subject = client_->NewInbox();
+    auto sub = client_->Subscribe(
+        subject,
+        [](natsConnection*, natsSubscription*, natsMsg* m, void* closure) {
+          auto* in = static_cast<Inbox*>(closure);
+          std::string data(natsMsg_GetData(m), static_cast<size_t>(natsMsg_GetDataLength(m)));
+          natsMsg_Destroy(m);
+          std::call_once(in->once, [&] { in->got.set_value(data); });
+        },
+        &inbox);
+    EXPECT_TRUE(sub.ok());
+    natsMsg* raw = nullptr;
+    EXPECT_EQ(natsMsg_Create(&raw, wire::WorkSubject("ocr-eng").c_str(), nullptr, nullptr, 0), NATS_OK);
+    NatsMsgPtr msg(raw);
+    const std::string deadline = std::to_string(SystemClock::Get()->NowUnixMs() + 60000);
+    natsMsgHeader_Set(raw, wire::kHdrRequestId, "by-hand");
+    natsMsgHeader_Set(raw, wire::kHdrChunk, "0/1");
+    natsMsgHeader_Set(raw, wire::kHdrDeadline, deadline.c_str());
+    natsMsgHeader_Set(raw, wire::kHdrReplyTo, subject.c_str());
+    natsMsgHeader_Set(raw, wire::kHdrPayloadRef, ref.c_str());
+    EXPECT_TRUE(client_->PublishMsg(raw).ok());
+    auto f = inbox.got.get_future();
+    if (f.wait_for(60s) != std::future_status::ready) {
+      ADD_FAILURE() << "no reply";
+      return {};
+    }
+    auto reply = wire::DecodeWorkReply(f.get());
+    EXPECT_TRUE(reply.ok());
+    return reply.ok() ? *reply : wire::WorkReply{};
+  }
+
+  std::string StoredWork() {
+    wire::WorkBody body;
+    body.task = "ocr";
+    body.model = "ocr-eng";
+    body.items = {Slurp(shoal::testing::SourceDir() + "/testdata/ocr/eng.png")};
+    auto ref = offload_->Put(wire::EncodeWorkBody(body), "request");
+    EXPECT_TRUE(ref.ok());
+    return ref.ok() ? ref->ToString() : "";
+  }
+
+  TestNatsServer server_;
+  shoal::testing::TempDir blobs_;
+  std::string store_url_;
+  MetricsRegistry metrics_;
+  std::unique_ptr<NatsClient> client_;
+  std::unique_ptr<Worker> worker_;
+  std::unique_ptr<BlobOffload> offload_;
+  std::unique_ptr<Dispatcher> dispatcher_;
+};
+
+TEST_F(OcrOffloadTest, OffloadedRequestIsAnsweredAndItsBlobDeleted) {
+  ItemJob job;
+  job.task = "ocr";
+  job.model = "ocr-eng";
+  job.items = {Slurp(shoal::testing::SourceDir() + "/testdata/ocr/eng.png")};
+  job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 60000;
+  std::promise<Result<ItemResult>> p;
+  dispatcher_->SubmitItems(std::move(job), [&p](Result<ItemResult> r) { p.set_value(std::move(r)); });
+  auto r = p.get_future().get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->items.size(), 1u);
+  EXPECT_NE(r->items[0].find("quick"), std::string::npos);
+  EXPECT_NE(metrics_.Render().find("shoal_blob_offloaded_total{kind=\"request\"} 1"), std::string::npos);
+  EXPECT_NE(metrics_.Render().find("shoal_blob_fetched_total 1"), std::string::npos);
+  for (int i = 0; i < 200 && BlobFiles() > 0; ++i) std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(BlobFiles(), 0u);
+}
+
+TEST_F(OcrOffloadTest, TamperedPayloadIsBlobCorrupt) {
+  const std::string ref = StoredWork();
+  auto parsed = ParseBlobRef(ref);
+  ASSERT_TRUE(parsed.ok());
+  const std::string path = blobs_.path() + "/blobs/" + parsed->name;
+  std::string bytes = Slurp(path);
+  ASSERT_FALSE(bytes.empty());
+  bytes[bytes.size() / 2] ^= 0x5a;
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  auto reply = SendRef(ref);
+  EXPECT_EQ(reply.request_id, "by-hand");
+  EXPECT_EQ(reply.status.code(), StatusCode::kBadGateway);
+  EXPECT_EQ(reply.status.reason(), kBlobCorrupt);
+}
+
+TEST_F(OcrOffloadTest, MissingPayloadIsBlobNotFound) {
+  const std::string ref = StoredWork();
+  ASSERT_TRUE(offload_->Delete(ref).ok());
+  auto reply = SendRef(ref);
+  EXPECT_EQ(reply.status.code(), StatusCode::kBadGateway);
+  EXPECT_EQ(reply.status.reason(), kBlobNotFound);
+  auto bad = SendRef("file://local/..?size=1&sha256=zz");
+  EXPECT_EQ(bad.status.code(), StatusCode::kBadGateway);
+  EXPECT_EQ(bad.status.reason(), kBlobRefInvalid);
+}
+
+}  // namespace
+}  // namespace shoal
