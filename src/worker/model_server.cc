@@ -79,6 +79,7 @@ ModelServer::ModelServer(ModelServerDeps deps)
                                        LatencyBuckets());
   runtime_unavailable_ = m->GetCounter("shoal_worker_runtime_unavailable_total",
                                       "Batches handed back to the queue because the runtime was unavailable.", l);
+  pushed_ = m->GetCounter("shoal_worker_pushed_total", "Work messages pushed straight to this worker (push dispatch).", l);
   turn_wait_seconds_ = m->GetHistogram("shoal_worker_device_wait_seconds",
                                        "Time a formed batch waited for its turn on the device.", l,
                                        LatencyBuckets());
@@ -109,13 +110,19 @@ void ModelServer::Stop() {
     while (batcher_.size() > 0)
       for (auto& w : batcher_.Take()) left.push_back(std::move(w));
   }
+  if (d_.outstanding_rows) {
+    int64_t rows = 0;
+    for (const auto& w : left) rows += static_cast<int64_t>(w->rows.size());
+    d_.outstanding_rows->fetch_sub(rows);
+  }
   Release(std::move(left), Unavailable("the worker stopped before running this work; retry", "worker_stopping"));
 }
 
 void ModelServer::Release(std::vector<std::unique_ptr<PendingWork>> work, const Status& last_chance,
                           int64_t delay_ms) {
   for (auto& w : work) {
-    if (static_cast<int64_t>(w->delivery.NumDelivered()) >= d_.max_deliver) {
+    // Pushed work has no queue to go back to: its caller hears now.
+    if (w->delivery.is_core() || static_cast<int64_t>(w->delivery.NumDelivered()) >= d_.max_deliver) {
       Fail(w->delivery, w->headers, last_chance);
     } else {
       (void)w->delivery.Nak(delay_ms);
@@ -215,6 +222,41 @@ Result<std::unique_ptr<PendingWork>> ModelServer::Prepare(std::string_view data)
   return w;
 }
 
+void ModelServer::Push(Delivery delivery) {
+  auto headers = ParseWorkHeaders(delivery);
+  if (!headers.ok()) {
+    LOG_WARN("worker", "dropping malformed pushed message: " << headers.status().message());
+    return;
+  }
+  pushed_->Inc();
+  if (headers->deadline_unix_ms > 0 && d_.clock->NowUnixMs() > headers->deadline_unix_ms) {
+    expired_->Inc();
+    Fail(delivery, *headers, DeadlineExceeded("deadline passed before the work was run"));
+    return;
+  }
+  auto work = Prepare(delivery.Data());
+  if (!work.ok()) {
+    Fail(delivery, *headers, work.status());
+    return;
+  }
+  const int64_t rows = static_cast<int64_t>((*work)->rows.size());
+  (*work)->headers = std::move(*headers);
+  (*work)->delivery = std::move(delivery);
+  (*work)->enqueued_mono_us = (*work)->published_mono_us = d_.clock->NowMonoUs();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!stop_) {
+      if (d_.outstanding_rows) d_.outstanding_rows->fetch_add(rows);
+      batcher_.Add(std::move(work).value());
+      lock.unlock();
+      work_cv_.notify_one();
+      return;
+    }
+  }
+  Fail((*work)->delivery, (*work)->headers,
+       Unavailable("the worker stopped before running this work; retry", "worker_stopping"));
+}
+
 void ModelServer::FetchLoop() {
   const auto& b = d_.config.batching;
   while (!stop_) {
@@ -289,7 +331,10 @@ void ModelServer::FetchLoop() {
     if (ready.empty()) continue;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto& w : ready) batcher_.Add(std::move(w));
+      for (auto& w : ready) {
+        if (d_.outstanding_rows) d_.outstanding_rows->fetch_add(static_cast<int64_t>(w->rows.size()));
+        batcher_.Add(std::move(w));
+      }
     }
     work_cv_.notify_one();
   }
@@ -313,6 +358,15 @@ void ModelServer::ExecLoop() {
       batch = batcher_.Take();
     }
     space_cv_.notify_one();
+    int64_t batch_rows = 0;
+    for (const auto& w : batch) batch_rows += static_cast<int64_t>(w->rows.size());
+    struct RowsDone {  // however the batch ends, its rows stop counting
+      std::atomic<int64_t>* counter;
+      int64_t rows;
+      ~RowsDone() {
+        if (counter) counter->fetch_sub(rows);
+      }
+    } rows_done{d_.outstanding_rows, batch_rows};
     if (d_.scheduler == nullptr) {
       RunBatch(std::move(batch));
     } else {
@@ -394,7 +448,9 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
     }
     const int64_t t0 = d_.clock->NowMonoUs();
     auto out = d_.runtime->Run(tb);
-    run_seconds_->Observe(static_cast<double>(d_.clock->NowMonoUs() - t0) / 1e6);
+    const int64_t run_us = d_.clock->NowMonoUs() - t0;
+    if (d_.busy_us) d_.busy_us->fetch_add(run_us);
+    run_seconds_->Observe(static_cast<double>(run_us) / 1e6);
     batches_->Inc();
     batch_rows_->Observe(tb.rows);
     batch_tokens_->Observe(static_cast<double>(tb.rows) * tb.seq_len);

@@ -42,6 +42,11 @@ struct ModelServerDeps {
   std::function<void()> on_batch;                 // after each batch (marks the model used)
   std::function<int64_t()> backlog;               // messages waiting for this model in the stream
   int64_t loaded_unix_ms = 0;                     // work queued before this waited for the load
+  // Worker-wide counters this server adds to (may be null; outlive the
+  // server): microseconds its runtime spent running forward passes, and
+  // rows held in its batcher or running now.
+  std::atomic<int64_t>* busy_us = nullptr;
+  std::atomic<int64_t>* outstanding_rows = nullptr;
 };
 
 class ModelServer final : public ModelAttachment {
@@ -58,6 +63,13 @@ class ModelServer final : public ModelAttachment {
   // Decodes and tokenizes one message body into work (without its
   // delivery), or the error its caller gets. Called on the fetcher thread.
   Result<std::unique_ptr<PendingWork>> Prepare(std::string_view body) const;
+
+  // Takes one work message pushed straight to this worker (push dispatch;
+  // a Delivery::Core message) into the same batcher pulled work goes to.
+  // Bad input, expired work and work arriving while the server stops are
+  // answered with an error at once. Never blocks on the device; callable
+  // from any thread (nats.c's delivery thread).
+  void Push(Delivery delivery);
 
  private:
   void FetchLoop();
@@ -94,6 +106,7 @@ class ModelServer final : public ModelAttachment {
   Histogram* load_wait_seconds_ = nullptr;
   Histogram* turn_wait_seconds_ = nullptr;
   Counter* runtime_unavailable_ = nullptr;
+  Counter* pushed_ = nullptr;
 };
 
 // Applies a model's activation ("none", "sigmoid", "softmax" per row) in

@@ -13,6 +13,12 @@
 // its waiting work answered with the load error, once. Heartbeats go to
 // SHOAL_WORKERS (every catalog model's state, memory, backlog); the catalog
 // to SHOAL_MODELS; operators act on it through shoal.ctl.<worker-id>.
+//
+// Push dispatch (the baseline `shoal gateway --dispatch=push`): the worker
+// also takes work sent straight to it on shoal.push.<worker-id>.<model>
+// (core NATS) into the same batcher and device scheduler as pulled work,
+// and publishes a load report on shoal.load.<worker-id> every
+// load_report_interval_ms for gateways to choose by.
 #pragma once
 
 #include <atomic>
@@ -71,6 +77,8 @@ struct WorkerOptions {
   int64_t fetch_poll_ms = 500;       // long-poll when idle
   int64_t heartbeat_interval_ms = 2000;
   int64_t heartbeat_ttl_ms = 6000;
+  // Load reports on shoal.load.<worker-id> (push dispatch); 0: none.
+  int64_t load_report_interval_ms = 100;
   Status Validate() const;
 };
 
@@ -94,6 +102,11 @@ class Worker {
   // Names of the models loaded now.
   std::vector<std::string> LoadedModels() const;
   ModelManager& manager() { return *manager_; }
+  // Seconds the device's slots have spent running forward passes since
+  // start (summed over slots; monotonically increasing). Thread-safe.
+  double busy_seconds() const { return static_cast<double>(busy_us_.load()) / 1e6; }
+  // The load report published on shoal.load.<id> (JSON). Thread-safe.
+  std::string LoadReportJson() const;
 
   // Acts on one model as an operator asked: "load", "unload", "pin",
   // "unpin" or "status". Blocks while a load runs. Returns the model's JSON
@@ -133,6 +146,8 @@ class Worker {
   // its load error (terminal), at most `max` messages.
   void DrainFailed(const std::string& model, const Status& error, int max);
   static void OnControl(natsConnection*, natsSubscription*, natsMsg*, void* closure);
+  static void OnPush(natsConnection*, natsSubscription*, natsMsg*, void* closure);
+  void LoadReportLoop();
 
   WorkerOptions options_;
   std::string id_;
@@ -147,6 +162,13 @@ class Worker {
   std::unique_ptr<ModelManager> manager_;
   ModelManager* manager_raw_ = nullptr;  // the same, for threads that outlive manager_'s reset
   NatsSubscriptionPtr control_sub_;
+  NatsSubscriptionPtr push_sub_;
+  // Held by OnPush for its whole run (one subscription: runs are serial
+  // anyway); Stop() takes it after unsubscribing, so no push runs later.
+  std::mutex push_mu_;
+  bool push_closed_ = false;  // guarded by push_mu_
+  std::atomic<int64_t> busy_us_{0};           // see busy_seconds()
+  std::atomic<int64_t> outstanding_rows_{0};  // rows in batchers or running
   std::mutex control_mu_;  // held by a control request for its whole run
   int64_t started_unix_ms_ = 0;
   std::string host_;
@@ -168,6 +190,7 @@ class Worker {
   bool demand_now_ = false;  // guarded by hb_mu_: read the backlog at once
   std::thread heartbeat_;
   std::thread demand_;
+  std::thread load_report_;
   Counter* claims_won_ = nullptr;
   Counter* claims_lost_ = nullptr;
   Counter* drained_ = nullptr;
