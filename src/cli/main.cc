@@ -131,6 +131,8 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
   Opt(app, "--heartbeat-ttl-ms", w.options.heartbeat_ttl_ms, "SHOAL_HEARTBEAT_TTL_MS", "Registry entry lifetime without heartbeat");
   Opt(app, "--load-report-ms", w.options.load_report_interval_ms, "SHOAL_LOAD_REPORT_MS",
       "Load report interval on shoal.load.<worker> for push-dispatching gateways (0: off)");
+  Opt(app, "--max-held-rows", w.options.max_held_rows, "SHOAL_MAX_HELD_ROWS",
+      "Stop pulling while this worker holds this many rows, all models together (0: no bound; each model pulls up to its batch budget)");
   Opt(app, "--fetch-poll-ms", w.options.fetch_poll_ms, "SHOAL_FETCH_POLL_MS",
       "Long-poll of an idle model's pull (returns as soon as work arrives)");
 }

@@ -110,10 +110,10 @@ void ModelServer::Stop() {
     while (batcher_.size() > 0)
       for (auto& w : batcher_.Take()) left.push_back(std::move(w));
   }
-  if (d_.outstanding_rows) {
+  if (d_.held_rows) {
     int64_t rows = 0;
     for (const auto& w : left) rows += static_cast<int64_t>(w->rows.size());
-    d_.outstanding_rows->fetch_sub(rows);
+    d_.held_rows->Done(rows);
   }
   Release(std::move(left), Unavailable("the worker stopped before running this work; retry", "worker_stopping"));
 }
@@ -246,7 +246,7 @@ void ModelServer::Push(Delivery delivery) {
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (!stop_) {
-      if (d_.outstanding_rows) d_.outstanding_rows->fetch_add(rows);
+      if (d_.held_rows) d_.held_rows->Add(rows);
       batcher_.Add(std::move(work).value());
       lock.unlock();
       work_cv_.notify_one();
@@ -279,6 +279,13 @@ void ModelServer::FetchLoop() {
     int want = static_cast<int>(std::clamp<int64_t>(
         static_cast<int64_t>(free_tokens / std::max(1.0, avg_tokens_per_msg_)), 1, std::max<int64_t>(1, free_rows)));
     want = std::min(want, b.max_batch_size);
+    if (d_.held_rows && d_.held_rows->limit() > 0) {
+      // The worker already holds as much as its bound: leave the rest in the
+      // shared queue for whichever worker frees up first.
+      const int64_t room = d_.held_rows->Room(want, 100);
+      if (room <= 0) continue;
+      want = static_cast<int>(room);
+    }
     auto fetched = d_.consumer->Fetch(want, d_.fetch_poll_ms);
     if (!fetched.ok()) {
       if (stop_) break;
@@ -332,7 +339,7 @@ void ModelServer::FetchLoop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& w : ready) {
-        if (d_.outstanding_rows) d_.outstanding_rows->fetch_add(static_cast<int64_t>(w->rows.size()));
+        if (d_.held_rows) d_.held_rows->Add(static_cast<int64_t>(w->rows.size()));
         batcher_.Add(std::move(w));
       }
     }
@@ -361,12 +368,12 @@ void ModelServer::ExecLoop() {
     int64_t batch_rows = 0;
     for (const auto& w : batch) batch_rows += static_cast<int64_t>(w->rows.size());
     struct RowsDone {  // however the batch ends, its rows stop counting
-      std::atomic<int64_t>* counter;
+      HeldRows* held;
       int64_t rows;
       ~RowsDone() {
-        if (counter) counter->fetch_sub(rows);
+        if (held) held->Done(rows);
       }
-    } rows_done{d_.outstanding_rows, batch_rows};
+    } rows_done{d_.held_rows, batch_rows};
     if (d_.scheduler == nullptr) {
       RunBatch(std::move(batch));
     } else {

@@ -21,6 +21,7 @@
 #include "runtime/runtime.h"
 #include "support/test_env.h"
 #include "wire/work_message.h"
+#include "worker/model_server.h"
 #include "worker/worker.h"
 
 namespace shoal {
@@ -303,6 +304,22 @@ TEST(PushWorkerLoad, EstimateCountsRowsSentSinceTheLastReport) {
   w.own_at_report = 0;
   w.own_rows = 5;  // never below what this gateway knows is there
   EXPECT_EQ(w.Estimate(), 5);
+}
+
+TEST(HeldRows, BoundsWhatPullingMayTake) {
+  HeldRows unbounded;
+  unbounded.Add(1000);
+  EXPECT_EQ(unbounded.Room(32, 0), 32);
+  HeldRows h(10);
+  EXPECT_EQ(h.Room(32, 0), 10);
+  h.Add(8);
+  EXPECT_EQ(h.Room(32, 0), 2);
+  EXPECT_EQ(h.Room(1, 0), 1);
+  h.Add(4);  // pushed work may take it past the bound
+  EXPECT_EQ(h.Room(32, 0), 0);
+  EXPECT_EQ(h.count(), 12);
+  h.Done(12);
+  EXPECT_EQ(h.Room(32, 0), 10);
 }
 
 }  // namespace

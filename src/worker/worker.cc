@@ -36,6 +36,7 @@ Status WorkerOptions::Validate() const {
   if (claim_ttl_ms < 1000) return InvalidArgument("worker: claim_ttl_ms must be >= 1000");
   if (scale_out_backlog < 0) return InvalidArgument("worker: scale_out_backlog must be >= 0");
   if (retry_failed_after_ms < 0) return InvalidArgument("worker: retry_failed_after_ms must be >= 0");
+  if (max_held_rows < 0) return InvalidArgument("worker: max_held_rows must be >= 0");
   if (load_report_interval_ms != 0 && load_report_interval_ms < 5)
     return InvalidArgument("worker: load_report_interval_ms must be 0 (off) or >= 5");
   RETURN_IF_ERROR(consumer.Validate());
@@ -137,6 +138,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   so.slots = options.device_slots;
   RETURN_IF_ERROR(so.Validate());
   w->scheduler_ = std::make_unique<DeviceScheduler>(so, clock);
+  w->held_rows_ = std::make_unique<HeldRows>(options.max_held_rows);
 
   ModelManagerOptions mo;
   mo.memory_budget_bytes = options.memory_budget_bytes;
@@ -295,7 +297,7 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   };
   deps.loaded_unix_ms = clock_->NowUnixMs();
   deps.busy_us = &busy_us_;
-  deps.outstanding_rows = &outstanding_rows_;
+  deps.held_rows = held_rows_.get();
   auto server = std::make_unique<ModelServer>(std::move(deps));
   server->Start();
   m->attachment = std::move(server);
@@ -357,7 +359,7 @@ std::string Worker::HeartbeatJson() const {
 std::string Worker::LoadReportJson() const {
   json j = {{"id", id_},
             {"unix_ms", SystemClock::Get()->NowUnixMs()},
-            {"outstanding_rows", std::max<int64_t>(0, outstanding_rows_.load())},
+            {"outstanding_rows", held_rows_->count()},
             {"busy_seconds", busy_seconds()},
             {"device_slots", options_.device_slots},
             {"interval_ms", options_.load_report_interval_ms},

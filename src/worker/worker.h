@@ -77,6 +77,10 @@ struct WorkerOptions {
   int64_t fetch_poll_ms = 500;       // long-poll when idle
   int64_t heartbeat_interval_ms = 2000;
   int64_t heartbeat_ttl_ms = 6000;
+  // Most rows this worker holds (waiting in its batchers or running, all
+  // models) before it stops pulling more; 0: no bound (each model pulls up
+  // to its own batch budget).
+  int64_t max_held_rows = 0;
   // Load reports on shoal.load.<worker-id> (push dispatch); 0: none.
   int64_t load_report_interval_ms = 100;
   Status Validate() const;
@@ -84,6 +88,7 @@ struct WorkerOptions {
 
 class ModelManager;
 class DeviceScheduler;
+class HeldRows;
 
 class Worker {
  public:
@@ -158,6 +163,9 @@ class Worker {
   std::unique_ptr<KvBucket> workers_kv_;
   std::unique_ptr<KvBucket> models_kv_;
   std::unique_ptr<KvBucket> placement_kv_;
+  // Used by the model servers: declared before manager_, so they outlive it.
+  std::atomic<int64_t> busy_us_{0};           // see busy_seconds()
+  std::unique_ptr<HeldRows> held_rows_;       // rows in batchers or running
   std::unique_ptr<DeviceScheduler> scheduler_;
   std::unique_ptr<ModelManager> manager_;
   ModelManager* manager_raw_ = nullptr;  // the same, for threads that outlive manager_'s reset
@@ -167,8 +175,6 @@ class Worker {
   // anyway); Stop() takes it after unsubscribing, so no push runs later.
   std::mutex push_mu_;
   bool push_closed_ = false;  // guarded by push_mu_
-  std::atomic<int64_t> busy_us_{0};           // see busy_seconds()
-  std::atomic<int64_t> outstanding_rows_{0};  // rows in batchers or running
   std::mutex control_mu_;  // held by a control request for its whole run
   int64_t started_unix_ms_ = 0;
   std::string host_;
