@@ -350,6 +350,7 @@ void ModelServer::FetchLoop() {
 void ModelServer::ExecLoop() {
   while (true) {
     std::vector<std::unique_ptr<PendingWork>> batch;
+    DeviceScheduler::Turn turn;
     {
       std::unique_lock<std::mutex> lock(mu_);
       while (!stop_) {
@@ -362,6 +363,25 @@ void ModelServer::ExecLoop() {
         }
       }
       if (stop_) break;
+      if (d_.scheduler != nullptr) {
+        // One forward pass at a time per device, shared fairly between
+        // models: the turn goes to the oldest waiting work, weighted by
+        // backlog. The batch is cut only once the turn is ours, so work
+        // that arrives while the device is busy joins it (bigger batches
+        // under load) instead of waiting for the next turn.
+        const int64_t oldest = batcher_.OldestPublishedMonoUs();
+        int64_t backlog = static_cast<int64_t>(batcher_.size());
+        lock.unlock();
+        if (d_.backlog) backlog = std::max(backlog, d_.backlog());
+        const int64_t t0 = d_.clock->NowMonoUs();
+        auto acquired = d_.scheduler->Acquire(d_.config.name, oldest, backlog, &stop_);
+        // Stopping: what is held goes back (Stop() releases the batcher).
+        if (!acquired.ok()) break;
+        turn = std::move(acquired).value();
+        turn_wait_seconds_->Observe(static_cast<double>(d_.clock->NowMonoUs() - t0) / 1e6);
+        lock.lock();
+        if (stop_) break;
+      }
       batch = batcher_.Take();
     }
     space_cv_.notify_one();
@@ -374,29 +394,8 @@ void ModelServer::ExecLoop() {
         if (held) held->Done(rows);
       }
     } rows_done{d_.held_rows, batch_rows};
-    if (d_.scheduler == nullptr) {
-      RunBatch(std::move(batch));
-    } else {
-      // One forward pass at a time per device, shared fairly between models:
-      // the turn goes to the oldest waiting work, weighted by backlog.
-      int64_t oldest = batch.front()->published_mono_us;
-      for (const auto& w : batch) oldest = std::min(oldest, w->published_mono_us);
-      int64_t backlog = 0;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        backlog = static_cast<int64_t>(batcher_.size());
-      }
-      if (d_.backlog) backlog = std::max(backlog, d_.backlog());
-      const int64_t t0 = d_.clock->NowMonoUs();
-      auto turn = d_.scheduler->Acquire(d_.config.name, oldest, backlog, &stop_);
-      if (!turn.ok()) {
-        // Stopping: another worker (or our successor) runs it.
-        Release(std::move(batch), Unavailable("the worker stopped before running this work; retry", "worker_stopping"));
-        break;
-      }
-      turn_wait_seconds_->Observe(static_cast<double>(d_.clock->NowMonoUs() - t0) / 1e6);
-      RunBatch(std::move(batch));
-    }
+    if (!batch.empty()) RunBatch(std::move(batch));
+    turn.Release();
     if (d_.on_batch) d_.on_batch();
   }
 }

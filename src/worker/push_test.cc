@@ -281,6 +281,28 @@ TEST_F(PushTest, BusySecondsGrowWithWorkAndReachTheHeartbeat) {
   EXPECT_EQ(report["outstanding_rows"], 0);
 }
 
+// The pull path with a bound on held rows: every request is still served
+// (the fetchers wait for room instead of pulling).
+TEST_F(PushTest, PullWithAHeldRowsBoundServesEverything) {
+  DispatcherOptions dopt;  // pull
+  auto d = Dispatcher::Create(dopt, client_.get(), &gateway_metrics_);
+  ASSERT_TRUE(d.ok());
+  dispatcher_ = std::move(d).value();
+  WorkerOptions wo = Options({"sim-a", "sim-b"}, "pull-bounded");
+  wo.max_held_rows = 2;
+  Member a = Start(wo);
+  ASSERT_TRUE(a.worker);
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  for (int i = 0; i < 24; ++i) calls.push_back(EmbedAsync(i % 3 ? "sim-a" : "sim-b", {"bounded " + std::to_string(i)}));
+  for (auto& f : calls) {
+    auto r = f.get();
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+  }
+  EXPECT_EQ(a.Pushed("sim-a"), 0);
+  // Rows stop counting just after their replies go out.
+  EXPECT_TRUE(Eventually([&] { return nlohmann::json::parse(a.worker->LoadReportJson())["outstanding_rows"] == 0; }));
+}
+
 TEST(PushOptions, RejectsUnknownModesAndPolicies) {
   DispatcherOptions o;
   o.dispatch = "shove";
