@@ -77,6 +77,15 @@ void AddGateway(CLI::App* app, GatewayOptions& g) {
   Opt(app, "--request-timeout-ms", g.router.default_timeout_ms, "SHOAL_REQUEST_TIMEOUT_MS",
       "Deadline of a request without a Shoal-Timeout-Ms header (then: 504)");
   Opt(app, "--gateway-id", g.dispatcher.gateway_id, "SHOAL_GATEWAY_ID", "Gateway id (default: random)");
+  Opt(app, "--dispatch", g.dispatcher.dispatch, "SHOAL_DISPATCH",
+      "pull: workers pull from the shared queue; push: the gateway sends each chunk straight to one worker "
+      "(the baseline for comparison; not durable)")
+      ->check(CLI::IsMember({"pull", "push"}));
+  Opt(app, "--push-policy", g.dispatcher.push_policy, "SHOAL_PUSH_POLICY",
+      "push: least-loaded (least estimated outstanding rows) or p2c (power of two choices)")
+      ->check(CLI::IsMember({"least-loaded", "p2c"}));
+  Opt(app, "--push-worker-timeout-ms", g.dispatcher.push_worker_timeout_ms, "SHOAL_PUSH_WORKER_TIMEOUT_MS",
+      "push: a worker silent (no load report) this long is dropped and its requests fail with 503 worker_lost");
   Opt(app, "--wait-for-load", g.router.wait_for_load, "SHOAL_WAIT_FOR_LOAD",
       "A request for a model no worker has loaded waits for the load (true) or gets 503 model_loading with Retry-After (false)");
 }
@@ -153,6 +162,12 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
   Opt(app, "--max-deliver", w.options.consumer.max_deliver, "SHOAL_MAX_DELIVER", "Deliveries before work goes to the dead-letter stream");
   Opt(app, "--heartbeat-ms", w.options.heartbeat_interval_ms, "SHOAL_HEARTBEAT_MS", "Registry heartbeat interval");
   Opt(app, "--heartbeat-ttl-ms", w.options.heartbeat_ttl_ms, "SHOAL_HEARTBEAT_TTL_MS", "Registry entry lifetime without heartbeat");
+  Opt(app, "--load-report-ms", w.options.load_report_interval_ms, "SHOAL_LOAD_REPORT_MS",
+      "Load report interval on shoal.load.<worker> for push-dispatching gateways (0: off)");
+  Opt(app, "--max-held-rows", w.options.max_held_rows, "SHOAL_MAX_HELD_ROWS",
+      "Stop pulling while this worker holds this many rows, all models together (0: no bound; each model pulls up to its batch budget)");
+  Opt(app, "--fetch-poll-ms", w.options.fetch_poll_ms, "SHOAL_FETCH_POLL_MS",
+      "Long-poll of an idle model's pull (returns as soon as work arrives)");
 }
 
 std::vector<std::string> SplitCsv(const std::string& s) {
@@ -328,6 +343,11 @@ int main(int argc, char** argv) {
   BlobFlags wk_blob;
   AddBlob(worker, wk_blob, "nats://SHOAL_BLOBS");
   Opt(worker, "--metrics-port", wk.metrics_port, "SHOAL_METRICS_PORT", "Serve /metrics on this port (-1: off)");
+  int sim_workers = 1;
+  Opt(worker, "--sim-workers", sim_workers, "SHOAL_SIM_WORKERS",
+      "Run this many independent workers in this process (ids <worker-id>-0 ...), each with its own NATS "
+      "connection and device scheduler: for simulated devices (runtime sim) on a small machine")
+      ->check(CLI::Range(1, 256));
 
   // --- models ------------------------------------------------------------------
   ModelsCommandFlags models_flags;
@@ -416,16 +436,27 @@ int main(int argc, char** argv) {
 
   if (worker->parsed()) {
     if (!set_level(wk_common.log_level)) return Fail(InvalidArgument("bad --log-level"));
-    auto client = ConnectNats(wk_common.nats_url, "shoal-worker");
-    if (!client.ok()) return Fail(client.status());
     MetricsRegistry metrics;
     if (Status s = ApplyWorkerFlags(wk); !s.ok()) return Fail(s);
     auto wk_blob_opts = ApplyBlob(wk_blob, "nats://SHOAL_BLOBS", /*sweeps=*/false);
     if (!wk_blob_opts.ok()) return Fail(wk_blob_opts.status());
     wk.options.blob = *wk_blob_opts;
     ApplyStream(wk_stream, &wk.options.stream);
-    auto w = Worker::Create(wk.options, client->get(), &metrics);
-    if (!w.ok()) return Fail(w.status());
+    std::vector<std::unique_ptr<NatsClient>> clients;
+    std::vector<std::unique_ptr<Worker>> workers;
+    std::string base_id = wk.options.worker_id;
+    if (sim_workers > 1 && base_id.empty()) base_id = "sim-" + std::to_string(::getpid());
+    for (int k = 0; k < sim_workers; ++k) {
+      auto client = ConnectNats(wk_common.nats_url, "shoal-worker");
+      if (!client.ok()) return Fail(client.status());
+      WorkerOptions o = wk.options;
+      if (sim_workers > 1) o.worker_id = base_id + "-" + std::to_string(k);
+      auto w = Worker::Create(o, client->get(), &metrics);
+      if (!w.ok()) return Fail(w.status());
+      clients.push_back(std::move(client).value());
+      workers.push_back(std::move(w).value());
+    }
+
     std::unique_ptr<HttpServer> metrics_server;
     if (wk.metrics_port >= 0) {
       auto m = WorkerMetricsServer(wk.metrics_port, &metrics);
@@ -433,11 +464,12 @@ int main(int argc, char** argv) {
       metrics_server = std::move(m).value();
       LOG_INFO("worker", "metrics on port " << metrics_server->port());
     }
-    std::printf("shoal worker %s ready\n", (*w)->id().c_str());
+    for (const auto& one : workers) std::printf("shoal worker %s ready\n", one->id().c_str());
     std::fflush(stdout);
     int sig = WaitForSignal();
     LOG_INFO("worker", "signal " << sig << ": shutting down");
-    (*w)->Stop();
+    for (auto& one : workers) one->Stop();
+    workers.clear();
     return 0;
   }
   return 0;

@@ -2,9 +2,12 @@
 
 #include "blob/blob_offload.h"
 
+#include <charconv>
+#include <cstring>
 #include <random>
 
 #include <nats/nats.h>
+#include <nlohmann/json.hpp>
 
 #include "common/log.h"
 #include "wire/work_message.h"
@@ -21,11 +24,18 @@ struct Dispatcher::Pending {
   std::vector<bool> have;
   std::vector<wire::WorkReply> parts;
   std::vector<std::string> blob_refs;  // offloaded chunks, deleted on completion; guarded by mu_
+  // Push: per chunk, the worker it went to (empty: the queue) and its rows.
+  std::vector<std::string> chunk_worker;
+  std::vector<int64_t> chunk_rows;
 };
 
 Status DispatcherOptions::Validate() const {
   if (chunk_size < 1 || chunk_size > 4096) return InvalidArgument("chunk_size must be in [1, 4096]");
   if (retry_after_s < 0) return InvalidArgument("retry_after_s must be >= 0");
+  if (dispatch != "pull" && dispatch != "push") return InvalidArgument("dispatch must be pull or push");
+  if (push_policy != "least-loaded" && push_policy != "p2c")
+    return InvalidArgument("push_policy must be least-loaded or p2c");
+  if (push_worker_timeout_ms < 100) return InvalidArgument("push_worker_timeout_ms must be >= 100");
   return Status::Ok();
 }
 
@@ -58,7 +68,20 @@ Result<std::unique_ptr<Dispatcher>> Dispatcher::Create(const DispatcherOptions& 
   d->timeouts_ = metrics->GetCounter("shoal_gateway_deadline_exceeded_total", "Requests that hit their deadline.");
   d->chunks_per_request_ = metrics->GetHistogram("shoal_gateway_chunks_per_request",
                                                  "Queue messages per client request.", {}, SizeBuckets());
+  d->pushed_ = metrics->GetCounter("shoal_gateway_chunks_pushed_total",
+                                   "Work messages sent straight to a worker (push dispatch).");
+  d->push_fallback_ = metrics->GetCounter("shoal_gateway_push_fallback_total",
+                                          "Push dispatch: chunks sent to the queue because no live worker "
+                                          "reported the model loaded.");
+  d->worker_lost_ = metrics->GetCounter("shoal_gateway_push_worker_lost_total",
+                                        "Push dispatch: workers dropped (no subscriber or no load report).");
+  d->push_ = options.dispatch == "push";
+  d->push_nr_prefix_ = "_SHOAL.gw." + d->id_ + ".n.";
   ASSIGN_OR_RETURN(d->sub_, client->Subscribe("_SHOAL.gw." + d->id_ + ".>", &Dispatcher::OnMessage, d.get()));
+  if (d->push_) {
+    ASSIGN_OR_RETURN(d->load_sub_, client->Subscribe(std::string(wire::kLoadSubjectPrefix) + ">",
+                                                     &Dispatcher::OnMessage, d.get()));
+  }
   RETURN_IF_ERROR(client->Flush(2000));
   d->timer_ = std::thread([p = d.get()] { p->TimerLoop(); });
   return d;
@@ -66,6 +89,7 @@ Result<std::unique_ptr<Dispatcher>> Dispatcher::Create(const DispatcherOptions& 
 
 Dispatcher::~Dispatcher() {
   Stop();
+  load_sub_.reset();
   sub_.reset();  // unsubscribes; no callback runs after this
 }
 
@@ -80,6 +104,13 @@ void Dispatcher::Stop() {
   timer_cv_.notify_all();
   if (timer_.joinable()) timer_.join();
   for (auto& id : ids) Complete(id, Unavailable("gateway is shutting down"));
+}
+
+std::vector<PushWorkerLoad> Dispatcher::PushWorkers() const {
+  std::lock_guard<std::mutex> lock(push_mu_);
+  std::vector<PushWorkerLoad> out;
+  for (const auto& [id, w] : push_workers_) out.push_back(w);
+  return out;
 }
 
 size_t Dispatcher::InFlight() const {
@@ -118,7 +149,7 @@ void Dispatcher::SubmitEmbed(EmbedJob job, EmbedCallback done) {
         body.token_ids.push_back(std::move(job.token_ids[i]));
       }
     }
-    chunks.push_back({wire::EncodeWorkBody(body), estimate});
+    chunks.push_back({wire::EncodeWorkBody(body), estimate, static_cast<int64_t>(end - begin)});
   }
   auto assemble = [done = std::move(done)](Parts parts) {
     if (!parts.ok()) return done(parts.status());
@@ -150,7 +181,7 @@ void Dispatcher::SubmitItems(ItemJob job, ItemCallback done, PartialCallback par
     body.task = job.task;
     body.model = job.model;
     body.items.push_back(std::move(job.items[i]));
-    chunks.push_back({wire::EncodeWorkBody(body), 1});
+    chunks.push_back({wire::EncodeWorkBody(body), 1, 1});
     first_item.push_back(i);
   }
   auto assemble = [n, done = std::move(done)](Parts parts) {
@@ -181,10 +212,21 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
   p->deadline_unix_ms = deadline_unix_ms;
   p->have.assign(count, false);
   p->parts.resize(count);
+  p->chunk_worker.resize(count);
+  p->chunk_rows.resize(count);
+  if (push_) {
+    for (int c = 0; c < count; ++c) {
+      p->chunk_rows[c] = chunks[c].rows;
+      p->chunk_worker[c] = PickWorker(model, p->chunk_rows[c]);
+      if (p->chunk_worker[c].empty()) push_fallback_->Inc();
+    }
+  }
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (stop_) {
       lock.unlock();
+      for (int c = 0; c < count; ++c)
+        if (!p->chunk_worker[c].empty()) ReleaseRows(p->chunk_worker[c], p->chunk_rows[c]);
       p->done(Unavailable("gateway is shutting down"));
       return;
     }
@@ -194,7 +236,6 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
   timer_cv_.notify_one();
   chunks_per_request_->Observe(count);
 
-  const std::string subject = wire::WorkSubject(model);
   const std::string deadline = std::to_string(deadline_unix_ms);
   for (int c = 0; c < count; ++c) {
     if (offload_ && offload_->ShouldOffload(chunks[c].data.size())) {
@@ -202,7 +243,8 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
       // HTTP event loop). The message follows once the blob is stored.
       const int64_t estimate = chunks[c].estimate;
       offload_->PutAsync(std::move(chunks[c].data), "request",
-                         [this, id, c, count, subject, deadline, estimate](Result<BlobRef> ref) {
+                         [this, id, c, count, model, worker = p->chunk_worker[c], deadline,
+                          estimate](Result<BlobRef> ref) {
                            if (!ref.ok()) {
                              const Status& st = ref.status();
                              Complete(id, Status(st.code() == StatusCode::kResourceExhausted ? st.code()
@@ -222,19 +264,24 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
                              }
                            }
                            if (!live) return offload_->DeleteAsync(std::move(text));  // answered meanwhile
-                           PublishChunk(id, c, count, subject, deadline, estimate, {}, text);
+                           PublishChunk(id, c, count, model, worker, deadline, estimate, {}, text);
                          });
       continue;
     }
-    if (!PublishChunk(id, c, count, subject, deadline, chunks[c].estimate, chunks[c].data, {})) return;
+    if (!PublishChunk(id, c, count, model, p->chunk_worker[c], deadline, chunks[c].estimate, chunks[c].data, {}))
+      return;
   }
 }
 
-bool Dispatcher::PublishChunk(const std::string& id, int c, int count, const std::string& subject,
-                              const std::string& deadline, int64_t estimate, std::string_view data,
-                              const std::string& payload_ref) {
+bool Dispatcher::PublishChunk(const std::string& id, int c, int count, const std::string& model,
+                              const std::string& worker, const std::string& deadline, int64_t estimate,
+                              std::string_view data, const std::string& payload_ref) {
   std::string chunk_id = std::to_string(c) + "/" + std::to_string(count);
-  std::string ack_subject = ack_prefix_ + id + "." + std::to_string(c);
+  // Push: straight to the chosen worker; the reply subject only brings back
+  // NATS's "no responders" when that worker is gone. Queue: the stream's
+  // publish ack comes back on the reply subject.
+  const std::string subject = worker.empty() ? wire::WorkSubject(model) : wire::PushSubject(worker, model);
+  std::string ack_subject = (worker.empty() ? ack_prefix_ : push_nr_prefix_) + id + "." + std::to_string(c);
   natsMsg* raw = nullptr;
   natsStatus s = natsMsg_Create(&raw, subject.c_str(), ack_subject.c_str(), data.data(),
                                 static_cast<int>(data.size()));
@@ -255,7 +302,7 @@ bool Dispatcher::PublishChunk(const std::string& id, int c, int count, const std
     Complete(id, Unavailable("cannot publish work: " + ps.message(), "queue_unavailable"));
     return false;
   }
-  published_->Inc();
+  (worker.empty() ? published_ : pushed_)->Inc();
   return true;
 }
 
@@ -288,6 +335,27 @@ void Dispatcher::OnMessage(natsConnection*, natsSubscription*, natsMsg* raw, voi
       return;
     }
     self->HandleReply(data);
+  } else if (subject.substr(0, self->push_nr_prefix_.size()) == self->push_nr_prefix_) {
+    if (!natsMsg_IsNoResponders(raw)) return;
+    // tail: <request id>.<chunk>; nobody listens on that worker's push
+    // subject any more: it is gone, and so is what it held of ours.
+    std::string_view tail = subject.substr(self->push_nr_prefix_.size());
+    const auto dot = tail.rfind('.');
+    if (dot == std::string_view::npos) return;
+    const std::string id(tail.substr(0, dot));
+    int chunk = -1;
+    std::from_chars(tail.data() + dot + 1, tail.data() + tail.size(), chunk);
+    std::string worker;
+    {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      auto it = self->pending_.find(id);
+      if (it != self->pending_.end() && chunk >= 0 && chunk < it->second->chunk_count)
+        worker = it->second->chunk_worker[chunk];
+    }
+    if (worker.empty()) return;
+    self->FailWorkerRequests(worker, "worker " + worker + " is gone (no subscriber on its push subject)");
+  } else if (subject.substr(0, std::strlen(wire::kLoadSubjectPrefix)) == wire::kLoadSubjectPrefix) {
+    self->HandleLoadReport(data);
   } else if (subject.substr(0, self->ack_prefix_.size()) == self->ack_prefix_) {
     self->HandlePubAck(subject.substr(self->ack_prefix_.size()), raw);
   }
@@ -342,6 +410,8 @@ void Dispatcher::HandleReply(std::string_view data) {
   std::shared_ptr<Pending> p;
   bool complete = false;
   Status error;
+  std::string released_worker;
+  int64_t released_rows = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_.find(id);
@@ -364,10 +434,15 @@ void Dispatcher::HandleReply(std::string_view data) {
       error = reply->status;
     } else {
       p->have[c] = true;
+      if (!p->chunk_worker[c].empty()) {
+        released_worker = p->chunk_worker[c];
+        released_rows = p->chunk_rows[c];
+      }
       p->parts[c] = std::move(reply).value();
       complete = ++p->received == p->chunk_count;
     }
   }
+  if (!released_worker.empty()) ReleaseRows(released_worker, released_rows);
   if (is_partial) {
     const size_t c = static_cast<size_t>(reply->chunk_index);
     const size_t item = (c < p->first_item.size() ? p->first_item[c] : 0) + static_cast<size_t>(reply->item);
@@ -400,22 +475,133 @@ void Dispatcher::Complete(const std::string& id, Parts result) {
         break;
       }
   }
+  // Push: chunks never answered stop counting against their workers.
+  for (int c = 0; c < p->chunk_count; ++c)
+    if (!p->have[c] && !p->chunk_worker[c].empty()) ReleaseRows(p->chunk_worker[c], p->chunk_rows[c]);
   p->done(std::move(result));
   // The request is answered: its offloaded payloads can go.
   for (auto& ref : blob_refs) offload_->DeleteAsync(std::move(ref));
 }
 
+std::string Dispatcher::PickWorker(const std::string& model, int64_t rows) {
+  std::lock_guard<std::mutex> lock(push_mu_);
+  PushWorkerLoad* best = nullptr;
+  if (options_.push_policy == "p2c") {
+    // Two candidates drawn at random, the less loaded one wins.
+    std::vector<PushWorkerLoad*> candidates;
+    for (auto& [id, w] : push_workers_)
+      if (w.models.count(model)) candidates.push_back(&w);
+    if (!candidates.empty()) {
+      std::uniform_int_distribution<size_t> pick(0, candidates.size() - 1);
+      PushWorkerLoad* a = candidates[pick(rng_)];
+      PushWorkerLoad* b = candidates[pick(rng_)];
+      best = b->Estimate() < a->Estimate() ? b : a;
+    }
+  } else {
+    // Least estimated load; ties broken at random (reservoir sampling), so
+    // equally idle workers share the work instead of the first one taking all.
+    int ties = 0;
+    for (auto& [id, w] : push_workers_) {
+      if (!w.models.count(model)) continue;
+      if (best == nullptr || w.Estimate() < best->Estimate()) {
+        best = &w;
+        ties = 1;
+      } else if (w.Estimate() == best->Estimate() &&
+                 std::uniform_int_distribution<int>(0, ties++)(rng_) == 0) {
+        best = &w;
+      }
+    }
+  }
+  if (best == nullptr) return {};
+  best->own_rows += rows;
+  return best->id;
+}
+
+void Dispatcher::ReleaseRows(const std::string& worker, int64_t rows) {
+  std::lock_guard<std::mutex> lock(push_mu_);
+  auto it = push_workers_.find(worker);
+  if (it == push_workers_.end()) return;
+  it->second.own_rows = std::max<int64_t>(0, it->second.own_rows - rows);
+}
+
+void Dispatcher::HandleLoadReport(std::string_view data) {
+  nlohmann::json j = nlohmann::json::parse(data, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return;
+  auto id = j.find("id");
+  auto models = j.find("models");
+  if (id == j.end() || !id->is_string() || models == j.end() || !models->is_array()) return;
+  int64_t rows = 0;
+  if (auto r = j.find("outstanding_rows"); r != j.end() && r->is_number_integer()) rows = r->get<int64_t>();
+  std::set<std::string> loaded;
+  for (const auto& m : *models)
+    if (m.is_string()) loaded.insert(m.get<std::string>());
+  const std::string wid = id->get<std::string>();
+  std::lock_guard<std::mutex> lock(push_mu_);
+  PushWorkerLoad& w = push_workers_[wid];
+  w.id = wid;
+  w.models = std::move(loaded);
+  w.reported_rows = std::max<int64_t>(0, rows);
+  w.own_at_report = w.own_rows;
+  w.last_report_mono_us = clock_->NowMonoUs();
+}
+
+void Dispatcher::FailWorkerRequests(const std::string& worker, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(push_mu_);
+    if (push_workers_.erase(worker)) worker_lost_->Inc();
+  }
+  std::vector<std::string> ids;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, p] : pending_)
+      for (int c = 0; c < p->chunk_count; ++c)
+        if (!p->have[c] && p->chunk_worker[c] == worker) {
+          ids.push_back(id);
+          break;
+        }
+  }
+  if (!ids.empty()) LOG_WARN("gateway", why << ": failing " << ids.size() << " request(s)");
+  for (const auto& id : ids) Complete(id, Unavailable(why + "; retry", "worker_lost"));
+}
+
+void Dispatcher::SweepLostWorkers() {
+  const int64_t now = clock_->NowMonoUs();
+  std::vector<std::string> lost;
+  {
+    std::lock_guard<std::mutex> lock(push_mu_);
+    for (const auto& [id, w] : push_workers_)
+      if (now - w.last_report_mono_us > options_.push_worker_timeout_ms * 1000) lost.push_back(id);
+  }
+  for (const auto& id : lost)
+    FailWorkerRequests(id, "worker " + id + " sent no load report for " +
+                               std::to_string(options_.push_worker_timeout_ms) + " ms");
+}
+
+
 void Dispatcher::TimerLoop() {
   std::unique_lock<std::mutex> lock(mu_);
+  int64_t next_sweep_us = 0;
   while (!stop_) {
+    if (push_ && clock_->NowMonoUs() >= next_sweep_us) {
+      next_sweep_us = clock_->NowMonoUs() + 100'000;
+      lock.unlock();
+      SweepLostWorkers();
+      lock.lock();
+      continue;
+    }
+    const int64_t max_wait_ms = push_ ? 100 : 1000;
     if (deadlines_.empty()) {
-      timer_cv_.wait(lock);
+      if (push_) {
+        timer_cv_.wait_for(lock, std::chrono::milliseconds(max_wait_ms));
+      } else {
+        timer_cv_.wait(lock);
+      }
       continue;
     }
     const int64_t now = clock_->NowUnixMs();
     const int64_t first = deadlines_.begin()->first;
     if (first > now) {
-      timer_cv_.wait_for(lock, std::chrono::milliseconds(std::min<int64_t>(first - now, 1000)));
+      timer_cv_.wait_for(lock, std::chrono::milliseconds(std::min<int64_t>(first - now, max_wait_ms)));
       continue;
     }
     std::string id = deadlines_.begin()->second;

@@ -4,14 +4,29 @@
 // drops duplicates (redeliveries), reassembles chunks in order and completes
 // the caller once: with the result, the first error, 429 when the queue is
 // full, 503 when no stream takes the work, or 504 at the deadline.
+//
+// With dispatch "push" (the baseline that pulling is measured against) each
+// chunk goes instead straight to one worker that has the model loaded, on
+// core NATS (shoal.push.<worker>.<model>; not durable), chosen by least
+// outstanding rows or by power of two choices. The estimate of a worker's
+// load is its last load report (shoal.load.<worker>, every few ms) plus the
+// rows this gateway sent it since that report, minus what came back since:
+// exact for this gateway's own work, and as fresh as the reports for other
+// gateways' work. Chunks for a model no live worker reports loaded go to the
+// queue as in pull mode. A worker that vanishes (no subscriber: NATS answers
+// "no responders"; or no load report for push_worker_timeout_ms) fails the
+// requests with chunks outstanding there with 503 worker_lost.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <random>
+#include <set>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -93,7 +108,24 @@ struct DispatcherOptions {
   std::string gateway_id;        // empty: random
   int chunk_size = 32;           // inputs per queue message
   int64_t retry_after_s = 1;     // advertised on 429/503
+  std::string dispatch = "pull";           // pull | push
+  std::string push_policy = "least-loaded";  // push: least-loaded | p2c
+  // Push: a worker with no load report for this long is dropped and its
+  // outstanding work failed (503 worker_lost).
+  int64_t push_worker_timeout_ms = 3000;
   Status Validate() const;
+};
+
+// What the push dispatcher knows about one worker.
+struct PushWorkerLoad {
+  std::string id;
+  std::set<std::string> models;  // loaded, as last reported
+  int64_t reported_rows = 0;     // rows held or running, as last reported
+  int64_t own_rows = 0;          // rows this gateway sent there, not yet answered
+  int64_t own_at_report = 0;     // own_rows when the last report arrived
+  int64_t last_report_mono_us = 0;
+  // The estimate the policies compare.
+  int64_t Estimate() const { return std::max(own_rows, reported_rows + own_rows - own_at_report); }
 };
 
 class Dispatcher final : public WorkSubmitter {
@@ -112,6 +144,8 @@ class Dispatcher final : public WorkSubmitter {
   // Fails every pending request with Unavailable and stops the timer.
   void Stop();
   size_t InFlight() const;
+  // Push mode: the workers known from load reports now (a copy).
+  std::vector<PushWorkerLoad> PushWorkers() const;
   const std::string& reply_subject() const { return reply_subject_; }
 
  private:
@@ -121,6 +155,7 @@ class Dispatcher final : public WorkSubmitter {
   struct Chunk {
     std::string data;      // encoded WorkBody
     int64_t estimate = 0;  // Shoal-Token-Estimate
+    int64_t rows = 0;      // inputs (push: counted against the chosen worker)
   };
   Dispatcher() = default;
   // Registers the request and publishes its chunks; `done` gets the parts.
@@ -128,7 +163,8 @@ class Dispatcher final : public WorkSubmitter {
               std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item);
   // Publishes chunk `c` (its body `data`, or empty with `payload_ref` set);
   // on failure completes the request with the error and returns false.
-  bool PublishChunk(const std::string& id, int c, int count, const std::string& subject,
+  // `worker` non-empty: pushed straight to that worker instead of the queue.
+  bool PublishChunk(const std::string& id, int c, int count, const std::string& model, const std::string& worker,
                     const std::string& deadline, int64_t estimate, std::string_view data,
                     const std::string& payload_ref);
   static void OnMessage(natsConnection*, natsSubscription*, natsMsg*, void* closure);
@@ -140,6 +176,17 @@ class Dispatcher final : public WorkSubmitter {
   // Removes the request and completes it with `result`, once.
   void Complete(const std::string& id, Parts result);
   void TimerLoop();
+  // Push: the worker to send `rows` of `model` to (counted as sent), or
+  // empty when no live worker reports it loaded.
+  std::string PickWorker(const std::string& model, int64_t rows);
+  void HandleLoadReport(std::string_view data);
+  // Push: `rows` sent to `worker` are answered or given up on.
+  void ReleaseRows(const std::string& worker, int64_t rows);
+  // Push: drops workers without a recent load report and fails the
+  // requests that had chunks there.
+  void SweepLostWorkers();
+  // Fails every request with a chunk outstanding at `worker`.
+  void FailWorkerRequests(const std::string& worker, const std::string& why);
 
   DispatcherOptions options_;
   NatsClient* client_ = nullptr;
@@ -149,7 +196,14 @@ class Dispatcher final : public WorkSubmitter {
   std::string reply_subject_;   // _SHOAL.gw.<id>.r
   std::string ack_prefix_;      // _SHOAL.gw.<id>.a.
   NatsSubscriptionPtr sub_;
+  NatsSubscriptionPtr load_sub_;  // push: shoal.load.>
+  std::string push_nr_prefix_;    // push: _SHOAL.gw.<id>.n. (no-responders come back here)
+  bool push_ = false;
   std::atomic<uint64_t> seq_{0};
+
+  mutable std::mutex push_mu_;  // guards push_workers_, rng_
+  std::map<std::string, PushWorkerLoad> push_workers_;
+  std::mt19937_64 rng_{std::random_device{}()};
 
   mutable std::mutex mu_;  // guards pending_, deadlines_, stop_
   std::unordered_map<std::string, std::shared_ptr<Pending>> pending_;
@@ -163,6 +217,9 @@ class Dispatcher final : public WorkSubmitter {
   Counter* queue_full_ = nullptr;
   Counter* timeouts_ = nullptr;
   Histogram* chunks_per_request_ = nullptr;
+  Counter* pushed_ = nullptr;
+  Counter* push_fallback_ = nullptr;
+  Counter* worker_lost_ = nullptr;
 };
 
 }  // namespace shoal

@@ -1,5 +1,7 @@
 #include "gateway/fleet_view.h"
 
+#include <algorithm>
+
 #include <nlohmann/json.hpp>
 
 #include "common/clock.h"
@@ -15,6 +17,11 @@ bool ParseWorkerHeartbeat(const std::string& json_text, WorkerInfo* out) {
     out->memory_used_bytes = j.value("memory_used_bytes", int64_t{0});
     out->memory_budget_bytes = j.value("memory_budget_bytes", int64_t{0});
     out->max_models = j.value("max_models", 0);
+    out->host = j.value("host", "");
+    out->device_slots = std::max(1, j.value("device_slots", 1));
+    out->busy_seconds = j.value("busy_seconds", 0.0);
+    out->heartbeat_unix_ms = j.value("heartbeat_unix_ms", int64_t{0});
+    out->started_unix_ms = j.value("started_unix_ms", int64_t{0});
     for (const auto& m : j.value("models", nlohmann::json::array())) {
       WorkerModel wm;
       wm.state = m.value("state", "loaded");

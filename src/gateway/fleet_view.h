@@ -47,6 +47,13 @@ struct WorkerInfo {
   int64_t memory_used_bytes = 0;
   int64_t memory_budget_bytes = 0;  // 0: unlimited
   int max_models = 0;
+  std::string host;
+  int device_slots = 1;
+  // Cumulative seconds its device slots spent running forward passes, as
+  // of its last heartbeat (monotonically increasing while it lives).
+  double busy_seconds = 0;
+  int64_t heartbeat_unix_ms = 0;
+  int64_t started_unix_ms = 0;
   std::map<std::string, WorkerModel> models;  // its whole catalog, by name
   // Whether some live worker has `model` in this state.
   bool Has(const std::string& model, const std::string& state) const {

@@ -298,7 +298,7 @@ Router::Router(const RouterOptions& options, WorkSubmitter* submitter, FleetSnap
     : options_(options), submitter_(submitter), fleet_(std::move(fleet)), metrics_(metrics),
       clock_(clock ? clock : SystemClock::Get()) {
   for (const char* route : {"/v1/embeddings", "/v1/encode", "/v1/rerank", "/v1/score", "/v1/classify",
-                            "/v1/ocr", "/v1/models", "/v1/models/{model}"})
+                            "/v1/ocr", "/v1/models", "/v1/models/{model}", "/v1/workers"})
     latency_[route] = metrics_->GetHistogram("shoal_http_request_seconds", "HTTP request latency by route.",
                                              {{"route", route}}, LatencyBuckets());
 }
@@ -365,6 +365,11 @@ void Router::Handle(HttpRequest&& req, HttpResponder respond) {
     auto done = Instrument("/v1/models", std::move(respond));
     if (!method_is("GET")) return done(not_allowed("GET"));
     return done(Models());
+  }
+  if (path == "/v1/workers") {
+    auto done = Instrument("/v1/workers", std::move(respond));
+    if (!method_is("GET")) return done(not_allowed("GET"));
+    return done(Workers());
   }
   static const std::string kModels = "/v1/models/";
   if (path.compare(0, kModels.size(), kModels) == 0) {
@@ -637,6 +642,27 @@ HttpResponse Router::Models(const std::string& only) const {
   if (!only.empty()) {
     if (data.empty()) return ErrorResponse(NotFound("The model '" + only + "' does not exist", "model_not_found"));
     return JsonResponse(200, data[0].dump());
+  }
+  return JsonResponse(200, json({{"object", "list"}, {"data", data}}).dump());
+}
+
+HttpResponse Router::Workers() const {
+  auto snap = fleet_();
+  json data = json::array();
+  for (const WorkerInfo& w : snap->workers) {
+    json loaded = json::array();
+    for (const auto& [name, m] : w.models)
+      if (m.state == "loaded") loaded.push_back(name);
+    data.push_back({{"id", w.id},
+                    {"object", "worker"},
+                    {"host", w.host},
+                    {"busy_seconds", w.busy_seconds},
+                    {"device_slots", w.device_slots},
+                    {"memory_used_bytes", w.memory_used_bytes},
+                    {"memory_budget_bytes", w.memory_budget_bytes},
+                    {"models_loaded", loaded},
+                    {"started_unix_ms", w.started_unix_ms},
+                    {"heartbeat_unix_ms", w.heartbeat_unix_ms}});
   }
   return JsonResponse(200, json({{"object", "list"}, {"data", data}}).dump());
 }

@@ -61,6 +61,7 @@ class Router {
   // request's deadline, and fills job->task and job->deadline_unix_ms.
   Status Admit(const HttpRequest& req, const std::string& task, EmbedJob* job, CatalogModel* entry) const;
   HttpResponse Models(const std::string& only = {}) const;
+  HttpResponse Workers() const;
   void ModelAction(const std::string& model, const std::string& action, HttpRequest&& req, HttpResponder respond);
   HttpResponse Ready() const;
   // Deadline from the Shoal-Timeout-Ms header or the default.

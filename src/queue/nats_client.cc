@@ -286,6 +286,7 @@ std::string_view Delivery::Header(const char* name) const {
 
 Delivery::Info Delivery::Metadata() const {
   Info info;
+  if (core_) return info;
   jsMsgMetaData* meta = nullptr;
   if (natsMsg_GetMetaData(&meta, msg_.get()) != NATS_OK) return info;
   info.num_delivered = meta->NumDelivered;
@@ -300,13 +301,23 @@ int64_t Delivery::PublishedUnixMs() const { return Metadata().published_unix_ms;
 
 uint64_t Delivery::StreamSeq() const { return natsMsg_GetSequence(msg_.get()); }
 
-Status Delivery::Ack() { return FromNats(natsMsg_Ack(msg_.get(), nullptr), "ack"); }
-Status Delivery::Term() { return FromNats(natsMsg_Term(msg_.get(), nullptr), "term"); }
+Status Delivery::Ack() {
+  if (core_) return Status::Ok();
+  return FromNats(natsMsg_Ack(msg_.get(), nullptr), "ack");
+}
+Status Delivery::Term() {
+  if (core_) return Status::Ok();
+  return FromNats(natsMsg_Term(msg_.get(), nullptr), "term");
+}
 Status Delivery::Nak(int64_t delay_ms) {
+  if (core_) return Status::Ok();
   if (delay_ms > 0) return FromNats(natsMsg_NakWithDelay(msg_.get(), delay_ms, nullptr), "nak");
   return FromNats(natsMsg_Nak(msg_.get(), nullptr), "nak");
 }
-Status Delivery::InProgress() { return FromNats(natsMsg_InProgress(msg_.get(), nullptr), "in-progress"); }
+Status Delivery::InProgress() {
+  if (core_) return Status::Ok();
+  return FromNats(natsMsg_InProgress(msg_.get(), nullptr), "in-progress");
+}
 
 // ----- Pull consumer -----------------------------------------------------------
 

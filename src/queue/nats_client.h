@@ -130,9 +130,19 @@ Result<int64_t> OldestMessageUnixMs(NatsClient& client, const std::string& strea
 // One message delivered by a pull consumer. Exactly one of Ack/Term/Nak
 // should be called; InProgress any number of times before. Thread-safe to
 // call from another thread than the fetcher, once fetched.
+// A core-NATS message (pushed straight to a worker, not from the stream)
+// is wrapped with Core(): it has no delivery state, so Ack/Term/Nak/
+// InProgress do nothing and nothing is ever redelivered.
 class Delivery {
  public:
   explicit Delivery(natsMsg* msg) : msg_(msg) {}
+  static Delivery Core(natsMsg* msg) {
+    Delivery d(msg);
+    d.core_ = true;
+    return d;
+  }
+  // Whether this message came outside the stream (see Core()).
+  bool is_core() const { return core_; }
   std::string_view Data() const;
   // Header value or empty.
   std::string_view Header(const char* name) const;
@@ -153,6 +163,7 @@ class Delivery {
   Status InProgress();   // extend the ack deadline
  private:
   NatsMsgPtr msg_;
+  bool core_ = false;
 };
 
 struct ConsumerOptions {

@@ -359,6 +359,9 @@ std::string ModelKvKey(std::string_view model) {
 }
 
 std::string WorkSubject(std::string_view model) { return kWorkSubjectPrefix + ModelToToken(model); }
+std::string PushSubject(std::string_view worker_id, std::string_view model) {
+  return kPushSubjectPrefix + std::string(worker_id) + "." + ModelToToken(model);
+}
 std::string ConsumerName(std::string_view model) { return "shoal_" + ModelToToken(model); }
 
 }  // namespace shoal::wire

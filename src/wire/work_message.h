@@ -35,6 +35,16 @@ inline constexpr const char* kPlacementBucket = "SHOAL_PLACEMENT";
 // Control requests to one worker (load/unload/pin/unpin/status), JSON.
 inline std::string ControlSubject(const std::string& worker_id) { return "shoal.ctl." + worker_id; }
 inline constexpr const char* kWorkSubjectPrefix = "shoal.work.";
+// Push dispatch (the baseline to compare pulling against): a gateway sends
+// a work message straight to one worker on core NATS (not durable), on
+// shoal.push.<worker-id>.<model-token>; the worker answers on the same
+// reply path as pulled work.
+inline constexpr const char* kPushSubjectPrefix = "shoal.push.";
+// Load reports: every worker publishes a small JSON document on
+// shoal.load.<worker-id> every load_report_interval_ms (core NATS): loaded
+// models, rows held or running, cumulative busy seconds, device slots.
+inline std::string LoadSubject(const std::string& worker_id) { return "shoal.load." + worker_id; }
+inline constexpr const char* kLoadSubjectPrefix = "shoal.load.";
 
 // Body of a work message: {task, model, inputs, params}.
 struct WorkBody {
@@ -111,5 +121,7 @@ Result<std::string> TokenToModel(std::string_view token);
 std::string ModelKvKey(std::string_view model);
 std::string WorkSubject(std::string_view model);   // shoal.work.<token>
 std::string ConsumerName(std::string_view model);  // shoal_<token>
+// shoal.push.<worker-id>.<model-token> (see kPushSubjectPrefix).
+std::string PushSubject(std::string_view worker_id, std::string_view model);
 
 }  // namespace shoal::wire

@@ -15,6 +15,13 @@ void Batcher::Add(std::unique_ptr<PendingWork> work) {
 int64_t Batcher::FreeTokens() const { return std::max<int64_t>(0, config_.max_batch_tokens - held_tokens_); }
 int64_t Batcher::FreeRows() const { return std::max<int64_t>(0, config_.max_batch_size - held_rows_); }
 
+int64_t Batcher::OldestPublishedMonoUs() const {
+  int64_t oldest = 0;
+  for (const auto& w : items_)
+    if (oldest == 0 || w->published_mono_us < oldest) oldest = w->published_mono_us;
+  return oldest;
+}
+
 int64_t Batcher::UsUntilReady() const {
   if (items_.empty()) return -1;
   if (held_tokens_ >= config_.max_batch_tokens || held_rows_ >= config_.max_batch_size) return 0;

@@ -54,6 +54,8 @@ class Batcher {
   int64_t FreeTokens() const;
   // Rows the worker may still pull before holding a full batch.
   int64_t FreeRows() const;
+  // The earliest published_mono_us of the work held (0 when none).
+  int64_t OldestPublishedMonoUs() const;
   // -1: nothing held; 0: a batch is ready now; else microseconds to wait.
   int64_t UsUntilReady() const;
   // Removes the next batch: oldest first, at least one item, then as many

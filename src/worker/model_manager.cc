@@ -229,6 +229,16 @@ Result<ModelLease> ModelManager::Acquire(const std::string& name, int64_t deadli
   return ModelLease(this, e, e->model.get());
 }
 
+Result<ModelLease> ModelManager::TryAcquire(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry* e = Find(name);
+  if (e == nullptr || e->state != ModelState::kLoaded || stopping_)
+    return Unavailable("model '" + name + "' is not loaded here", "model_not_loaded_here");
+  ++e->leases;
+  TouchLocked(*e);
+  return ModelLease(this, e, e->model.get());
+}
+
 bool ModelManager::IsLoaded(const std::string& name) const {
   std::lock_guard<std::mutex> lock(mu_);
   const Entry* e = Find(name);

@@ -162,6 +162,10 @@ class ModelManager {
   // BadGateway "model_load_failed", Unavailable "shutting_down".
   Result<ModelLease> Acquire(const std::string& name, int64_t deadline_mono_us);
 
+  // A lease on `name` only if it is loaded now: never starts a load and
+  // never waits. Unavailable "model_not_loaded_here" otherwise.
+  Result<ModelLease> TryAcquire(const std::string& name);
+
   // Whether `name` is loaded right now. Never blocks on a load.
   bool IsLoaded(const std::string& name) const;
   // Marks a loaded model used now (LRU order) without a lease; for users

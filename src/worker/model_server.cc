@@ -81,6 +81,7 @@ ModelServer::ModelServer(ModelServerDeps deps)
                                        LatencyBuckets());
   runtime_unavailable_ = m->GetCounter("shoal_worker_runtime_unavailable_total",
                                       "Batches handed back to the queue because the runtime was unavailable.", l);
+  pushed_ = m->GetCounter("shoal_worker_pushed_total", "Work messages pushed straight to this worker (push dispatch).", l);
   turn_wait_seconds_ = m->GetHistogram("shoal_worker_device_wait_seconds",
                                        "Time a formed batch waited for its turn on the device.", l,
                                        LatencyBuckets());
@@ -111,13 +112,19 @@ void ModelServer::Stop() {
     while (batcher_.size() > 0)
       for (auto& w : batcher_.Take()) left.push_back(std::move(w));
   }
+  if (d_.held_rows) {
+    int64_t rows = 0;
+    for (const auto& w : left) rows += w->row_count();
+    d_.held_rows->Done(rows);
+  }
   Release(std::move(left), Unavailable("the worker stopped before running this work; retry", "worker_stopping"));
 }
 
 void ModelServer::Release(std::vector<std::unique_ptr<PendingWork>> work, const Status& last_chance,
                           int64_t delay_ms) {
   for (auto& w : work) {
-    if (static_cast<int64_t>(w->delivery.NumDelivered()) >= d_.max_deliver) {
+    // Pushed work has no queue to go back to: its caller hears now.
+    if (w->delivery.is_core() || static_cast<int64_t>(w->delivery.NumDelivered()) >= d_.max_deliver) {
       Fail(w->delivery, w->headers, last_chance);
     } else {
       (void)w->delivery.Nak(delay_ms);
@@ -260,6 +267,53 @@ Result<std::unique_ptr<PendingWork>> ModelServer::PrepareItems(wire::WorkBody bo
   return w;
 }
 
+Result<std::unique_ptr<PendingWork>> ModelServer::PrepareDelivery(const Delivery& delivery,
+                                                                 const wire::WorkHeaders& headers) const {
+  if (headers.payload_ref.empty()) return Prepare(delivery.Data());
+  if (!d_.blob)
+    return Status(StatusCode::kBadGateway,
+                  "the work payload is in a blob store and this worker has none (--blob-store)", "blob_store_missing");
+  ASSIGN_OR_RETURN(std::string payload, d_.blob->Fetch(headers.payload_ref));
+  return Prepare(payload);
+}
+
+void ModelServer::Push(Delivery delivery) {
+  auto headers = ParseWorkHeaders(delivery);
+  if (!headers.ok()) {
+    LOG_WARN("worker", "dropping malformed pushed message: " << headers.status().message());
+    return;
+  }
+  pushed_->Inc();
+  if (headers->deadline_unix_ms > 0 && d_.clock->NowUnixMs() > headers->deadline_unix_ms) {
+    expired_->Inc();
+    Fail(delivery, *headers, DeadlineExceeded("deadline passed before the work was run"));
+    return;
+  }
+  // An offloaded payload is fetched on this (subscription) thread: pushed
+  // work over the blob threshold is rare, and push is the baseline.
+  auto work = PrepareDelivery(delivery, *headers);
+  if (!work.ok()) {
+    Fail(delivery, *headers, work.status());
+    return;
+  }
+  const int64_t rows = (*work)->row_count();
+  (*work)->headers = std::move(*headers);
+  (*work)->delivery = std::move(delivery);
+  (*work)->enqueued_mono_us = (*work)->published_mono_us = d_.clock->NowMonoUs();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!stop_) {
+      if (d_.held_rows) d_.held_rows->Add(rows);
+      batcher_.Add(std::move(work).value());
+      lock.unlock();
+      work_cv_.notify_one();
+      return;
+    }
+  }
+  Fail((*work)->delivery, (*work)->headers,
+       Unavailable("the worker stopped before running this work; retry", "worker_stopping"));
+}
+
 void ModelServer::FetchLoop() {
   const auto& b = d_.config.batching;
   while (!stop_) {
@@ -282,6 +336,13 @@ void ModelServer::FetchLoop() {
     int want = static_cast<int>(std::clamp<int64_t>(
         static_cast<int64_t>(free_tokens / std::max(1.0, avg_tokens_per_msg_)), 1, std::max<int64_t>(1, free_rows)));
     want = std::min(want, b.max_batch_size);
+    if (d_.held_rows && d_.held_rows->limit() > 0) {
+      // The worker already holds as much as its bound: leave the rest in the
+      // shared queue for whichever worker frees up first.
+      const int64_t room = d_.held_rows->Room(want, 100);
+      if (room <= 0) continue;
+      want = static_cast<int>(room);
+    }
     auto fetched = d_.consumer->Fetch(want, d_.fetch_poll_ms);
     if (!fetched.ok()) {
       if (stop_) break;
@@ -311,24 +372,7 @@ void ModelServer::FetchLoop() {
         Fail(delivery, *headers, DeadlineExceeded("deadline passed before the work was run"));
         continue;
       }
-      std::string fetched;  // an offloaded payload, fetched here on the fetcher thread
-      std::string_view data = delivery.Data();
-      if (!headers->payload_ref.empty()) {
-        if (!d_.blob) {
-          Fail(delivery, *headers,
-               Status(StatusCode::kBadGateway, "the work payload is in a blob store and this worker has none (--blob-store)",
-                      "blob_store_missing"));
-          continue;
-        }
-        auto got = d_.blob->Fetch(headers->payload_ref);
-        if (!got.ok()) {
-          Fail(delivery, *headers, got.status());
-          continue;
-        }
-        fetched = std::move(got).value();
-        data = fetched;
-      }
-      auto work = Prepare(data);
+      auto work = PrepareDelivery(delivery, *headers);
       if (!work.ok()) {
         Fail(delivery, *headers, work.status());
         continue;
@@ -351,7 +395,10 @@ void ModelServer::FetchLoop() {
     if (ready.empty()) continue;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto& w : ready) batcher_.Add(std::move(w));
+      for (auto& w : ready) {
+        if (d_.held_rows) d_.held_rows->Add(w->row_count());
+        batcher_.Add(std::move(w));
+      }
     }
     work_cv_.notify_one();
   }
@@ -360,6 +407,7 @@ void ModelServer::FetchLoop() {
 void ModelServer::ExecLoop() {
   while (true) {
     std::vector<std::unique_ptr<PendingWork>> batch;
+    DeviceScheduler::Turn turn;
     {
       std::unique_lock<std::mutex> lock(mu_);
       while (!stop_) {
@@ -372,32 +420,39 @@ void ModelServer::ExecLoop() {
         }
       }
       if (stop_) break;
+      if (d_.scheduler != nullptr) {
+        // One forward pass at a time per device, shared fairly between
+        // models: the turn goes to the oldest waiting work, weighted by
+        // backlog. The batch is cut only once the turn is ours, so work
+        // that arrives while the device is busy joins it (bigger batches
+        // under load) instead of waiting for the next turn.
+        const int64_t oldest = batcher_.OldestPublishedMonoUs();
+        int64_t backlog = static_cast<int64_t>(batcher_.size());
+        lock.unlock();
+        if (d_.backlog) backlog = std::max(backlog, d_.backlog());
+        const int64_t t0 = d_.clock->NowMonoUs();
+        auto acquired = d_.scheduler->Acquire(d_.config.name, oldest, backlog, &stop_);
+        // Stopping: what is held goes back (Stop() releases the batcher).
+        if (!acquired.ok()) break;
+        turn = std::move(acquired).value();
+        turn_wait_seconds_->Observe(static_cast<double>(d_.clock->NowMonoUs() - t0) / 1e6);
+        lock.lock();
+        if (stop_) break;
+      }
       batch = batcher_.Take();
     }
     space_cv_.notify_one();
-    if (d_.scheduler == nullptr) {
-      RunBatch(std::move(batch));
-    } else {
-      // One forward pass at a time per device, shared fairly between models:
-      // the turn goes to the oldest waiting work, weighted by backlog.
-      int64_t oldest = batch.front()->published_mono_us;
-      for (const auto& w : batch) oldest = std::min(oldest, w->published_mono_us);
-      int64_t backlog = 0;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        backlog = static_cast<int64_t>(batcher_.size());
+    int64_t batch_rows = 0;
+    for (const auto& w : batch) batch_rows += w->row_count();
+    struct RowsDone {  // however the batch ends, its rows stop counting
+      HeldRows* held;
+      int64_t rows;
+      ~RowsDone() {
+        if (held) held->Done(rows);
       }
-      if (d_.backlog) backlog = std::max(backlog, d_.backlog());
-      const int64_t t0 = d_.clock->NowMonoUs();
-      auto turn = d_.scheduler->Acquire(d_.config.name, oldest, backlog, &stop_);
-      if (!turn.ok()) {
-        // Stopping: another worker (or our successor) runs it.
-        Release(std::move(batch), Unavailable("the worker stopped before running this work; retry", "worker_stopping"));
-        break;
-      }
-      turn_wait_seconds_->Observe(static_cast<double>(d_.clock->NowMonoUs() - t0) / 1e6);
-      RunBatch(std::move(batch));
-    }
+    } rows_done{d_.held_rows, batch_rows};
+    if (!batch.empty()) RunBatch(std::move(batch));
+    turn.Release();
     if (d_.on_batch) d_.on_batch();
   }
 }
@@ -460,7 +515,9 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
     }
     const int64_t t0 = d_.clock->NowMonoUs();
     auto out = d_.runtime->Run(tb);
-    run_seconds_->Observe(static_cast<double>(d_.clock->NowMonoUs() - t0) / 1e6);
+    const int64_t run_us = d_.clock->NowMonoUs() - t0;
+    if (d_.busy_us) d_.busy_us->fetch_add(run_us);
+    run_seconds_->Observe(static_cast<double>(run_us) / 1e6);
     batches_->Inc();
     batch_rows_->Observe(tb.rows);
     batch_tokens_->Observe(static_cast<double>(tb.rows) * tb.seq_len);
@@ -553,7 +610,9 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
   };
   const int64_t t0 = d_.clock->NowMonoUs();
   auto out = d_.runtime->RunItems(inputs, partial);
-  run_seconds_->Observe(static_cast<double>(d_.clock->NowMonoUs() - t0) / 1e6);
+  const int64_t run_us = d_.clock->NowMonoUs() - t0;
+  if (d_.busy_us) d_.busy_us->fetch_add(run_us);
+  run_seconds_->Observe(static_cast<double>(run_us) / 1e6);
   batches_->Inc();
   batch_rows_->Observe(static_cast<double>(inputs.size()));
   if (!out.ok()) return out.status();

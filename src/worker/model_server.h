@@ -6,7 +6,9 @@
 // unloads the runtime.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -27,6 +29,40 @@
 
 namespace shoal {
 
+// The rows one worker holds (pulled or pushed; waiting in its batchers or
+// running), shared by its model servers, and an optional bound on how many
+// pulling may take: without one, each model pulls up to its own batch budget
+// whatever the device is doing, so a multi-model worker can hold work that
+// an idle peer could have run. Thread-safe.
+class HeldRows {
+ public:
+  explicit HeldRows(int64_t limit = 0) : limit_(limit) {}
+  int64_t limit() const { return limit_; }
+  int64_t count() const { return std::max<int64_t>(0, count_.load()); }
+  void Add(int64_t rows) { count_.fetch_add(rows); }
+  void Done(int64_t rows) {
+    count_.fetch_sub(rows);
+    if (limit_ > 0) {
+      { std::lock_guard<std::mutex> lock(mu_); }
+      cv_.notify_all();
+    }
+  }
+  // Rows a pull may take now: limit - held, after waiting up to wait_ms for
+  // some room (0 when there is none yet). Unbounded: `want`.
+  int64_t Room(int64_t want, int64_t wait_ms) {
+    if (limit_ <= 0) return want;
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::milliseconds(wait_ms), [&] { return count() < limit_; });
+    return std::max<int64_t>(0, std::min(want, limit_ - count()));
+  }
+
+ private:
+  const int64_t limit_;
+  std::atomic<int64_t> count_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
 struct ModelServerDeps {
   ModelConfig config;
   Runtime* runtime = nullptr;                      // loaded; outlives the server
@@ -46,6 +82,11 @@ struct ModelServerDeps {
   std::function<void()> on_batch;                 // after each batch (marks the model used)
   std::function<int64_t()> backlog;               // messages waiting for this model in the stream
   int64_t loaded_unix_ms = 0;                     // work queued before this waited for the load
+  // Worker-wide counters this server adds to (may be null; outlive the
+  // server): microseconds its runtime spent running forward passes, and
+  // rows held in its batcher or running now (and the pull bound).
+  std::atomic<int64_t>* busy_us = nullptr;
+  HeldRows* held_rows = nullptr;
 };
 
 class ModelServer final : public ModelAttachment {
@@ -62,6 +103,17 @@ class ModelServer final : public ModelAttachment {
   // Decodes and tokenizes one message body into work (without its
   // delivery), or the error its caller gets. Called on the fetcher thread.
   Result<std::unique_ptr<PendingWork>> Prepare(std::string_view body) const;
+  // Prepare() on a delivery's body, fetched first from the blob store when
+  // the message carries only a reference.
+  Result<std::unique_ptr<PendingWork>> PrepareDelivery(const Delivery& delivery,
+                                                       const wire::WorkHeaders& headers) const;
+
+  // Takes one work message pushed straight to this worker (push dispatch;
+  // a Delivery::Core message) into the same batcher pulled work goes to.
+  // Bad input, expired work and work arriving while the server stops are
+  // answered with an error at once. Never blocks on the device; callable
+  // from any thread (nats.c's delivery thread).
+  void Push(Delivery delivery);
 
  private:
   // Stores an encoded reply too large for a message in the blob store and
@@ -110,6 +162,7 @@ class ModelServer final : public ModelAttachment {
   Histogram* load_wait_seconds_ = nullptr;
   Histogram* turn_wait_seconds_ = nullptr;
   Counter* runtime_unavailable_ = nullptr;
+  Counter* pushed_ = nullptr;
 };
 
 // Applies a model's activation ("none", "sigmoid", "softmax" per row) in

@@ -36,6 +36,9 @@ Status WorkerOptions::Validate() const {
   if (claim_ttl_ms < 1000) return InvalidArgument("worker: claim_ttl_ms must be >= 1000");
   if (scale_out_backlog < 0) return InvalidArgument("worker: scale_out_backlog must be >= 0");
   if (retry_failed_after_ms < 0) return InvalidArgument("worker: retry_failed_after_ms must be >= 0");
+  if (max_held_rows < 0) return InvalidArgument("worker: max_held_rows must be >= 0");
+  if (load_report_interval_ms != 0 && load_report_interval_ms < 5)
+    return InvalidArgument("worker: load_report_interval_ms must be 0 (off) or >= 5");
   RETURN_IF_ERROR(consumer.Validate());
   return stream.Validate();
 }
@@ -140,6 +143,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   so.slots = options.device_slots;
   RETURN_IF_ERROR(so.Validate());
   w->scheduler_ = std::make_unique<DeviceScheduler>(so, clock);
+  w->held_rows_ = std::make_unique<HeldRows>(options.max_held_rows);
 
   ModelManagerOptions mo;
   mo.memory_budget_bytes = options.memory_budget_bytes;
@@ -180,9 +184,12 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   }
 
   ASSIGN_OR_RETURN(w->control_sub_, client->Subscribe(wire::ControlSubject(w->id_), &Worker::OnControl, self));
+  ASSIGN_OR_RETURN(w->push_sub_,
+                   client->Subscribe(wire::kPushSubjectPrefix + w->id_ + ".>", &Worker::OnPush, self));
   RETURN_IF_ERROR(w->workers_kv_->Put(w->id_, w->HeartbeatJson()));
   w->heartbeat_ = std::thread([self] { self->HeartbeatLoop(); });
   w->demand_ = std::thread([self] { self->DemandLoop(); });
+  if (options.load_report_interval_ms > 0) w->load_report_ = std::thread([self] { self->LoadReportLoop(); });
   LOG_INFO("worker", "worker " << w->id_ << ": " << w->LoadedModels().size() << " of " << w->catalog_.size()
                                << " model(s) loaded");
   return w;
@@ -198,10 +205,16 @@ void Worker::Stop() {
   hb_cv_.notify_all();
   if (heartbeat_.joinable()) heartbeat_.join();
   if (demand_.joinable()) demand_.join();
+  if (load_report_.joinable()) load_report_.join();
   // Claims of loads this worker will not finish: free them for the others.
   for (const auto& [key, model] : held_claims_) (void)placement_kv_->Delete(key);
   held_claims_.clear();
   control_sub_.reset();
+  push_sub_.reset();  // no pushed work arrives after this; what was pushed is answered below
+  {
+    std::lock_guard<std::mutex> lock(push_mu_);  // a push in progress finishes first
+    push_closed_ = true;
+  }
   { std::lock_guard<std::mutex> wait_for_control(control_mu_); }  // one in progress finishes first
   if (scheduler_) scheduler_->Shutdown();
   manager_.reset();  // stops every model's threads, then unloads
@@ -293,6 +306,8 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
     return static_cast<int64_t>(backlog_[name].msgs);
   };
   deps.loaded_unix_ms = clock_->NowUnixMs();
+  deps.busy_us = &busy_us_;
+  deps.held_rows = held_rows_.get();
   auto server = std::make_unique<ModelServer>(std::move(deps));
   server->Start();
   m->attachment = std::move(server);
@@ -345,8 +360,66 @@ std::string Worker::HeartbeatJson() const {
             {"memory_used_bytes", manager_->memory_used_bytes()},
             {"memory_budget_bytes", options_.memory_budget_bytes},
             {"max_models", options_.max_models},
+            {"device_slots", options_.device_slots},
+            {"busy_seconds", busy_seconds()},
             {"models", models}};
   return j.dump();
+}
+
+std::string Worker::LoadReportJson() const {
+  json j = {{"id", id_},
+            {"unix_ms", SystemClock::Get()->NowUnixMs()},
+            {"outstanding_rows", held_rows_->count()},
+            {"busy_seconds", busy_seconds()},
+            {"device_slots", options_.device_slots},
+            {"interval_ms", options_.load_report_interval_ms},
+            {"models", LoadedModels()}};
+  return j.dump();
+}
+
+void Worker::LoadReportLoop() {
+  const std::string subject = wire::LoadSubject(id_);
+  std::unique_lock<std::mutex> lock(hb_mu_);
+  while (!stop_) {
+    hb_cv_.wait_for(lock, std::chrono::milliseconds(options_.load_report_interval_ms), [this] { return stop_.load(); });
+    if (stop_) break;
+    lock.unlock();
+    (void)client_->Publish(subject, LoadReportJson());
+    lock.lock();
+  }
+}
+
+void Worker::OnPush(natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
+  auto* self = static_cast<Worker*>(closure);
+  Delivery delivery = Delivery::Core(msg);  // owns msg
+  const std::string_view subject = natsMsg_GetSubject(msg);
+  const std::string prefix = wire::kPushSubjectPrefix + self->id_ + ".";
+  auto model = subject.size() > prefix.size() ? wire::TokenToModel(subject.substr(prefix.size()))
+                                              : Result<std::string>(InvalidArgument("no model in subject"));
+  auto headers = ParseWorkHeaders(delivery);
+  if (!headers.ok()) {
+    LOG_WARN("worker", "dropping malformed pushed message: " << headers.status().message());
+    return;
+  }
+  if (!model.ok()) {
+    PublishErrorReply(*self->client_, *headers, InvalidArgument("bad push subject"), self->id_);
+    return;
+  }
+  // Only a loaded model takes pushed work (the gateway sends it only where
+  // the load reports say it is loaded); never start a load for it here.
+  Status refused = Unavailable("model '" + *model + "' is not loaded on worker " + self->id_ + "; retry",
+                               "model_not_loaded_here");
+  std::lock_guard<std::mutex> lock(self->push_mu_);
+  if (self->push_closed_ || self->stop_) {
+    PublishErrorReply(*self->client_, *headers, refused, self->id_);
+    return;
+  }
+  auto lease = self->manager_raw_->TryAcquire(*model);
+  if (!lease.ok() || lease->model().attachment == nullptr) {
+    PublishErrorReply(*self->client_, *headers, refused, self->id_);
+    return;
+  }
+  static_cast<ModelServer*>(lease->model().attachment.get())->Push(std::move(delivery));
 }
 
 void Worker::PublishHeartbeat() {

@@ -13,6 +13,12 @@
 // its waiting work answered with the load error, once. Heartbeats go to
 // SHOAL_WORKERS (every catalog model's state, memory, backlog); the catalog
 // to SHOAL_MODELS; operators act on it through shoal.ctl.<worker-id>.
+//
+// Push dispatch (the baseline `shoal gateway --dispatch=push`): the worker
+// also takes work sent straight to it on shoal.push.<worker-id>.<model>
+// (core NATS) into the same batcher and device scheduler as pulled work,
+// and publishes a load report on shoal.load.<worker-id> every
+// load_report_interval_ms for gateways to choose by.
 #pragma once
 
 #include <atomic>
@@ -75,11 +81,18 @@ struct WorkerOptions {
   // Fetches work messages that carry a payload reference and offloads
   // large replies (docs/blob-store.md); store_url empty: off.
   BlobOffloadOptions blob;
+  // Most rows this worker holds (waiting in its batchers or running, all
+  // models) before it stops pulling more; 0: no bound (each model pulls up
+  // to its own batch budget).
+  int64_t max_held_rows = 0;
+  // Load reports on shoal.load.<worker-id> (push dispatch); 0: none.
+  int64_t load_report_interval_ms = 100;
   Status Validate() const;
 };
 
 class ModelManager;
 class DeviceScheduler;
+class HeldRows;
 
 class Worker {
  public:
@@ -98,6 +111,11 @@ class Worker {
   // Names of the models loaded now.
   std::vector<std::string> LoadedModels() const;
   ModelManager& manager() { return *manager_; }
+  // Seconds the device's slots have spent running forward passes since
+  // start (summed over slots; monotonically increasing). Thread-safe.
+  double busy_seconds() const { return static_cast<double>(busy_us_.load()) / 1e6; }
+  // The load report published on shoal.load.<id> (JSON). Thread-safe.
+  std::string LoadReportJson() const;
 
   // Acts on one model as an operator asked: "load", "unload", "pin",
   // "unpin" or "status". Blocks while a load runs. Returns the model's JSON
@@ -137,6 +155,8 @@ class Worker {
   // its load error (terminal), at most `max` messages.
   void DrainFailed(const std::string& model, const Status& error, int max);
   static void OnControl(natsConnection*, natsSubscription*, natsMsg*, void* closure);
+  static void OnPush(natsConnection*, natsSubscription*, natsMsg*, void* closure);
+  void LoadReportLoop();
 
   WorkerOptions options_;
   std::string id_;
@@ -149,10 +169,18 @@ class Worker {
   std::unique_ptr<KvBucket> placement_kv_;
   // Before the manager: the model servers using it stop first.
   std::unique_ptr<BlobOffload> blob_;
+  // Used by the model servers: declared before manager_, so they outlive it.
+  std::atomic<int64_t> busy_us_{0};           // see busy_seconds()
+  std::unique_ptr<HeldRows> held_rows_;       // rows in batchers or running
   std::unique_ptr<DeviceScheduler> scheduler_;
   std::unique_ptr<ModelManager> manager_;
   ModelManager* manager_raw_ = nullptr;  // the same, for threads that outlive manager_'s reset
   NatsSubscriptionPtr control_sub_;
+  NatsSubscriptionPtr push_sub_;
+  // Held by OnPush for its whole run (one subscription: runs are serial
+  // anyway); Stop() takes it after unsubscribing, so no push runs later.
+  std::mutex push_mu_;
+  bool push_closed_ = false;  // guarded by push_mu_
   std::mutex control_mu_;  // held by a control request for its whole run
   int64_t started_unix_ms_ = 0;
   std::string host_;
@@ -174,6 +202,7 @@ class Worker {
   bool demand_now_ = false;  // guarded by hb_mu_: read the backlog at once
   std::thread heartbeat_;
   std::thread demand_;
+  std::thread load_report_;
   Counter* claims_won_ = nullptr;
   Counter* claims_lost_ = nullptr;
   Counter* drained_ = nullptr;

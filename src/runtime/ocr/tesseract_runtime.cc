@@ -1,5 +1,7 @@
 #include "runtime/ocr/tesseract_runtime.h"
 
+#include <filesystem>
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -64,7 +66,21 @@ Status TesseractRuntime::Load(const ModelConfig& config) {
   ASSIGN_OR_RETURN(OcrOptions options, ParseOcrOptions(config.config_json, config.dir));
   const int64_t before = ResidentBytes();
   ASSIGN_OR_RETURN(engine_, TesseractOcr::Create(options));
-  memory_bytes_ = std::max<int64_t>(ResidentBytes() - before, 0);
+  // The resident-set delta, but never less than the language data loaded:
+  // memory the allocator reuses (an engine loaded before in this process)
+  // does not show in the delta.
+  int64_t data_bytes = 0;
+  const OcrOptions& resolved = engine_->options();
+  for (size_t start = 0; start <= resolved.languages.size();) {
+    size_t plus = resolved.languages.find('+', start);
+    if (plus == std::string::npos) plus = resolved.languages.size();
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(
+        resolved.tessdata_dir + "/" + resolved.languages.substr(start, plus - start) + ".traineddata", ec);
+    if (!ec) data_bytes += static_cast<int64_t>(size);
+    start = plus + 1;
+  }
+  memory_bytes_ = std::max<int64_t>(ResidentBytes() - before, data_bytes);
   return Status::Ok();
 }
 

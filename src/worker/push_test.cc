@@ -1,0 +1,348 @@
+// Push dispatch (the baseline pulling is compared against) on real workers:
+// a real nats-server -js, real Worker instances on the simulated accelerator
+// and the gateway's Dispatcher in push mode. Covers: work goes only to a
+// worker that has the model, least-loaded and p2c spread work over two
+// workers, a worker that dies while holding pushed work fails its callers
+// with 503 worker_lost (not a hang to the deadline), load reports and the
+// busy_seconds each worker reports in its heartbeat.
+#include <nats/nats.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "gateway/dispatcher.h"
+#include "gateway/fleet_view.h"
+#include "runtime/runtime.h"
+#include "support/test_env.h"
+#include "wire/work_message.h"
+#include "worker/model_server.h"
+#include "worker/worker.h"
+
+namespace shoal {
+namespace {
+
+using shoal::testing::MakeFleetRepository;
+using shoal::testing::TempDir;
+using shoal::testing::TestNatsServer;
+using namespace std::chrono_literals;
+
+// Polls `pred` up to 20 s; synchronisation only, never a timing assertion.
+template <typename Pred>
+bool Eventually(Pred pred) {
+  const auto until = std::chrono::steady_clock::now() + 20s;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(10ms);
+  }
+  return true;
+}
+
+// A runtime whose Run blocks until released; says when a run has started.
+class GateRuntime : public Runtime {
+ public:
+  struct Gate {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool open = false;
+    std::atomic<int> entered{0};
+  };
+  GateRuntime(std::unique_ptr<Runtime> inner, Gate* gate) : inner_(std::move(inner)), gate_(gate) {}
+  Status Load(const ModelConfig& c) override { return inner_->Load(c); }
+  Result<Embeddings> Run(const TokenBatch& b) override {
+    ++gate_->entered;
+    std::unique_lock<std::mutex> lock(gate_->mu);
+    gate_->cv.wait(lock, [&] { return gate_->open; });
+    return inner_->Run(b);
+  }
+  void Unload() override { inner_->Unload(); }
+  int64_t MemoryBytes() const override { return inner_->MemoryBytes(); }
+  int Dim() const override { return inner_->Dim(); }
+
+ private:
+  std::unique_ptr<Runtime> inner_;
+  Gate* gate_;
+};
+
+class PushTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    MakeFleetRepository(repo_.path(), {"sim-a", "sim-b"});
+    NatsOptions no;
+    no.url = server_.url();
+    auto c = NatsClient::Connect(no);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    client_ = std::move(c).value();
+  }
+
+  void StartDispatcher(const std::string& policy) {
+    DispatcherOptions dopt;
+    dopt.dispatch = "push";
+    dopt.push_policy = policy;
+    dopt.chunk_size = 4;
+    dopt.push_worker_timeout_ms = 600;
+    auto d = Dispatcher::Create(dopt, client_.get(), &gateway_metrics_);
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    dispatcher_ = std::move(d).value();
+  }
+
+  WorkerOptions Options(std::vector<std::string> models, const std::string& id) const {
+    WorkerOptions wo;
+    wo.worker_id = id;
+    wo.model_repository = repo_.path();
+    wo.models = std::move(models);
+    wo.runtime_override = "sim";
+    wo.heartbeat_interval_ms = 200;
+    wo.heartbeat_ttl_ms = 1500;
+    wo.fetch_poll_ms = 200;
+    wo.load_report_interval_ms = 20;
+    return wo;
+  }
+
+  struct Member {
+    std::unique_ptr<NatsClient> client;
+    std::unique_ptr<MetricsRegistry> metrics;
+    std::unique_ptr<Worker> worker;
+    int64_t Pushed(const std::string& model) const {
+      return metrics->GetCounter("shoal_worker_pushed_total", "", {{"model", model}})->Value();
+    }
+  };
+  Member Start(const WorkerOptions& wo) {
+    Member m;
+    NatsOptions no;
+    no.url = server_.url();
+    auto c = NatsClient::Connect(no);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    m.client = std::move(c).value();
+    m.metrics = std::make_unique<MetricsRegistry>();
+    auto w = Worker::Create(wo, m.client.get(), m.metrics.get());
+    EXPECT_TRUE(w.ok()) << w.status().ToString();
+    if (w.ok()) m.worker = std::move(w).value();
+    return m;
+  }
+
+  // Waits until the dispatcher's load reports show `n` workers with `model`.
+  bool SeesWorkers(const std::string& model, size_t n) {
+    return Eventually([&] {
+      size_t have = 0;
+      for (const auto& w : dispatcher_->PushWorkers()) have += w.models.count(model);
+      return have >= n;
+    });
+  }
+
+  std::future<Result<EmbedResult>> EmbedAsync(const std::string& model, std::vector<std::string> texts,
+                                              int64_t timeout_ms = 20000) {
+    auto p = std::make_shared<std::promise<Result<EmbedResult>>>();
+    auto f = p->get_future();
+    EmbedJob job;
+    job.model = model;
+    job.texts = std::move(texts);
+    job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + timeout_ms;
+    dispatcher_->SubmitEmbed(std::move(job), [p](Result<EmbedResult> r) { p->set_value(std::move(r)); });
+    return f;
+  }
+
+  int64_t GatewayCounter(const std::string& name) { return gateway_metrics_.GetCounter(name, "")->Value(); }
+
+  TempDir repo_;
+  TestNatsServer server_;
+  MetricsRegistry gateway_metrics_;
+  std::unique_ptr<NatsClient> client_;
+  std::unique_ptr<Dispatcher> dispatcher_;
+};
+
+TEST_F(PushTest, DeliversOnlyToAWorkerThatHasTheModel) {
+  StartDispatcher("least-loaded");
+  Member a = Start(Options({"sim-a"}, "push-a"));
+  Member b = Start(Options({"sim-b"}, "push-b"));
+  ASSERT_TRUE(a.worker && b.worker);
+  ASSERT_TRUE(SeesWorkers("sim-a", 1));
+  ASSERT_TRUE(SeesWorkers("sim-b", 1));
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  for (int i = 0; i < 12; ++i) calls.push_back(EmbedAsync("sim-a", {"request " + std::to_string(i), "two"}));
+  for (auto& f : calls) {
+    auto r = f.get();
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->rows, 2);
+    EXPECT_EQ(r->dim, 64);
+  }
+  EXPECT_EQ(a.Pushed("sim-a"), 12);
+  EXPECT_EQ(b.Pushed("sim-a"), 0);
+  EXPECT_EQ(GatewayCounter("shoal_gateway_chunks_pushed_total"), 12);
+  EXPECT_EQ(GatewayCounter("shoal_gateway_chunks_published_total"), 0);  // nothing went to the queue
+  // Pushed answers equal pulled ones: same runtime, same batcher.
+  auto again = EmbedAsync("sim-a", {"request 0", "two"}).get();
+  ASSERT_TRUE(again.ok());
+}
+
+TEST_F(PushTest, LeastLoadedSpreadsWorkOverTwoWorkers) {
+  StartDispatcher("least-loaded");
+  Member a = Start(Options({"sim-a"}, "push-a"));
+  Member b = Start(Options({"sim-a"}, "push-b"));
+  ASSERT_TRUE(a.worker && b.worker);
+  ASSERT_TRUE(SeesWorkers("sim-a", 2));
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  for (int i = 0; i < 40; ++i) calls.push_back(EmbedAsync("sim-a", {"spread " + std::to_string(i)}));
+  for (auto& f : calls) {
+    auto r = f.get();
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+  }
+  EXPECT_GT(a.Pushed("sim-a"), 0);
+  EXPECT_GT(b.Pushed("sim-a"), 0);
+  EXPECT_EQ(a.Pushed("sim-a") + b.Pushed("sim-a"), 40);
+}
+
+TEST_F(PushTest, PowerOfTwoChoicesSpreadsWorkOverTwoWorkers) {
+  StartDispatcher("p2c");
+  Member a = Start(Options({"sim-a"}, "push-a"));
+  Member b = Start(Options({"sim-a"}, "push-b"));
+  ASSERT_TRUE(a.worker && b.worker);
+  ASSERT_TRUE(SeesWorkers("sim-a", 2));
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  for (int i = 0; i < 40; ++i) calls.push_back(EmbedAsync("sim-a", {"p2c " + std::to_string(i)}));
+  for (auto& f : calls) ASSERT_TRUE(f.get().ok());
+  EXPECT_GT(a.Pushed("sim-a"), 0);
+  EXPECT_GT(b.Pushed("sim-a"), 0);
+}
+
+TEST_F(PushTest, ModelNobodyReportsGoesToTheQueue) {
+  StartDispatcher("least-loaded");
+  Member a = Start(Options({"sim-a"}, "push-a"));  // creates the stream; serves only sim-a
+  ASSERT_TRUE(a.worker);
+  ASSERT_TRUE(SeesWorkers("sim-a", 1));
+  // Nobody has sim-b: the chunk is published to the queue, where a worker
+  // that starts later pulls it (as in pull mode).
+  auto pending = EmbedAsync("sim-b", {"queued first"});
+  Member b = Start(Options({"sim-b"}, "push-b"));
+  ASSERT_TRUE(b.worker);
+  auto r = pending.get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(GatewayCounter("shoal_gateway_push_fallback_total"), 1);
+  EXPECT_EQ(GatewayCounter("shoal_gateway_chunks_published_total"), 1);
+}
+
+TEST_F(PushTest, WorkerLostMidPushFailsTheCallerWithWorkerLost) {
+  StartDispatcher("least-loaded");
+  GateRuntime::Gate gate;
+  WorkerOptions wo = Options({"sim-a"}, "push-doomed");
+  wo.runtime_factory = [&gate](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
+    ASSIGN_OR_RETURN(auto inner, CreateRuntime(cfg.runtime));
+    return std::unique_ptr<Runtime>(new GateRuntime(std::move(inner), &gate));
+  };
+  Member a = Start(wo);
+  ASSERT_TRUE(a.worker);
+  ASSERT_TRUE(SeesWorkers("sim-a", 1));
+  auto call = EmbedAsync("sim-a", {"never answered"}, /*timeout_ms=*/60000);
+  ASSERT_TRUE(Eventually([&] { return gate.entered.load() > 0; }));
+  // The worker's connection dies with the work on its device, as when its
+  // process is killed: no reply, no more load reports.
+  natsConnection_Close(a.client->conn());
+  auto r = call.get();
+  ASSERT_FALSE(r.ok());
+  // Well before the 60 s deadline (which would be kDeadlineExceeded).
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
+  EXPECT_EQ(r.status().reason(), "worker_lost");
+  EXPECT_GE(GatewayCounter("shoal_gateway_push_worker_lost_total"), 1);
+  {
+    std::lock_guard<std::mutex> lock(gate.mu);
+    gate.open = true;
+  }
+  gate.cv.notify_all();
+  a.worker.reset();
+}
+
+TEST_F(PushTest, BusySecondsGrowWithWorkAndReachTheHeartbeat) {
+  StartDispatcher("least-loaded");
+  Member a = Start(Options({"sim-a"}, "push-busy"));
+  ASSERT_TRUE(a.worker);
+  ASSERT_TRUE(SeesWorkers("sim-a", 1));
+  EXPECT_EQ(a.worker->busy_seconds(), 0.0);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(EmbedAsync("sim-a", {"busy " + std::to_string(i)}).get().ok());
+  const double after = a.worker->busy_seconds();
+  EXPECT_GT(after, 0.0);
+  // The registry entry a gateway's /v1/workers reads carries it too.
+  auto kv = KvBucket::Bind(*client_, wire::kWorkersBucket);
+  ASSERT_TRUE(kv.ok());
+  ASSERT_TRUE(Eventually([&] {
+    auto v = (*kv)->Get("push-busy");
+    WorkerInfo info;
+    return v.ok() && ParseWorkerHeartbeat(*v, &info) && info.busy_seconds >= after && info.device_slots == 1;
+  }));
+  // The load report has the same counter and the loaded models.
+  auto report = nlohmann::json::parse(a.worker->LoadReportJson());
+  EXPECT_EQ(report["id"], "push-busy");
+  EXPECT_GE(report["busy_seconds"].get<double>(), after);
+  EXPECT_EQ(report["models"], nlohmann::json::array({"sim-a"}));
+  EXPECT_EQ(report["outstanding_rows"], 0);
+}
+
+// The pull path with a bound on held rows: every request is still served
+// (the fetchers wait for room instead of pulling).
+TEST_F(PushTest, PullWithAHeldRowsBoundServesEverything) {
+  DispatcherOptions dopt;  // pull
+  auto d = Dispatcher::Create(dopt, client_.get(), &gateway_metrics_);
+  ASSERT_TRUE(d.ok());
+  dispatcher_ = std::move(d).value();
+  WorkerOptions wo = Options({"sim-a", "sim-b"}, "pull-bounded");
+  wo.max_held_rows = 2;
+  Member a = Start(wo);
+  ASSERT_TRUE(a.worker);
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  for (int i = 0; i < 24; ++i) calls.push_back(EmbedAsync(i % 3 ? "sim-a" : "sim-b", {"bounded " + std::to_string(i)}));
+  for (auto& f : calls) {
+    auto r = f.get();
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+  }
+  EXPECT_EQ(a.Pushed("sim-a"), 0);
+  // Rows stop counting just after their replies go out.
+  EXPECT_TRUE(Eventually([&] { return nlohmann::json::parse(a.worker->LoadReportJson())["outstanding_rows"] == 0; }));
+}
+
+TEST(PushOptions, RejectsUnknownModesAndPolicies) {
+  DispatcherOptions o;
+  o.dispatch = "shove";
+  EXPECT_EQ(o.Validate().code(), StatusCode::kInvalidArgument);
+  o.dispatch = "push";
+  o.push_policy = "random";
+  EXPECT_EQ(o.Validate().code(), StatusCode::kInvalidArgument);
+  o.push_policy = "p2c";
+  EXPECT_TRUE(o.Validate().ok());
+}
+
+TEST(PushWorkerLoad, EstimateCountsRowsSentSinceTheLastReport) {
+  PushWorkerLoad w;
+  w.reported_rows = 10;
+  w.own_at_report = 4;
+  w.own_rows = 6;  // 2 more sent since the report
+  EXPECT_EQ(w.Estimate(), 12);
+  w.own_rows = 1;  // 3 answered since the report
+  EXPECT_EQ(w.Estimate(), 7);
+  w.reported_rows = 0;
+  w.own_at_report = 0;
+  w.own_rows = 5;  // never below what this gateway knows is there
+  EXPECT_EQ(w.Estimate(), 5);
+}
+
+TEST(HeldRows, BoundsWhatPullingMayTake) {
+  HeldRows unbounded;
+  unbounded.Add(1000);
+  EXPECT_EQ(unbounded.Room(32, 0), 32);
+  HeldRows h(10);
+  EXPECT_EQ(h.Room(32, 0), 10);
+  h.Add(8);
+  EXPECT_EQ(h.Room(32, 0), 2);
+  EXPECT_EQ(h.Room(1, 0), 1);
+  h.Add(4);  // pushed work may take it past the bound
+  EXPECT_EQ(h.Room(32, 0), 0);
+  EXPECT_EQ(h.count(), 12);
+  h.Done(12);
+  EXPECT_EQ(h.Room(32, 0), 10);
+}
+
+}  // namespace
+}  // namespace shoal
