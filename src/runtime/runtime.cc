@@ -1,6 +1,7 @@
 #include "runtime/runtime.h"
 
 #include "runtime/null/null_runtime.h"
+#include "runtime/openai/openai_runtime.h"
 #include "runtime/process/process_runtime.h"
 #include "runtime/sim/sim_runtime.h"
 #include "runtime/torch/torchscript_runtime.h"
@@ -13,8 +14,9 @@ Result<std::unique_ptr<Runtime>> CreateRuntime(const std::string& kind) {
   }
   if (kind == "null") return std::unique_ptr<Runtime>(std::make_unique<NullRuntime>());
   if (kind == "process") return std::unique_ptr<Runtime>(std::make_unique<ProcessRuntime>());
+  if (kind == "openai") return std::unique_ptr<Runtime>(std::make_unique<OpenAiRuntime>());
   if (kind == "sim") return std::unique_ptr<Runtime>(std::make_unique<SimRuntime>());
-  return NotFound("unknown runtime '" + kind + "' (known: torchscript, process, sim, null)",
+  return NotFound("unknown runtime '" + kind + "' (known: torchscript, process, openai, sim, null)",
                   "runtime_not_found");
 }
 
