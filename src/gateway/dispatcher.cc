@@ -10,7 +10,9 @@
 namespace shoal {
 
 struct Dispatcher::Pending {
-  EmbedCallback done;
+  std::function<void(Parts)> done;
+  PartialCallback partial;
+  std::vector<size_t> first_item;  // per chunk: the job index of its first input (partials)
   int chunk_count = 0;
   int received = 0;
   int64_t deadline_unix_ms = 0;
@@ -88,37 +90,14 @@ void Dispatcher::SubmitEmbed(EmbedJob job, EmbedCallback done) {
     done(InvalidArgument("no inputs"));
     return;
   }
-  if (job.deadline_unix_ms <= 0) job.deadline_unix_ms = clock_->NowUnixMs() + 30000;
-  const int chunk = options_.chunk_size;
-  const int chunks = static_cast<int>((n + chunk - 1) / chunk);
-  const std::string id = id_ + "-" + std::to_string(seq_.fetch_add(1));
-  auto p = std::make_shared<Pending>();
-  p->done = std::move(done);
-  p->chunk_count = chunks;
-  p->deadline_unix_ms = job.deadline_unix_ms;
-  p->have.assign(chunks, false);
-  p->parts.resize(chunks);
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (stop_) {
-      lock.unlock();
-      p->done(Unavailable("gateway is shutting down"));
-      return;
-    }
-    pending_.emplace(id, p);
-    deadlines_.emplace(job.deadline_unix_ms, id);
-  }
-  timer_cv_.notify_one();
-  chunks_per_request_->Observe(chunks);
-
-  const std::string subject = wire::WorkSubject(job.model);
-  const std::string deadline = std::to_string(job.deadline_unix_ms);
-  for (int c = 0; c < chunks; ++c) {
+  const size_t chunk = static_cast<size_t>(options_.chunk_size);
+  std::vector<Chunk> chunks;
+  for (size_t begin = 0; begin < n; begin += chunk) {
     wire::WorkBody body;
     body.task = job.task;
     body.model = job.model;
     body.truncate = job.truncate;
-    const size_t begin = static_cast<size_t>(c) * chunk, end = std::min(n, begin + chunk);
+    const size_t end = std::min(n, begin + chunk);
     int64_t estimate = 0;
     if (!job.texts.empty()) {
       const bool pairs = !job.texts_pair.empty();
@@ -136,8 +115,87 @@ void Dispatcher::SubmitEmbed(EmbedJob job, EmbedCallback done) {
         body.token_ids.push_back(std::move(job.token_ids[i]));
       }
     }
-    std::string data = wire::EncodeWorkBody(body);
-    std::string chunk_id = std::to_string(c) + "/" + std::to_string(chunks);
+    chunks.push_back({wire::EncodeWorkBody(body), estimate});
+  }
+  auto assemble = [done = std::move(done)](Parts parts) {
+    if (!parts.ok()) return done(parts.status());
+    EmbedResult r;
+    for (const auto& part : *parts) {
+      if (r.dim == 0) r.dim = part.dim;
+      if (part.dim != r.dim) return done(Internal("workers returned different embedding widths"));
+      r.rows += part.rows;
+      for (int32_t t : part.token_counts) r.prompt_tokens += t;
+      r.truncated_any = r.truncated_any || part.truncated_any;
+    }
+    r.data.reserve(static_cast<size_t>(r.rows) * r.dim);
+    for (const auto& part : *parts) r.data.insert(r.data.end(), part.embeddings.begin(), part.embeddings.end());
+    done(std::move(r));
+  };
+  Submit(job.model, job.deadline_unix_ms, std::move(chunks), std::move(assemble), {}, {});
+}
+
+void Dispatcher::SubmitItems(ItemJob job, ItemCallback done, PartialCallback partial) {
+  const size_t n = job.items.size();
+  if (n == 0) {
+    done(InvalidArgument("no inputs"));
+    return;
+  }
+  std::vector<Chunk> chunks;
+  std::vector<size_t> first_item;
+  for (size_t i = 0; i < n; ++i) {
+    wire::WorkBody body;
+    body.task = job.task;
+    body.model = job.model;
+    body.items.push_back(std::move(job.items[i]));
+    chunks.push_back({wire::EncodeWorkBody(body), 1});
+    first_item.push_back(i);
+  }
+  auto assemble = [n, done = std::move(done)](Parts parts) {
+    if (!parts.ok()) return done(parts.status());
+    ItemResult r;
+    r.items.reserve(n);
+    for (auto& part : *parts)
+      for (auto& item : part.items) r.items.push_back(std::move(item));
+    if (r.items.size() != n)
+      return done(Internal("workers returned " + std::to_string(r.items.size()) + " results for " +
+                           std::to_string(n) + " inputs"));
+    done(std::move(r));
+  };
+  Submit(job.model, job.deadline_unix_ms, std::move(chunks), std::move(assemble), std::move(partial),
+         std::move(first_item));
+}
+
+void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std::vector<Chunk> chunks,
+                        std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item) {
+  if (deadline_unix_ms <= 0) deadline_unix_ms = clock_->NowUnixMs() + 30000;
+  const int count = static_cast<int>(chunks.size());
+  const std::string id = id_ + "-" + std::to_string(seq_.fetch_add(1));
+  auto p = std::make_shared<Pending>();
+  p->done = std::move(done);
+  p->partial = std::move(partial);
+  p->first_item = std::move(first_item);
+  p->chunk_count = count;
+  p->deadline_unix_ms = deadline_unix_ms;
+  p->have.assign(count, false);
+  p->parts.resize(count);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (stop_) {
+      lock.unlock();
+      p->done(Unavailable("gateway is shutting down"));
+      return;
+    }
+    pending_.emplace(id, p);
+    deadlines_.emplace(deadline_unix_ms, id);
+  }
+  timer_cv_.notify_one();
+  chunks_per_request_->Observe(count);
+
+  const std::string subject = wire::WorkSubject(model);
+  const std::string deadline = std::to_string(deadline_unix_ms);
+  for (int c = 0; c < count; ++c) {
+    const std::string& data = chunks[c].data;
+    std::string chunk_id = std::to_string(c) + "/" + std::to_string(count);
     std::string ack_subject = ack_prefix_ + id + "." + std::to_string(c);
     natsMsg* raw = nullptr;
     natsStatus s = natsMsg_Create(&raw, subject.c_str(), ack_subject.c_str(), data.data(),
@@ -150,7 +208,7 @@ void Dispatcher::SubmitEmbed(EmbedJob job, EmbedCallback done) {
     natsMsgHeader_Set(raw, wire::kHdrRequestId, id.c_str());
     natsMsgHeader_Set(raw, wire::kHdrChunk, chunk_id.c_str());
     natsMsgHeader_Set(raw, wire::kHdrDeadline, deadline.c_str());
-    natsMsgHeader_Set(raw, wire::kHdrTokenEstimate, std::to_string(estimate).c_str());
+    natsMsgHeader_Set(raw, wire::kHdrTokenEstimate, std::to_string(chunks[c].estimate).c_str());
     natsMsgHeader_Set(raw, wire::kHdrReplyTo, reply_subject_.c_str());
     natsMsgHeader_Set(raw, wire::kHdrMsgId, (id + "." + std::to_string(c)).c_str());
     Status ps = client_->PublishMsg(raw);
@@ -219,6 +277,7 @@ void Dispatcher::HandleReply(std::string_view data) {
     return;
   }
   const std::string id = reply->request_id;  // reply is moved from below
+  const bool is_partial = reply->partial;
   std::shared_ptr<Pending> p;
   bool complete = false;
   Status error;
@@ -235,7 +294,12 @@ void Dispatcher::HandleReply(std::string_view data) {
       duplicates_->Inc();
       return;
     }
-    if (!reply->status.ok()) {
+    if (is_partial) {
+      // Replies arrive in order on this one subscription thread, so a
+      // chunk's partials reach the callback in the order they were sent.
+      // (A redelivered chunk may repeat partials already passed on.)
+      if (!p->partial || !reply->status.ok() || reply->items.empty()) return;
+    } else if (!reply->status.ok()) {
       error = reply->status;
     } else {
       p->have[c] = true;
@@ -243,29 +307,22 @@ void Dispatcher::HandleReply(std::string_view data) {
       complete = ++p->received == p->chunk_count;
     }
   }
+  if (is_partial) {
+    const size_t c = static_cast<size_t>(reply->chunk_index);
+    const size_t item = (c < p->first_item.size() ? p->first_item[c] : 0) + static_cast<size_t>(reply->item);
+    p->partial(item, reply->items.front());
+    return;
+  }
   if (!error.ok()) {
     Complete(id, error);
     return;
   }
   if (!complete) return;
   // All chunks here; only this thread can reach this point for the request.
-  EmbedResult r;
-  for (auto& part : p->parts) {
-    if (r.dim == 0) r.dim = part.dim;
-    if (part.dim != r.dim) {
-      Complete(id, Internal("workers returned different embedding widths"));
-      return;
-    }
-    r.rows += part.rows;
-    for (int32_t t : part.token_counts) r.prompt_tokens += t;
-    r.truncated_any = r.truncated_any || part.truncated_any;
-  }
-  r.data.reserve(static_cast<size_t>(r.rows) * r.dim);
-  for (auto& part : p->parts) r.data.insert(r.data.end(), part.embeddings.begin(), part.embeddings.end());
-  Complete(id, std::move(r));
+  Complete(id, std::move(p->parts));
 }
 
-void Dispatcher::Complete(const std::string& id, Result<EmbedResult> result) {
+void Dispatcher::Complete(const std::string& id, Parts result) {
   std::shared_ptr<Pending> p;
   {
     std::lock_guard<std::mutex> lock(mu_);

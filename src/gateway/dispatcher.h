@@ -22,6 +22,7 @@
 #include "common/metrics.h"
 #include "common/status.h"
 #include "queue/nats_client.h"
+#include "wire/work_message.h"
 
 namespace shoal {
 
@@ -48,12 +49,39 @@ struct EmbedResult {
 
 using EmbedCallback = std::function<void(Result<EmbedResult>)>;
 
+// One request for an item task (ocr, generate): whole inputs the runtime
+// takes itself. Each item travels in its own queue message, so several
+// workers can serve one request.
+struct ItemJob {
+  std::string task;
+  std::string model;
+  std::vector<std::string> items;  // image bytes, or a MessagePack request document
+  int64_t deadline_unix_ms = 0;
+};
+
+struct ItemResult {
+  std::vector<std::string> items;  // one MessagePack result document per input, in input order
+};
+
+using ItemCallback = std::function<void(Result<ItemResult>)>;
+// Streamed output before the result: `item` indexes the job's inputs,
+// `chunk` is one MessagePack document. Called in order for each item, on
+// the dispatcher's reply thread; it must not block.
+using PartialCallback = std::function<void(size_t item, std::string_view chunk)>;
+
 // What routes need from the queue side; faked in route unit tests.
 class WorkSubmitter {
  public:
   virtual ~WorkSubmitter() = default;
   // Completes `done` exactly once, from any thread, possibly inline.
   virtual void SubmitEmbed(EmbedJob job, EmbedCallback done) = 0;
+  // Same contract for item tasks; `partial` (may be empty) gets streamed
+  // output before `done`.
+  virtual void SubmitItems(ItemJob job, ItemCallback done, PartialCallback partial = {}) {
+    (void)job;
+    (void)partial;
+    done(Unavailable("this gateway cannot queue item tasks"));
+  }
   // Asks the fleet to load `model` without sending work (a gateway that
   // answers 503 instead of waiting). Best effort; repeated asks coalesce.
   virtual void RequestLoad(const std::string& model) { (void)model; }
@@ -73,6 +101,7 @@ class Dispatcher final : public WorkSubmitter {
                                                     MetricsRegistry* metrics, const Clock* clock = nullptr);
   ~Dispatcher() override;
   void SubmitEmbed(EmbedJob job, EmbedCallback done) override;
+  void SubmitItems(ItemJob job, ItemCallback done, PartialCallback partial = {}) override;
   // Queues a load hint on the model's subject (de-duplicated per 10 s).
   void RequestLoad(const std::string& model) override;
   // Fails every pending request with Unavailable and stops the timer.
@@ -82,12 +111,21 @@ class Dispatcher final : public WorkSubmitter {
 
  private:
   struct Pending;
+  // Every chunk's reply, in chunk order, or the request's first error.
+  using Parts = Result<std::vector<wire::WorkReply>>;
+  struct Chunk {
+    std::string data;      // encoded WorkBody
+    int64_t estimate = 0;  // Shoal-Token-Estimate
+  };
   Dispatcher() = default;
+  // Registers the request and publishes its chunks; `done` gets the parts.
+  void Submit(const std::string& model, int64_t deadline_unix_ms, std::vector<Chunk> chunks,
+              std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item);
   static void OnMessage(natsConnection*, natsSubscription*, natsMsg*, void* closure);
   void HandleReply(std::string_view data);
   void HandlePubAck(std::string_view subject_tail, natsMsg* msg);
   // Removes the request and completes it with `result`, once.
-  void Complete(const std::string& id, Result<EmbedResult> result);
+  void Complete(const std::string& id, Parts result);
   void TimerLoop();
 
   DispatcherOptions options_;

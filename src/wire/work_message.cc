@@ -168,7 +168,7 @@ std::string EncodeWorkReply(const WorkReply& r) {
   Packer pk(buf);
   const bool ok = r.status.ok();
   const bool has_items = ok && !r.items.empty();
-  pk.pack_map((ok ? 8 : 4) + (has_items ? 1 : 0) + (r.partial ? 2 : 0));
+  pk.pack_map((ok ? 8 : 4) + (has_items ? 1 : 0) + (r.partial ? 3 : 0));
   PackStr(pk, "id");
   PackStr(pk, r.request_id);
   PackStr(pk, "chunk");
@@ -180,6 +180,8 @@ std::string EncodeWorkReply(const WorkReply& r) {
     pk.pack_true();
     PackStr(pk, "seq");
     pk.pack_int32(r.seq);
+    PackStr(pk, "item");
+    pk.pack_int32(r.item);
   }
   if (!ok) {
     PackStr(pk, "error");
@@ -256,6 +258,9 @@ Result<WorkReply> DecodeWorkReply(std::string_view data) {
     } else if (key == "seq") {
       ASSIGN_OR_RETURN(int64_t v, AsInt(kv.val, "seq"));
       r.seq = static_cast<int>(v);
+    } else if (key == "item") {
+      ASSIGN_OR_RETURN(int64_t v, AsInt(kv.val, "item"));
+      r.item = static_cast<int>(v);
     } else if (key == "items") {
       RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::ARRAY, "items"));
       for (uint32_t j = 0; j < kv.val.via.array.size; ++j) {
@@ -281,6 +286,31 @@ Result<WorkReply> DecodeWorkReply(std::string_view data) {
   if (r.status.ok() && static_cast<size_t>(r.rows) * r.dim != r.embeddings.size())
     return InvalidArgument("wire: reply embeddings do not match rows x dim");
   return r;
+}
+
+Result<std::vector<float>> DecodeFloatRow(std::string_view doc) {
+  ASSIGN_OR_RETURN(auto handle, Unpack(doc));
+  const msgpack::object& o = handle.get();
+  std::vector<float> row;
+  if (o.type == msgpack::type::BIN) {
+    if (o.via.bin.size % sizeof(float) != 0) return InvalidArgument("wire: float32 row size not a multiple of 4");
+    row.resize(o.via.bin.size / sizeof(float));
+    std::memcpy(row.data(), o.via.bin.ptr, o.via.bin.size);
+    return row;
+  }
+  if (o.type != msgpack::type::ARRAY) return InvalidArgument("wire: a row must be float32 bin or an array of numbers");
+  row.reserve(o.via.array.size);
+  for (uint32_t i = 0; i < o.via.array.size; ++i) {
+    const auto& v = o.via.array.ptr[i];
+    switch (v.type) {
+      case msgpack::type::FLOAT32:
+      case msgpack::type::FLOAT64: row.push_back(static_cast<float>(v.via.f64)); break;
+      case msgpack::type::POSITIVE_INTEGER: row.push_back(static_cast<float>(v.via.u64)); break;
+      case msgpack::type::NEGATIVE_INTEGER: row.push_back(static_cast<float>(v.via.i64)); break;
+      default: return InvalidArgument("wire: a row must hold numbers only");
+    }
+  }
+  return row;
 }
 
 std::string ModelToToken(std::string_view model) {

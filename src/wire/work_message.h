@@ -88,12 +88,19 @@ struct WorkReply {
   // A partial reply (streamed output): more replies follow for this chunk.
   // `seq` counts a chunk's partial replies from 0; the final reply has
   // partial = false.
+  // `item` is the input (within the chunk) the partial output belongs to.
   bool partial = false;
   int seq = 0;
+  int item = 0;
 };
 
 std::string EncodeWorkReply(const WorkReply& reply);
 Result<WorkReply> DecodeWorkReply(std::string_view data);
+
+// One row of floats from a MessagePack document: a bin of little-endian
+// float32, or an array of numbers (how an item runtime serving a token task,
+// e.g. embeddings from a remote backend, returns each row).
+Result<std::vector<float>> DecodeFloatRow(std::string_view doc);
 
 // Model names map reversibly onto one NATS subject token / consumer name:
 // [A-Za-z0-9_-] stay as they are, every other byte becomes "~XX" (hex).

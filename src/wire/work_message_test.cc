@@ -91,15 +91,33 @@ TEST(WorkReply, RoundTripsItemsAndPartials) {
   r.items = {"\x81\xa4text\xa2hi", std::string("\0", 1)};
   r.partial = true;
   r.seq = 3;
+  r.item = 1;
   auto d = DecodeWorkReply(EncodeWorkReply(r));
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   EXPECT_EQ(d->items, r.items);
   EXPECT_TRUE(d->partial);
   EXPECT_EQ(d->seq, 3);
+  EXPECT_EQ(d->item, 1);
   r.partial = false;
   d = DecodeWorkReply(EncodeWorkReply(r));
   ASSERT_TRUE(d.ok());
   EXPECT_FALSE(d->partial);
+}
+
+TEST(FloatRow, DecodesBinAndArrays) {
+  const float f[2] = {0.5f, -2.0f};
+  std::string bin = std::string("\xc4\x08", 2) + std::string(reinterpret_cast<const char*>(f), 8);
+  auto a = DecodeFloatRow(bin);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ(*a, (std::vector<float>{0.5f, -2.0f}));
+  // [0.5 (float64), 3, -1]
+  std::string arr = std::string("\x93\xcb\x3f\xe0\0\0\0\0\0\0\x03\xff", 12);
+  auto b = DecodeFloatRow(arr);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ(*b, (std::vector<float>{0.5f, 3.0f, -1.0f}));
+  EXPECT_FALSE(DecodeFloatRow("\x91\xa1x").ok());            // a string in the row
+  EXPECT_FALSE(DecodeFloatRow(std::string("\xc4\x03xyz", 5)).ok());  // 3 bytes
+  EXPECT_FALSE(DecodeFloatRow("\xa1x").ok());                // not a row at all
 }
 
 TEST(WorkBody, RejectsGarbage) {

@@ -8,7 +8,7 @@ Batcher::Batcher(const BatchingConfig& config, const Clock* clock) : config_(con
 
 void Batcher::Add(std::unique_ptr<PendingWork> work) {
   held_tokens_ += work->tokens;
-  held_rows_ += static_cast<int64_t>(work->rows.size());
+  held_rows_ += work->row_count();
   items_.push_back(std::move(work));
 }
 
@@ -27,7 +27,7 @@ std::vector<std::unique_ptr<PendingWork>> Batcher::Take() {
   int64_t tokens = 0, rows = 0;
   while (!items_.empty()) {
     auto& next = items_.front();
-    int64_t t = next->tokens, r = static_cast<int64_t>(next->rows.size());
+    int64_t t = next->tokens, r = next->row_count();
     if (!out.empty() && (tokens + t > config_.max_batch_tokens || rows + r > config_.max_batch_size)) break;
     tokens += t;
     rows += r;

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "common/clock.h"
@@ -30,10 +31,15 @@ struct PendingWork {
   // there). Empty for single texts.
   std::vector<int32_t> second_starts;
   std::vector<int32_t> token_counts;       // per row (after truncation)
+  // Item work (a runtime that takes whole inputs): the inputs, untokenized.
+  // Each counts as one row and one token of the batch budget.
+  std::vector<std::string> items;
   bool truncated_any = false;
   int64_t tokens = 0;                      // sum of row lengths
   int64_t enqueued_mono_us = 0;           // when the worker pulled it
   int64_t published_mono_us = 0;          // when the gateway queued it (clock's monotonic time)
+
+  int64_t row_count() const { return static_cast<int64_t>(items.empty() ? rows.size() : items.size()); }
 };
 
 class Batcher {

@@ -155,6 +155,9 @@ Result<std::unique_ptr<PendingWork>> ModelServer::Prepare(std::string_view data)
   if (body.model != c.name) return NotFound("this worker does not serve model '" + body.model + "'");
   if (body.task != c.task) return InvalidArgument("model '" + c.name + "' does not do task '" + body.task + "'");
   if (body.size() == 0) return InvalidArgument("no inputs");
+  if (d_.runtime->TakesItems()) return PrepareItems(std::move(body));
+  if (!body.items.empty())
+    return InvalidArgument("model '" + c.name + "' takes text, not binary inputs", "wrong_input_type");
   auto w = std::make_unique<PendingWork>();
   w->rows.reserve(body.size());
   const int max_len = c.max_seq_len;
@@ -212,6 +215,21 @@ Result<std::unique_ptr<PendingWork>> ModelServer::Prepare(std::string_view data)
     w->token_counts.push_back(static_cast<int32_t>(r.size()));
     w->tokens += static_cast<int64_t>(r.size());
   }
+  return w;
+}
+
+Result<std::unique_ptr<PendingWork>> ModelServer::PrepareItems(wire::WorkBody body) const {
+  const ModelConfig& c = d_.config;
+  if (!body.token_ids.empty() || !body.texts_pair.empty())
+    return InvalidArgument("model '" + c.name + "' takes " + (c.ItemTask() ? "whole inputs" : "texts") +
+                               ", not token ids or text pairs",
+                           "wrong_input_type");
+  if (c.ItemTask() && body.items.empty())
+    return InvalidArgument("model '" + c.name + "' takes binary inputs, not text", "wrong_input_type");
+  auto w = std::make_unique<PendingWork>();
+  // A runtime that tokenizes for itself (a remote backend) takes the texts.
+  w->items = body.items.empty() ? std::move(body.texts) : std::move(body.items);
+  w->tokens = static_cast<int64_t>(w->items.size());
   return w;
 }
 
@@ -355,6 +373,10 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
     live.push_back(std::move(w));
   }
   if (live.empty()) return;
+  if (d_.runtime->TakesItems()) {
+    RunItemBatch(std::move(live));
+    return;
+  }
 
   const ModelConfig& c = d_.config;
   LOG_DEBUG("worker", c.name << ": running batch of " << live.size() << " message(s)");
@@ -438,12 +460,17 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
                   rep.embeddings.begin() + static_cast<size_t>(pass[r].row) * dim);
     }
   }
+  Finish(live, replies, failure);
+}
+
+void ModelServer::Finish(std::vector<std::unique_ptr<PendingWork>>& live, std::vector<wire::WorkReply>& replies,
+                         const Status& failure) {
   for (size_t i = 0; i < live.size(); ++i) {
     if (!failure.ok()) {
       Fail(live[i]->delivery, live[i]->headers, failure);
       continue;
     }
-    tokens_total_->Inc(live[i]->tokens);
+    if (live[i]->items.empty()) tokens_total_->Inc(live[i]->tokens);
     // Reply first, then ack: a crash in between redelivers, never loses.
     if (Status sent = Reply(replies[i], live[i]->headers.reply_to); !sent.ok()) {
       // The answer did not go out (e.g. over the server's max payload): say
@@ -454,6 +481,99 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
     }
     (void)live[i]->delivery.Ack();
   }
+}
+
+Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& work,
+                             std::vector<wire::WorkReply>* replies) {
+  const ModelConfig& c = d_.config;
+  std::vector<std::string> inputs;
+  std::vector<std::pair<size_t, size_t>> owner;  // input -> (work, index within its message)
+  for (size_t i = 0; i < work.size(); ++i)
+    for (size_t k = 0; k < work[i]->items.size(); ++k) {
+      inputs.push_back(work[i]->items[k]);
+      owner.emplace_back(i, k);
+    }
+  std::vector<int> seq(work.size(), 0);
+  PartialSink partial = [&](size_t item, std::string_view chunk) {
+    if (item >= owner.size()) return;
+    const auto [i, k] = owner[item];
+    wire::WorkReply r;
+    r.request_id = work[i]->headers.request_id;
+    r.chunk_index = work[i]->headers.chunk_index;
+    r.worker_id = d_.worker_id;
+    r.partial = true;
+    r.seq = seq[i]++;
+    r.item = static_cast<int>(k);
+    r.items.emplace_back(chunk);
+    (void)Reply(r, work[i]->headers.reply_to);
+  };
+  const int64_t t0 = d_.clock->NowMonoUs();
+  auto out = d_.runtime->RunItems(inputs, partial);
+  run_seconds_->Observe(static_cast<double>(d_.clock->NowMonoUs() - t0) / 1e6);
+  batches_->Inc();
+  batch_rows_->Observe(static_cast<double>(inputs.size()));
+  if (!out.ok()) return out.status();
+  if (out->size() != inputs.size())
+    return Internal("model '" + c.name + "' returned " + std::to_string(out->size()) + " results for " +
+                        std::to_string(inputs.size()) + " inputs",
+                    "runtime_error");
+  replies->assign(work.size(), {});
+  for (size_t i = 0; i < work.size(); ++i) {
+    auto& r = (*replies)[i];
+    r.request_id = work[i]->headers.request_id;
+    r.chunk_index = work[i]->headers.chunk_index;
+    r.worker_id = d_.worker_id;
+    r.rows = static_cast<int>(work[i]->items.size());
+  }
+  for (size_t n = 0; n < out->size(); ++n) {
+    auto& r = (*replies)[owner[n].first];
+    if (c.ItemTask()) {
+      r.items.push_back(std::move((*out)[n]));
+      continue;
+    }
+    // A token task served by an item runtime: each result is one row of floats.
+    auto row = wire::DecodeFloatRow((*out)[n]);
+    if (!row.ok() || row->empty() || (r.dim != 0 && static_cast<int>(row->size()) != r.dim) ||
+        (c.task == "score" && row->size() != 1))
+      return Internal("model '" + c.name + "' returned a malformed row for input " + std::to_string(n) +
+                          (row.ok() ? "" : ": " + row.status().message()),
+                      "runtime_error");
+    Embeddings e{1, static_cast<int>(row->size()), std::move(*row)};
+    ApplyActivation(activation_, &e);
+    r.dim = e.dim;
+    r.embeddings.insert(r.embeddings.end(), e.data.begin(), e.data.end());
+  }
+  return Status::Ok();
+}
+
+void ModelServer::RunItemBatch(std::vector<std::unique_ptr<PendingWork>> live) {
+  const ModelConfig& c = d_.config;
+  std::vector<wire::WorkReply> replies;
+  Status s = RunItems(live, &replies);
+  if (s.code() == StatusCode::kUnavailable) {
+    LOG_WARN("worker", c.name << ": " << s.ToString() << "; returning " << live.size() << " message(s) to the queue");
+    runtime_unavailable_->Inc();
+    Release(std::move(live),
+            Unavailable("model '" + c.name + "' runtime failed on every delivery of this work: " + s.message(),
+                        "runtime_unavailable"),
+            kRedeliverDelayMs);
+    return;
+  }
+  const int code = HttpStatusFor(s.code());
+  if (!s.ok() && code >= 400 && code < 500 && live.size() > 1) {
+    // One caller's bad input (an undecodable image) must not fail the
+    // others batched with it: rerun each message on its own.
+    for (auto& w : live) {
+      std::vector<std::unique_ptr<PendingWork>> one;
+      one.push_back(std::move(w));
+      RunItemBatch(std::move(one));
+    }
+    return;
+  }
+  if (!s.ok() && s.code() == StatusCode::kInternal)
+    s = Status(StatusCode::kInternal, "model '" + c.name + "' failed: " + s.message(),
+               s.reason().empty() ? "runtime_error" : s.reason());
+  Finish(live, replies, s);
 }
 
 }  // namespace shoal

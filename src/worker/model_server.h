@@ -63,6 +63,15 @@ class ModelServer final : public ModelAttachment {
   void FetchLoop();
   void ExecLoop();
   void RunBatch(std::vector<std::unique_ptr<PendingWork>> batch);
+  // Item work (TakesItems runtimes): whole inputs, no tokenizer.
+  Result<std::unique_ptr<PendingWork>> PrepareItems(wire::WorkBody body) const;
+  void RunItemBatch(std::vector<std::unique_ptr<PendingWork>> live);
+  // Runs the items of `work` through the runtime, streaming partial output
+  // to each caller. Fills one reply per work on success.
+  Status RunItems(const std::vector<std::unique_ptr<PendingWork>>& work, std::vector<wire::WorkReply>* replies);
+  // Sends each reply and acks, or fails the work with `failure`.
+  void Finish(std::vector<std::unique_ptr<PendingWork>>& live, std::vector<wire::WorkReply>& replies,
+              const Status& failure);
   // Hands pulled-but-unrun work back to the queue for redelivery, except
   // work on its last allowed delivery: its caller gets `last_chance` (a
   // message past MaxDeliver would sit in the queue unanswered).

@@ -248,11 +248,15 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
     c.dim = runtime->Dim();
     (void)models_kv_->Put(wire::ModelKvKey(c.name), ModelConfigToJson(c));
   }
-  WordPieceOptions to;
-  to.lowercase = c.tokenizer.lowercase;
-  to.strip_accents = c.tokenizer.strip_accents;
-  to.tokenize_chinese_chars = c.tokenizer.tokenize_chinese_chars;
-  ASSIGN_OR_RETURN(auto tokenizer, WordPieceTokenizer::FromFile(c.VocabPath(), to));
+  // Runtimes that take whole inputs (OCR, remote backends) need no vocab.
+  std::unique_ptr<WordPieceTokenizer> tokenizer;
+  if (!runtime->TakesItems()) {
+    WordPieceOptions to;
+    to.lowercase = c.tokenizer.lowercase;
+    to.strip_accents = c.tokenizer.strip_accents;
+    to.tokenize_chinese_chars = c.tokenizer.tokenize_chinese_chars;
+    ASSIGN_OR_RETURN(tokenizer, WordPieceTokenizer::FromFile(c.VocabPath(), to));
+  }
   ASSIGN_OR_RETURN(auto consumer, PullConsumer::Create(*client_, options_.stream.name, wire::WorkSubject(c.name),
                                                        wire::ConsumerName(c.name), options_.consumer));
   auto m = std::make_unique<LoadedModel>();

@@ -1,0 +1,218 @@
+// Integration tests of the worker's item path (runtimes that take whole
+// inputs: OCR images, requests for a remote backend): a real nats-server
+// -js, the real Worker and the gateway's Dispatcher, over a scripted item
+// runtime so that every path (results, float rows, streamed partials, one
+// caller's bad input, a failed runtime) can be driven.
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <mutex>
+
+#include <gtest/gtest.h>
+#include <msgpack.hpp>
+
+#include "gateway/dispatcher.h"
+#include "runtime/runtime.h"
+#include "support/test_env.h"
+#include "worker/worker.h"
+
+namespace shoal {
+namespace {
+
+using shoal::testing::TempDir;
+using shoal::testing::TestNatsServer;
+
+std::string PackStr(std::string_view s) {
+  msgpack::sbuffer buf;
+  msgpack::pack(buf, std::string(s));
+  return std::string(buf.data(), buf.size());
+}
+
+std::string Unpacked(std::string_view doc) {
+  auto h = msgpack::unpack(doc.data(), doc.size());
+  return h.get().as<std::string>();
+}
+
+// Each input is text: "bad..." fails the batch with a client error,
+// "stream:N" emits N partials first, "row:a,b" (token task) returns floats,
+// anything else comes back upper-cased.
+class ScriptedItemRuntime final : public Runtime {
+ public:
+  Status Load(const ModelConfig& config) override {
+    config_ = config;
+    return Status::Ok();
+  }
+  bool TakesItems() const override { return true; }
+  Result<std::vector<std::string>> RunItems(const std::vector<std::string>& items,
+                                            const PartialSink& partial) override {
+    std::vector<std::string> out;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const std::string& in = items[i];
+      if (in.rfind("bad", 0) == 0) return InvalidArgument("input '" + in + "' is not an image", "invalid_image");
+      if (in.rfind("stream:", 0) == 0) {
+        const int n = std::stoi(in.substr(7));
+        for (int k = 0; k < n; ++k) partial(i, PackStr("part" + std::to_string(k)));
+        out.push_back(PackStr("done"));
+      } else if (in.rfind("row:", 0) == 0) {
+        msgpack::sbuffer buf;
+        msgpack::pack(buf, std::vector<double>{std::stod(in.substr(4)), 2.0});
+        out.emplace_back(buf.data(), buf.size());
+      } else {
+        std::string up = in;
+        for (char& c : up) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+        out.push_back(PackStr(up));
+      }
+    }
+    return out;
+  }
+  Result<Embeddings> Run(const TokenBatch&) override { return Internal("token batches are not expected"); }
+  void Unload() override {}
+  int64_t MemoryBytes() const override { return 1 << 20; }
+  int Dim() const override { return config_.dim; }
+
+ private:
+  ModelConfig config_;
+};
+
+class ItemPathTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // Item models need no artifacts and no vocab.
+    WriteModel("scripted-ocr", R"({"name":"scripted-ocr","task":"ocr","runtime":"null"})");
+    WriteModel("remote-embed", R"({"name":"remote-embed","task":"embed","runtime":"null","dim":2})");
+    NatsOptions no;
+    no.url = server_.url();
+    auto c = NatsClient::Connect(no);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    client_ = std::move(c).value();
+    WorkerOptions wo;
+    wo.model_repository = repo_.path();
+    wo.models = {"scripted-ocr", "remote-embed"};
+    wo.runtime_factory = [](const ModelConfig&) -> Result<std::unique_ptr<Runtime>> {
+      return std::unique_ptr<Runtime>(std::make_unique<ScriptedItemRuntime>());
+    };
+    auto w = Worker::Create(wo, client_.get(), &metrics_);
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    worker_ = std::move(w).value();
+    auto d = Dispatcher::Create(DispatcherOptions{}, client_.get(), &metrics_);
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    dispatcher_ = std::move(d).value();
+  }
+
+  void WriteModel(const std::string& name, const std::string& json) {
+    std::filesystem::create_directories(repo_.path() + "/" + name);
+    std::ofstream(repo_.path() + "/" + name + "/shoal.json") << json;
+  }
+
+  Result<ItemResult> Submit(std::vector<std::string> items, PartialCallback partial = {}) {
+    ItemJob job;
+    job.task = "ocr";
+    job.model = "scripted-ocr";
+    job.items = std::move(items);
+    job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 20000;
+    std::promise<Result<ItemResult>> p;
+    auto f = p.get_future();
+    dispatcher_->SubmitItems(std::move(job), [&p](Result<ItemResult> r) { p.set_value(std::move(r)); },
+                             std::move(partial));
+    return f.get();
+  }
+
+  TestNatsServer server_;
+  TempDir repo_;
+  MetricsRegistry metrics_;
+  std::unique_ptr<NatsClient> client_;
+  std::unique_ptr<Worker> worker_;
+  std::unique_ptr<Dispatcher> dispatcher_;
+};
+
+TEST_F(ItemPathTest, ResultsComeBackInInputOrder) {
+  auto r = Submit({"first", std::string("bin\0ary", 7), "third"});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->items.size(), 3u);
+  EXPECT_EQ(Unpacked(r->items[0]), "FIRST");
+  EXPECT_EQ(Unpacked(r->items[1]), std::string("BIN\0ARY", 7));
+  EXPECT_EQ(Unpacked(r->items[2]), "THIRD");
+}
+
+TEST_F(ItemPathTest, PartialOutputStreamsInOrderBeforeTheResult) {
+  std::mutex mu;
+  std::vector<std::pair<size_t, std::string>> parts;
+  auto r = Submit({"plain", "stream:3"}, [&](size_t item, std::string_view chunk) {
+    std::lock_guard<std::mutex> lock(mu);
+    parts.emplace_back(item, Unpacked(chunk));
+  });
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->items.size(), 2u);
+  EXPECT_EQ(Unpacked(r->items[1]), "done");
+  std::lock_guard<std::mutex> lock(mu);
+  ASSERT_EQ(parts.size(), 3u);
+  for (size_t k = 0; k < 3; ++k) {
+    EXPECT_EQ(parts[k].first, 1u);  // the second input streamed
+    EXPECT_EQ(parts[k].second, "part" + std::to_string(k));
+  }
+}
+
+TEST_F(ItemPathTest, OneCallersBadInputFailsOnlyThatCaller) {
+  // Several requests in flight together so the worker batches them.
+  std::vector<std::future<Result<ItemResult>>> futures;
+  for (int i = 0; i < 6; ++i)
+    futures.push_back(std::async(std::launch::async, [this, i] {
+      return Submit({i == 3 ? std::string("bad image") : "ok" + std::to_string(i)});
+    }));
+  for (int i = 0; i < 6; ++i) {
+    auto r = futures[i].get();
+    if (i == 3) {
+      ASSERT_FALSE(r.ok());
+      EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+      EXPECT_EQ(r.status().reason(), "invalid_image");
+    } else {
+      ASSERT_TRUE(r.ok()) << i << ": " << r.status().ToString();
+      EXPECT_EQ(Unpacked(r->items[0]), "OK" + std::to_string(i));
+    }
+  }
+}
+
+TEST_F(ItemPathTest, TokenTaskOnAnItemRuntimeGetsFloatRowsFromTexts) {
+  EmbedJob job;
+  job.model = "remote-embed";
+  job.texts = {"row:0.5", "row:-1"};
+  job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 20000;
+  std::promise<Result<EmbedResult>> p;
+  auto f = p.get_future();
+  dispatcher_->SubmitEmbed(job, [&p](Result<EmbedResult> r) { p.set_value(std::move(r)); });
+  auto r = f.get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->rows, 2);
+  EXPECT_EQ(r->dim, 2);
+  EXPECT_EQ(r->data, (std::vector<float>{0.5f, 2.0f, -1.0f, 2.0f}));
+}
+
+TEST_F(ItemPathTest, WrongInputKindsGetClearErrors) {
+  // Token ids for an item runtime serving an embed task.
+  EmbedJob job;
+  job.model = "remote-embed";
+  job.token_ids = {{1, 2, 3}};
+  job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 20000;
+  std::promise<Result<EmbedResult>> p;
+  auto f = p.get_future();
+  dispatcher_->SubmitEmbed(job, [&p](Result<EmbedResult> r) { p.set_value(std::move(r)); });
+  auto r = f.get();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.status().reason(), "wrong_input_type");
+  // Text for an OCR model (task ocr wants binary items).
+  EmbedJob text;
+  text.task = "ocr";
+  text.model = "scripted-ocr";
+  text.texts = {"not an image"};
+  text.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 20000;
+  std::promise<Result<EmbedResult>> q;
+  auto g = q.get_future();
+  dispatcher_->SubmitEmbed(text, [&q](Result<EmbedResult> r) { q.set_value(std::move(r)); });
+  auto t = g.get();
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().reason(), "wrong_input_type");
+}
+
+}  // namespace
+}  // namespace shoal
