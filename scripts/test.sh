@@ -15,7 +15,7 @@ if [ -f tests/js/package.json ]; then
   echo "test: official OpenAI SDK (Node.js) against shoal serve"
   npm ci --prefix tests/js --no-audit --no-fund --loglevel=error
   SHOAL_BIN="$(pwd)/${BUILD_DIR}/src/cli/shoal" SHOAL_MODELS_DIR="$(pwd)/models" \
-    node --test tests/js/openai_sdk_test.mjs
+    node --test tests/js/openai_sdk_test.mjs tests/js/openai_chat_test.mjs
   echo "test: NATS object store interop with the nats Node.js client"
   SHOAL_BLOB_TOOL="$(pwd)/${BUILD_DIR}/tests/shoal_blob_tool" \
     node --test tests/js/objstore_interop_test.mjs

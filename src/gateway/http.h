@@ -4,6 +4,8 @@
 #pragma once
 
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -28,6 +30,74 @@ struct HttpRequest {
   }
 };
 
+// A response body sent while it is produced (server-sent events). The
+// handler makes one, sets HttpResponse::stream and responds: the status and
+// headers go out at once, then every Write() as it arrives (chunked on
+// HTTP/1.1, close-delimited on HTTP/1.0), and Close() ends the body.
+// Without a server attached (route unit tests) writes just accumulate for
+// Take(). Thread-safe.
+class HttpBodyStream {
+ public:
+  // Queues `bytes` for the client; never blocks. False once the client is
+  // gone (the producer may stop) or after Close().
+  bool Write(std::string bytes) {
+    std::function<void()> wake;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (gone_ || closed_) return false;
+      pending_ += bytes;
+      wake = wake_;
+    }
+    if (wake) wake();
+    return true;
+  }
+  // Ends the body after what was written. Idempotent.
+  void Close() {
+    std::function<void()> wake;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return;
+      closed_ = true;
+      wake = wake_;
+    }
+    if (wake) wake();
+  }
+  bool gone() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return gone_;
+  }
+
+  // The server's side: `wake` is called (from any thread, without locks)
+  // whenever there is something new to Take().
+  void SetWake(std::function<void()> wake) {
+    std::lock_guard<std::mutex> lock(mu_);
+    wake_ = std::move(wake);
+  }
+  // Moves out what was written so far; *closed: Close() was called, so
+  // nothing will follow what is returned now.
+  std::string Take(bool* closed) {
+    std::lock_guard<std::mutex> lock(mu_);
+    *closed = closed_;
+    std::string out = std::move(pending_);
+    pending_.clear();
+    return out;
+  }
+  // The client went away: later writes fail and are dropped.
+  void Abandon() {
+    std::lock_guard<std::mutex> lock(mu_);
+    gone_ = true;
+    wake_ = nullptr;
+    pending_.clear();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::string pending_;         // guarded by mu_
+  bool closed_ = false;         // guarded by mu_
+  bool gone_ = false;           // guarded by mu_
+  std::function<void()> wake_;  // guarded by mu_
+};
+
 struct HttpResponse {
   int status = 200;
   std::string content_type = "application/json";
@@ -36,6 +106,8 @@ struct HttpResponse {
   // The OpenAI error code of an error body ("model_not_found"); not sent,
   // kept so metrics need not parse the body again.
   std::string error_code;
+  // Set: the body is streamed from here and `body` is ignored.
+  std::shared_ptr<HttpBodyStream> stream;
 };
 
 // Completes one request. Call exactly once, from any thread.

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <exception>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -144,6 +146,7 @@ class HttpServer::Impl::Connection
 
   // Only from Stop(), with no io thread running.
   void CloseNow() {
+    if (body_stream_) body_stream_->Abandon();
     error_code ec;
     stream_.socket().close(ec);
   }
@@ -157,6 +160,10 @@ class HttpServer::Impl::Connection
   void OnContinueWritten(error_code ec, size_t);
   void OnWritten(error_code ec, size_t);
   void FailRequest(int http_status, const Status& status);
+  // Streamed bodies (HttpResponse::stream), all on the strand.
+  void StartStream(HttpResponse r, bool keep_alive);
+  void PumpStream();
+  void OnStreamWritten(error_code ec, size_t);
   void Linger();
   void OnLinger(error_code ec, size_t);
   void Close();
@@ -174,6 +181,11 @@ class HttpServer::Impl::Connection
   bool continue_checked_ = false;
   bool closing_ = false;     // the connection closes after this response
   bool closed_ = false;
+  std::shared_ptr<HttpBodyStream> body_stream_;  // the response being streamed
+  std::string stream_out_;                       // bytes being written from it
+  bool stream_writing_ = false;
+  bool stream_chunked_ = false;
+  bool stream_ended_ = false;                    // the last chunk is being written
   char drain_[4096];
 };
 
@@ -377,6 +389,12 @@ void HttpServer::Impl::Connection::Respond(HttpResponse r) {
     }
     response_.insert(name, std::move(value));
   }
+  if (r.stream && !head_) {
+    // HTTP/1.0 has no chunked encoding: the end of the body is the close.
+    if (version_ < 11) keep_alive = false;
+    closing_ = !keep_alive;
+    return StartStream(std::move(r), keep_alive);
+  }
   response_.keep_alive(keep_alive);
   closing_ = !keep_alive;
   response_.body() = std::move(r.body);
@@ -399,6 +417,79 @@ void HttpServer::Impl::Connection::OnWritten(error_code ec, size_t) {
   }
   response_ = {};
   NextRequest();
+}
+
+void HttpServer::Impl::Connection::StartStream(HttpResponse r, bool keep_alive) {
+  response_.keep_alive(keep_alive);
+  stream_chunked_ = version_ >= 11;
+  if (stream_chunked_) response_.chunked(true);
+  response_.set(http::field::cache_control, "no-cache");
+  std::ostringstream head;
+  head << response_.base();
+  response_ = {};
+  stream_out_ = head.str();
+  stream_ended_ = false;
+  body_stream_ = std::move(r.stream);
+  // Wake-ups come from producer threads; like a Reply they go through the
+  // gate so none touches the io_context after Stop().
+  std::weak_ptr<Connection> weak = weak_from_this();
+  std::shared_ptr<Gate> gate = server_.gate();
+  body_stream_->SetWake([weak, gate] {
+    std::lock_guard<std::mutex> lock(gate->mu);
+    if (!gate->open) return;
+    std::shared_ptr<Connection> c = weak.lock();
+    if (!c) return;
+    const net::any_io_executor& ex = c->executor();
+    net::post(ex, [c = std::move(c)] { c->PumpStream(); });
+  });
+  stream_writing_ = true;
+  stream_.expires_after(std::chrono::milliseconds(server_.options().read_timeout_ms));
+  net::async_write(stream_, net::buffer(stream_out_),
+                   beast::bind_front_handler(&Connection::OnStreamWritten, shared_from_this()));
+}
+
+// Writes whatever the producer has queued, or the end of the body.
+void HttpServer::Impl::Connection::PumpStream() {
+  if (closed_ || !body_stream_ || stream_writing_ || stream_ended_) return;
+  bool closed = false;
+  std::string data = body_stream_->Take(&closed);
+  stream_out_.clear();
+  if (!data.empty()) {
+    if (stream_chunked_) {
+      char size[20];
+      std::snprintf(size, sizeof(size), "%zx\r\n", data.size());
+      stream_out_ = size;
+      stream_out_ += data;
+      stream_out_ += "\r\n";
+    } else {
+      stream_out_ = std::move(data);
+    }
+  }
+  if (closed) {
+    stream_ended_ = true;
+    if (stream_chunked_) stream_out_ += "0\r\n\r\n";
+  }
+  if (stream_out_.empty()) {
+    if (!stream_ended_) return;  // nothing yet: the next Write() wakes us
+    return OnStreamWritten({}, 0);
+  }
+  stream_writing_ = true;
+  stream_.expires_after(std::chrono::milliseconds(server_.options().read_timeout_ms));
+  net::async_write(stream_, net::buffer(stream_out_),
+                   beast::bind_front_handler(&Connection::OnStreamWritten, shared_from_this()));
+}
+
+void HttpServer::Impl::Connection::OnStreamWritten(error_code ec, size_t) {
+  stream_writing_ = false;
+  if (ec) return Close();
+  if (!stream_ended_) {
+    stream_.expires_never();  // waiting for the producer is not the client's fault
+    return PumpStream();
+  }
+  body_stream_->SetWake(nullptr);
+  body_stream_.reset();
+  stream_out_.clear();
+  OnWritten({}, 0);
 }
 
 // Answers the request with an error and closes without trusting the rest
@@ -441,6 +532,10 @@ void HttpServer::Impl::Connection::OnLinger(error_code ec, size_t) {
 void HttpServer::Impl::Connection::Close() {
   if (closed_) return;
   closed_ = true;
+  if (body_stream_) {
+    body_stream_->Abandon();
+    body_stream_.reset();
+  }
   error_code ignored;
   stream_.socket().close(ignored);
   server_.Remove(this);
@@ -549,6 +644,8 @@ void HttpServer::Impl::Stop() {
     connections.swap(connections_);
   }
   for (auto& [ptr, c] : connections) c->CloseNow();
+  // Producers still streaming into a closed connection stop at their next
+  // Write(); see Connection::CloseNow.
   // Handlers still queued on ioc_ keep some connections alive; ioc_'s
   // destructor frees them.
 }

@@ -550,6 +550,106 @@ TEST(HttpServer, ResolvesHostNames) {
   EXPECT_GT(server->port(), 0);
 }
 
+// Hands out the body streams of the requests a handler answered with one.
+class ParkedStreams {
+ public:
+  HttpHandler Handler() {
+    return [this](HttpRequest&& req, HttpResponder respond) {
+      if (req.path == "/plain") return Echo(std::move(req), std::move(respond));
+      HttpResponse r;
+      r.content_type = "text/event-stream";
+      r.stream = std::make_shared<HttpBodyStream>();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        streams_.push_back(r.stream);
+        cv_.notify_all();
+      }
+      respond(std::move(r));
+    };
+  }
+  std::shared_ptr<HttpBodyStream> Take() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(10), [&] { return !streams_.empty(); });
+    if (streams_.empty()) return nullptr;
+    auto s = streams_.front();
+    streams_.pop_front();
+    return s;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<HttpBodyStream>> streams_;  // guarded by mu_
+};
+
+TEST(HttpServer, StreamsABodyAsItIsWritten) {
+  ParkedStreams parked;
+  auto server = Start(parked.Handler());
+  ASSERT_TRUE(server);
+  net::io_context ioc;
+  beast::tcp_stream s(ioc);
+  s.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(server->port())));
+  http::write(s, Client::Get("/events"));
+  auto body = parked.Take();
+  ASSERT_TRUE(body);
+  // Headers go out before any data.
+  beast::flat_buffer buf;
+  http::response_parser<http::string_body> p;
+  http::read_header(s, buf, p);
+  EXPECT_EQ(p.get().result_int(), 200);
+  EXPECT_TRUE(p.get().chunked());
+  EXPECT_EQ(p.get()[http::field::content_type], "text/event-stream");
+  ASSERT_TRUE(body->Write("data: 1\n\n"));
+  while (p.get().body().size() < 9) http::read_some(s, buf, p);
+  EXPECT_EQ(p.get().body(), "data: 1\n\n");
+  ASSERT_TRUE(body->Write("data: 2\n\n"));
+  body->Close();
+  EXPECT_FALSE(body->Write("late"));
+  http::read(s, buf, p);
+  EXPECT_EQ(p.get().body(), "data: 1\n\ndata: 2\n\n");
+  EXPECT_TRUE(p.get().keep_alive());
+  // The connection serves the next request.
+  http::write(s, Client::Get("/plain"));
+  Response next;
+  http::read(s, buf, next);
+  EXPECT_EQ(next.body(), "GET /plain q= x-test= body=");
+}
+
+TEST(HttpServer, StreamOverHttp10EndsWithTheConnection) {
+  ParkedStreams parked;
+  auto server = Start(parked.Handler());
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  ASSERT_FALSE(client.Write(Client::Get("/events", 10)));
+  auto body = parked.Take();
+  ASSERT_TRUE(body);
+  body->Write("a");
+  body->Write("b");
+  body->Close();
+  error_code ec;
+  Response res = client.Read(&ec);
+  ASSERT_FALSE(ec) << ec.message();
+  EXPECT_EQ(res.body(), "ab");
+  EXPECT_FALSE(res.chunked());
+}
+
+TEST(HttpServer, StreamWritesFailOnceTheClientIsGone) {
+  ParkedStreams parked;
+  auto server = Start(parked.Handler());
+  ASSERT_TRUE(server);
+  auto client = std::make_unique<Client>(server->port());
+  ASSERT_FALSE(client->Write(Client::Get("/events")));
+  auto body = parked.Take();
+  ASSERT_TRUE(body);
+  client->Close();
+  int writes = 0;
+  while (writes < 500 && body->Write(std::string(1024, 'x'))) {
+    ++writes;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(body->gone());
+}
+
 TEST(HttpServerOptions, RejectsBadValues) {
   auto invalid = [](auto mutate) {
     HttpServerOptions o;

@@ -298,7 +298,8 @@ Router::Router(const RouterOptions& options, WorkSubmitter* submitter, FleetSnap
     : options_(options), submitter_(submitter), fleet_(std::move(fleet)), metrics_(metrics),
       clock_(clock ? clock : SystemClock::Get()) {
   for (const char* route : {"/v1/embeddings", "/v1/encode", "/v1/rerank", "/v1/score", "/v1/classify",
-                            "/v1/ocr", "/v1/models", "/v1/models/{model}", "/v1/workers"})
+                            "/v1/ocr", "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
+                            "/v1/workers"})
     latency_[route] = metrics_->GetHistogram("shoal_http_request_seconds", "HTTP request latency by route.",
                                              {{"route", route}}, LatencyBuckets());
 }
@@ -343,6 +344,11 @@ void Router::Handle(HttpRequest&& req, HttpResponder respond) {
     auto done = Instrument(route, std::move(respond));
     if (!method_is("POST")) return done(not_allowed("POST"));
     return (this->*handler)(std::move(req), std::move(done));
+  }
+  if (path == "/v1/completions" || path == "/v1/chat/completions") {
+    auto done = Instrument(path, std::move(respond));
+    if (!method_is("POST")) return done(not_allowed("POST"));
+    return Generate(path.substr(4), std::move(req), std::move(done));
   }
   static const std::string kEncode = "/v1/encode/";
   if (path.compare(0, kEncode.size(), kEncode) == 0) {
@@ -430,7 +436,8 @@ Status Router::CheckModel(const std::string& model, const std::string& task, Cat
   if (it->second.task != task) {
     static const std::map<std::string, std::string> kRoute = {
         {"embed", "/v1/embeddings or /v1/encode/{model}"}, {"score", "/v1/rerank or /v1/score"},
-        {"classify", "/v1/classify"}, {"ocr", "/v1/ocr/{model}"}};
+        {"classify", "/v1/classify"}, {"ocr", "/v1/ocr/{model}"},
+        {"generate", "/v1/completions or /v1/chat/completions"}};
     auto route = kRoute.find(it->second.task);
     return InvalidArgument("model '" + model + "' is a '" + it->second.task + "' model, not '" + task + "'" +
                                (route == kRoute.end() ? "" : "; use " + route->second),

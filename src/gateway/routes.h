@@ -1,7 +1,8 @@
 // Router: the gateway's HTTP API on Shoal's own request/response structs.
-// Validates and transcodes requests (JSON or MessagePack) into EmbedJobs for
-// a WorkSubmitter and renders results in OpenAI, Cohere/Jina (rerank) or
-// vLLM (score, classify) shape. Every error
+// Validates and transcodes requests (JSON or MessagePack) into EmbedJobs and
+// ItemJobs for a WorkSubmitter and renders results in OpenAI (embeddings,
+// completions, chat completions, streamed as server-sent events on request),
+// Cohere/Jina (rerank) or vLLM (score, classify) shape. Every error
 // is JSON {error:{message,type,code}} with the matching HTTP status.
 #pragma once
 
@@ -57,6 +58,9 @@ class Router {
   // The encoded images of an OCR request in any of its body forms; moves
   // a raw image body out of `req`. Checks count and format magic.
   Status ImagesFromRequest(HttpRequest& req, std::vector<std::string>* images) const;
+  // Generators (generate_routes.cc): `endpoint` is "completions" or
+  // "chat/completions".
+  void Generate(const std::string& endpoint, HttpRequest&& req, HttpResponder respond);
   // Checks job->model (its task must be `task`, see CheckModel) and the
   // request's deadline, and fills job->task and job->deadline_unix_ms.
   Status Admit(const HttpRequest& req, const std::string& task, EmbedJob* job, CatalogModel* entry) const;

@@ -1,8 +1,9 @@
 // Runtime: executes one model on one device. The worker owns one Runtime per
 // loaded model and calls it from a single executor thread, so adapters need
 // not be thread-safe. Adapters: "torchscript" (libtorch in-process),
-// "process" (any language, in its own process over a Unix socket) and
-// "null" (no model; measures Shoal's own overhead).
+// "process" (any language, in its own process over a Unix socket), "openai"
+// (an upstream OpenAI-compatible server over HTTP) and "null" (no model;
+// measures Shoal's own overhead).
 #pragma once
 
 #include <cstdint>
@@ -74,7 +75,8 @@ class Runtime {
   virtual bool Available() const { return true; }
 };
 
-// Makes an unloaded runtime for config.runtime ("torchscript" | "null").
+// Makes an unloaded runtime for config.runtime ("torchscript" | "process" |
+// "openai" | "sim" | "null").
 Result<std::unique_ptr<Runtime>> CreateRuntime(const std::string& kind);
 
 }  // namespace shoal

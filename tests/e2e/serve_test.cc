@@ -432,7 +432,10 @@ std::vector<BadCase> BadCases() {
       {"negative_token_id", "POST", e, Embeddings({7, -1}), 400, "invalid_token_id"},
       {"payload_too_large", "POST", e, big, 413, "payload_too_large"},
       {"unknown_route", "GET", "/v2/nothing", "", 404, "route_not_found"},
-      {"unknown_route_post", "POST", "/v1/chat/completions", "{}", 404, "route_not_found"},
+      {"unknown_route_post", "POST", "/v1/images/generations", "{}", 404, "route_not_found"},
+      // A generate route exists now; a generator is still a model like any other.
+      {"chat_unknown_model", "POST", "/v1/chat/completions", R"({"model":"nope","messages":[{}]})", 404, "model_not_found"},
+      {"chat_wrong_task", "POST", "/v1/chat/completions", R"({"model":"tiny-bert","messages":[{}]})", 400, "wrong_task"},
       {"wrong_method_embeddings", "GET", e, "", 405, "method_not_allowed"},
       {"wrong_method_encode", "GET", enc, "", 405, "method_not_allowed"},
       {"wrong_method_models", "POST", "/v1/models", "{}", 405, "method_not_allowed"},

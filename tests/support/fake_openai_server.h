@@ -1,13 +1,15 @@
 // FakeOpenAiServer: a tiny real HTTP/1.1 server on 127.0.0.1 (random port)
-// for tests of HTTP clients such as `shoal bench`. Keep-alive, a thread per
-// connection, every request recorded; a handler chooses each answer (the
-// default answers /v1/embeddings in OpenAI shape). Header-only.
+// for tests of HTTP clients such as `shoal bench` and the openai runtime.
+// Keep-alive, a thread per connection, every request recorded; a handler
+// chooses each answer (the default answers /v1/embeddings in OpenAI shape),
+// which may be delayed or streamed as server-sent events. Header-only.
 #pragma once
 
 #include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -35,6 +37,14 @@ class FakeOpenAiServer {
     int status = 200;
     std::string body;
     bool close = false;  // answer with Connection: close, then close
+    bool hang_up = false;  // answer as keep-alive, then close anyway (a stale pooled connection)
+    std::string content_type = "application/json";
+    int64_t delay_ms = 0;  // wait this long before answering
+    // Non-empty: answer text/event-stream, chunked, one "data: <event>"
+    // per element written (and flushed) `event_delay_ms` apart; `body` is
+    // then ignored.
+    std::vector<std::string> events{};
+    int64_t event_delay_ms = 0;
   };
   using Handler = std::function<Reply(const Request&)>;
 
@@ -122,18 +132,46 @@ class FakeOpenAiServer {
         requests_.push_back(r);
       }
       Reply reply = handler_(r);
-      http::response<http::string_body> res{static_cast<http::status>(reply.status), req.version()};
-      res.set(http::field::content_type, "application/json");
       const bool keep = req.keep_alive() && !reply.close;
+      if (reply.delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(reply.delay_ms));
+      if (!reply.events.empty()) {
+        if (!WriteEvents(sock, reply, req.version(), keep) || !keep) {
+          sock.shutdown(boost::asio::ip::tcp::socket::shutdown_send, ec);
+          return;
+        }
+        continue;
+      }
+      http::response<http::string_body> res{static_cast<http::status>(reply.status), req.version()};
+      res.set(http::field::content_type, reply.content_type);
       res.keep_alive(keep);
       res.body() = reply.body;
       res.prepare_payload();
       http::write(sock, res, ec);
-      if (ec || !keep) {
+      if (ec || !keep || reply.hang_up) {
         sock.shutdown(boost::asio::ip::tcp::socket::shutdown_send, ec);
         return;
       }
     }
+  }
+
+  static bool WriteEvents(boost::asio::ip::tcp::socket& sock, const Reply& reply, unsigned version, bool keep) {
+    namespace http = boost::beast::http;
+    namespace asio = boost::asio;
+    http::response<http::empty_body> res{static_cast<http::status>(reply.status), version};
+    res.set(http::field::content_type, "text/event-stream");
+    res.keep_alive(keep);
+    res.chunked(true);
+    http::response_serializer<http::empty_body> sr{res};
+    boost::system::error_code ec;
+    http::write_header(sock, sr, ec);
+    for (size_t i = 0; !ec && i < reply.events.size(); ++i) {
+      if (i > 0 && reply.event_delay_ms > 0)
+        std::this_thread::sleep_for(std::chrono::milliseconds(reply.event_delay_ms));
+      const std::string frame = "data: " + reply.events[i] + "\n\n";
+      asio::write(sock, http::make_chunk(asio::buffer(frame)), ec);
+    }
+    if (!ec) asio::write(sock, http::make_chunk_last(), ec);
+    return !ec;
   }
 
   Handler handler_;

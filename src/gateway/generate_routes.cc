@@ -1,0 +1,144 @@
+// Routes for generators served by an upstream (runtime "openai"):
+// POST /v1/completions and POST /v1/chat/completions, OpenAI-compatible.
+// The request document travels to the worker as one MessagePack item with
+// "endpoint" added; the answer is the upstream's, with the model name
+// rewritten to Shoal's. With "stream": true the answer is server-sent
+// events, one per upstream event, then "data: [DONE]".
+#include <memory>
+#include <mutex>
+
+#include <nlohmann/json.hpp>
+
+#include "gateway/internal/http_json.h"
+#include "gateway/routes.h"
+
+namespace shoal {
+namespace {
+
+using internal::JsonResponse;
+using internal::ParseJsonObject;
+using nlohmann::json;
+
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// Decodes one MessagePack result document and puts Shoal's model name in.
+Result<json> ResultDoc(std::string_view doc, const std::string& model) {
+  json j = json::from_msgpack(doc, true, false);
+  if (j.is_discarded() || !j.is_object())
+    return Status(StatusCode::kBadGateway, "the worker returned a result that is not a MessagePack map",
+                  "upstream_error");
+  if (j.contains("model")) j["model"] = model;
+  return j;
+}
+
+// One streamed answer: the HTTP response starts with the first event, so an
+// error before any output still gets its own status code.
+struct SseAnswer {
+  std::mutex mu;
+  HttpResponder respond;                 // guarded by mu; empty once used
+  std::shared_ptr<HttpBodyStream> body;  // guarded by mu; set once started
+  std::string model;
+  int64_t retry_after_s = 1;
+
+  // Requires mu.
+  void StartLocked() {
+    if (body) return;
+    body = std::make_shared<HttpBodyStream>();
+    HttpResponse r;
+    r.content_type = "text/event-stream";
+    r.stream = body;
+    HttpResponder once = std::move(respond);
+    respond = nullptr;
+    once(std::move(r));
+  }
+  void Event(std::string_view chunk) {
+    auto ev = ResultDoc(chunk, model);
+    std::lock_guard<std::mutex> lock(mu);
+    StartLocked();
+    if (ev.ok()) body->Write("data: " + Dump(*ev) + "\n\n");
+  }
+  void Done(Result<ItemResult> result) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!result.ok()) {
+      if (!body) {
+        HttpResponder once = std::move(respond);
+        respond = nullptr;
+        return once(ErrorResponse(result.status(), retry_after_s));
+      }
+      // Mid-stream failure: an error event in OpenAI's shape ends the stream.
+      body->Write("data: " + ErrorResponse(result.status(), retry_after_s).body + "\n\n");
+      return body->Close();
+    }
+    if (!body && result->items.size() == 1) {
+      auto doc = ResultDoc(result->items[0], model);
+      auto object = doc.ok() ? doc->find("object") : json::iterator();
+      const bool stream_end = doc.ok() && object != doc->end() && object->is_string() && *object == "shoal.stream.end";
+      if (doc.ok() && !stream_end) {
+        // The upstream did not stream: answer its whole response.
+        HttpResponder once = std::move(respond);
+        respond = nullptr;
+        return once(JsonResponse(200, Dump(*doc)));
+      }
+    }
+    StartLocked();
+    body->Write("data: [DONE]\n\n");
+    body->Close();
+  }
+};
+
+}  // namespace
+
+void Router::Generate(const std::string& endpoint, HttpRequest&& req, HttpResponder respond) {
+  const int64_t retry = options_.retry_after_s;
+  json body;
+  if (Status st = ParseJsonObject(req.body, &body); !st.ok()) return respond(ErrorResponse(st));
+  auto model_it = body.find("model");
+  if (model_it == body.end() || !model_it->is_string() || model_it->get_ref<const std::string&>().empty())
+    return respond(ErrorResponse(InvalidArgument("'model' is required and must be a non-empty string", "invalid_model")));
+  const std::string model = model_it->get<std::string>();
+  if (endpoint == "chat/completions") {
+    auto m = body.find("messages");
+    if (m == body.end() || !m->is_array() || m->empty())
+      return respond(ErrorResponse(InvalidArgument("'messages' must be a non-empty array", "invalid_messages")));
+  } else {
+    auto p = body.find("prompt");
+    if (p == body.end() || !(p->is_string() || p->is_array()))
+      return respond(ErrorResponse(InvalidArgument("'prompt' is required (a string or an array)", "invalid_prompt")));
+  }
+  bool stream = false;
+  if (auto s = body.find("stream"); s != body.end() && !s->is_null()) {
+    if (!s->is_boolean()) return respond(ErrorResponse(InvalidArgument("stream must be a boolean", "invalid_stream")));
+    stream = s->get<bool>();
+  }
+  if (Status st = CheckModel(model, "generate", nullptr); !st.ok()) return respond(ErrorResponse(st, retry));
+  auto deadline = Deadline(req);
+  if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));
+  body["endpoint"] = endpoint;
+  ItemJob job;
+  job.task = "generate";
+  job.model = model;
+  job.deadline_unix_ms = *deadline;
+  job.items.emplace_back();
+  json::to_msgpack(body, job.items.back());
+
+  if (!stream) {
+    submitter_->SubmitItems(std::move(job), [respond = std::move(respond), model, retry](Result<ItemResult> result) {
+      if (!result.ok()) return respond(ErrorResponse(result.status(), retry));
+      if (result->items.size() != 1)
+        return respond(ErrorResponse(Internal("expected one result, got " + std::to_string(result->items.size()))));
+      auto doc = ResultDoc(result->items[0], model);
+      if (!doc.ok()) return respond(ErrorResponse(doc.status(), retry));
+      respond(JsonResponse(200, Dump(*doc)));
+    });
+    return;
+  }
+  auto answer = std::make_shared<SseAnswer>();
+  answer->respond = std::move(respond);
+  answer->model = model;
+  answer->retry_after_s = retry;
+  submitter_->SubmitItems(
+      std::move(job), [answer](Result<ItemResult> result) { answer->Done(std::move(result)); },
+      [answer](size_t, std::string_view chunk) { answer->Event(chunk); });
+}
+
+}  // namespace shoal

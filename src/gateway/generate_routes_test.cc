@@ -1,0 +1,183 @@
+// /v1/completions and /v1/chat/completions on Shoal's own structs, with a
+// fake queue side that answers item jobs: validation, model rewriting,
+// server-sent events and errors before and during a stream.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "gateway/routes.h"
+
+namespace shoal {
+namespace {
+
+using nlohmann::json;
+
+std::string Msgpack(const json& j) {
+  std::string out;
+  json::to_msgpack(j, out);
+  return out;
+}
+
+class ItemSubmitter : public WorkSubmitter {
+ public:
+  void SubmitEmbed(EmbedJob, EmbedCallback done) override { done(Internal("not here")); }
+  void SubmitItems(ItemJob job, ItemCallback done, PartialCallback partial) override {
+    last = job;
+    ++calls;
+    for (const auto& e : events)
+      if (partial) partial(0, Msgpack(e));
+    done_ = std::move(done);
+    if (hold) return;
+    Finish();
+  }
+  void Finish() {
+    if (!error.ok()) return done_(error);
+    ItemResult r;
+    r.items.push_back(Msgpack(result));
+    done_(std::move(r));
+  }
+  ItemJob last;
+  int calls = 0;
+  std::vector<json> events;
+  json result;
+  Status error;
+  bool hold = false;
+  ItemCallback done_;
+};
+
+class GenerateRoutesTest : public ::testing::Test {
+ protected:
+  GenerateRoutesTest() {
+    auto snap = std::make_shared<FleetSnapshot>();
+    snap->nats_connected = true;
+    snap->stream_ok = true;
+    CatalogModel g;
+    g.name = "gen";
+    g.task = "generate";
+    snap->models["gen"] = g;
+    CatalogModel e;
+    e.name = "emb";
+    e.task = "embed";
+    snap->models["emb"] = e;
+    snapshot_ = snap;
+    router_ = std::make_unique<Router>(RouterOptions{}, &submitter_, [this] { return snapshot_; }, &metrics_);
+  }
+
+  HttpResponse Call(const std::string& path, const std::string& body, int* responses = nullptr) {
+    HttpRequest req;
+    req.method = "POST";
+    req.path = path;
+    req.target = path;
+    req.body = body;
+    HttpResponse out;
+    int called = 0;
+    router_->Handle(std::move(req), [&](HttpResponse r) {
+      ++called;
+      out = std::move(r);
+    });
+    if (responses) *responses = called;
+    else EXPECT_EQ(called, 1);
+    return out;
+  }
+
+  static std::string Text(HttpResponse& r) {
+    if (!r.stream) return r.body;
+    bool closed = false;
+    return r.stream->Take(&closed);
+  }
+
+  ItemSubmitter submitter_;
+  MetricsRegistry metrics_;
+  std::shared_ptr<const FleetSnapshot> snapshot_;
+  std::unique_ptr<Router> router_;
+};
+
+json Chunk(const std::string& content) {
+  return {{"object", "chat.completion.chunk"},
+          {"model", "up-model"},
+          {"choices", json::array({{{"index", 0}, {"delta", {{"content", content}}}}})}};
+}
+
+TEST_F(GenerateRoutesTest, ChatForwardsTheRequestAndRewritesTheModel) {
+  submitter_.result = {{"object", "chat.completion"}, {"model", "up-model"},
+                       {"choices", json::array({{{"index", 0}, {"message", {{"role", "assistant"}, {"content", "hi"}}}}})}};
+  HttpResponse r = Call("/v1/chat/completions", R"({"model":"gen","messages":[{"role":"user","content":"yo"}]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  json out = json::parse(r.body);
+  EXPECT_EQ(out["model"], "gen");
+  EXPECT_EQ(out["choices"][0]["message"]["content"], "hi");
+  EXPECT_EQ(submitter_.last.task, "generate");
+  ASSERT_EQ(submitter_.last.items.size(), 1u);
+  json sent = json::from_msgpack(submitter_.last.items[0]);
+  EXPECT_EQ(sent["endpoint"], "chat/completions");
+  EXPECT_EQ(sent["messages"][0]["content"], "yo");
+}
+
+TEST_F(GenerateRoutesTest, CompletionsUseTheirEndpoint) {
+  submitter_.result = {{"object", "text_completion"}, {"model", "x"}, {"choices", json::array()}};
+  HttpResponse r = Call("/v1/completions", R"({"model":"gen","prompt":"once upon"})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::from_msgpack(submitter_.last.items[0])["endpoint"], "completions");
+}
+
+TEST_F(GenerateRoutesTest, ValidatesBeforeQueueing) {
+  EXPECT_EQ(Call("/v1/chat/completions", R"({"model":"gen"})").status, 400);
+  EXPECT_EQ(Call("/v1/completions", R"({"model":"gen"})").status, 400);
+  EXPECT_EQ(Call("/v1/chat/completions", R"({"model":"gen","messages":[{}],"stream":"yes"})").status, 400);
+  HttpResponse unknown = Call("/v1/chat/completions", R"({"model":"nope","messages":[{}]})");
+  EXPECT_EQ(unknown.status, 404);
+  EXPECT_EQ(json::parse(unknown.body)["error"]["code"], "model_not_found");
+  HttpResponse wrong = Call("/v1/completions", R"({"model":"emb","prompt":"x"})");
+  EXPECT_EQ(wrong.status, 400);
+  EXPECT_EQ(json::parse(wrong.body)["error"]["code"], "wrong_task");
+  EXPECT_EQ(submitter_.calls, 0);
+}
+
+TEST_F(GenerateRoutesTest, UpstreamErrorsKeepTheirStatus) {
+  submitter_.error = Status(StatusCode::kBadGateway, "upstream answered 500: boom", "upstream_error");
+  HttpResponse r = Call("/v1/chat/completions", R"({"model":"gen","messages":[{}]})");
+  EXPECT_EQ(r.status, 502);
+  EXPECT_EQ(json::parse(r.body)["error"]["code"], "upstream_error");
+  submitter_.error = DeadlineExceeded("slow", "upstream_timeout");
+  EXPECT_EQ(Call("/v1/chat/completions", R"({"model":"gen","messages":[{}],"stream":true})").status, 504);
+}
+
+TEST_F(GenerateRoutesTest, StreamsEventsThenDone) {
+  submitter_.events = {Chunk("a"), Chunk("b")};
+  submitter_.result = {{"object", "shoal.stream.end"}, {"events", 2}};
+  HttpResponse r = Call("/v1/chat/completions", R"({"model":"gen","messages":[{}],"stream":true})");
+  ASSERT_EQ(r.status, 200);
+  EXPECT_EQ(r.content_type, "text/event-stream");
+  ASSERT_TRUE(r.stream);
+  bool closed = false;
+  const std::string text = r.stream->Take(&closed);
+  EXPECT_TRUE(closed);
+  EXPECT_EQ(text, "data: " + Chunk("a").dump().replace(Chunk("a").dump().find("up-model"), 8, "gen") + "\n\n" +
+                      "data: " + Chunk("b").dump().replace(Chunk("b").dump().find("up-model"), 8, "gen") + "\n\n" +
+                      "data: [DONE]\n\n");
+}
+
+TEST_F(GenerateRoutesTest, AFailureMidStreamEndsWithAnErrorEvent) {
+  submitter_.events = {Chunk("a")};
+  submitter_.hold = true;
+  HttpResponse r = Call("/v1/chat/completions", R"({"model":"gen","messages":[{}],"stream":true})");
+  ASSERT_TRUE(r.stream);
+  submitter_.error = Status(StatusCode::kBadGateway, "upstream went away", "upstream_error");
+  submitter_.Finish();
+  bool closed = false;
+  const std::string text = r.stream->Take(&closed);
+  EXPECT_TRUE(closed);
+  EXPECT_NE(text.find("\"content\":\"a\""), std::string::npos) << text;
+  EXPECT_NE(text.find("data: {\"error\":{\"message\":\"upstream went away\""), std::string::npos) << text;
+  EXPECT_EQ(text.find("[DONE]"), std::string::npos);
+}
+
+TEST_F(GenerateRoutesTest, ANonStreamingUpstreamAnswersPlainJson) {
+  submitter_.result = {{"object", "chat.completion"}, {"model", "up"}, {"choices", json::array()}};
+  HttpResponse r = Call("/v1/chat/completions", R"({"model":"gen","messages":[{}],"stream":true})");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_FALSE(r.stream);
+  EXPECT_EQ(json::parse(r.body)["object"], "chat.completion");
+}
+
+}  // namespace
+}  // namespace shoal

@@ -1,0 +1,267 @@
+#include "runtime/openai/openai_runtime.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/openai/sse_parser.h"
+
+namespace shoal {
+namespace {
+
+using nlohmann::json;
+
+Status BadUpstream(const std::string& what) {
+  return Status(StatusCode::kBadGateway, "upstream answered " + what, "upstream_error");
+}
+
+std::string ToMsgpack(const json& j) {
+  std::string out;
+  json::to_msgpack(j, out);
+  return out;
+}
+
+// One float32 row as a MessagePack bin (the shape wire::DecodeFloatRow reads).
+std::string FloatRowDoc(const std::vector<float>& row) {
+  std::vector<std::uint8_t> bytes(row.size() * sizeof(float));
+  std::memcpy(bytes.data(), row.data(), bytes.size());
+  return ToMsgpack(json::binary(std::move(bytes)));
+}
+
+}  // namespace
+
+Result<OpenAiConfig> ParseOpenAiConfig(const std::string& config_json) {
+  json doc = json::parse(config_json, nullptr, false);
+  if (doc.is_discarded() || !doc.is_object()) return InvalidArgument("model config is not a JSON object");
+  auto it = doc.find("openai");
+  if (it == doc.end() || !it->is_object())
+    return InvalidArgument("runtime \"openai\" needs an \"openai\" object with at least \"base_url\"");
+  const json& o = *it;
+  OpenAiConfig c;
+  auto str = [&](const char* key, std::string* out) -> Status {
+    auto v = o.find(key);
+    if (v == o.end() || v->is_null()) return Status::Ok();
+    if (!v->is_string()) return InvalidArgument(std::string("openai.") + key + " must be a string");
+    *out = v->get<std::string>();
+    return Status::Ok();
+  };
+  auto num = [&](const char* key, int64_t* out) -> Status {
+    auto v = o.find(key);
+    if (v == o.end() || v->is_null()) return Status::Ok();
+    if (!v->is_number_integer() || v->get<int64_t>() <= 0)
+      return InvalidArgument(std::string("openai.") + key + " must be a positive integer");
+    *out = v->get<int64_t>();
+    return Status::Ok();
+  };
+  RETURN_IF_ERROR(str("base_url", &c.base_url));
+  RETURN_IF_ERROR(str("model", &c.model));
+  RETURN_IF_ERROR(str("api_key_env", &c.api_key_env));
+  RETURN_IF_ERROR(num("timeout_ms", &c.timeout_ms));
+  RETURN_IF_ERROR(num("connect_timeout_ms", &c.connect_timeout_ms));
+  int64_t conns = c.max_connections;
+  RETURN_IF_ERROR(num("max_connections", &conns));
+  c.max_connections = static_cast<int>(std::min<int64_t>(conns, 1024));
+  if (c.base_url.empty()) return InvalidArgument("openai.base_url is required");
+  return c;
+}
+
+Status OpenAiRuntime::Load(const ModelConfig& config) {
+  if (config.task != "embed" && config.task != "generate")
+    return InvalidArgument("runtime \"openai\" serves tasks embed and generate, not '" + config.task + "'");
+  ASSIGN_OR_RETURN(openai_, ParseOpenAiConfig(config.config_json));
+  if (openai_.model.empty()) openai_.model = config.name;
+  UpstreamOptions o;
+  o.base_url = openai_.base_url;
+  o.timeout_ms = openai_.timeout_ms;
+  o.connect_timeout_ms = openai_.connect_timeout_ms;
+  o.max_connections = openai_.max_connections;
+  if (!openai_.api_key_env.empty()) {
+    const char* key = std::getenv(openai_.api_key_env.c_str());
+    if (key == nullptr || *key == '\0')
+      return InvalidArgument("openai.api_key_env names '" + openai_.api_key_env + "', which is not set");
+    o.api_key = key;
+  }
+  ASSIGN_OR_RETURN(client_, UpstreamClient::Create(o));
+  config_ = config;
+  dim_ = config.dim;
+  return Status::Ok();
+}
+
+Result<Embeddings> OpenAiRuntime::Run(const TokenBatch&) {
+  return Unprocessable("runtime \"openai\" takes texts, not token ids", "wrong_task");
+}
+
+Result<std::vector<std::string>> OpenAiRuntime::RunItems(const std::vector<std::string>& items,
+                                                         const PartialSink& partial) {
+  if (!client_) return Unavailable("model '" + config_.name + "' is not loaded");
+  if (items.empty()) return std::vector<std::string>{};
+  if (config_.task == "embed") return Embed(items);
+
+  if (items.size() == 1) {
+    ASSIGN_OR_RETURN(std::string out, Generate(items[0], [&](std::string chunk) {
+                       if (partial) partial(0, chunk);
+                     }));
+    return std::vector<std::string>{std::move(out)};
+  }
+  // Several requests: run them concurrently (one connection each), and hand
+  // their stream events to `partial` from this thread, in order per item.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::pair<size_t, std::string>> events;  // guarded by mu
+  size_t finished = 0;                                // guarded by mu
+  std::atomic<size_t> next{0};
+  std::vector<Result<std::string>> results(items.size(), Result<std::string>(Internal("not run")));
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < items.size();) {
+      results[i] = Generate(items[i], [&, i](std::string chunk) {
+        std::lock_guard<std::mutex> lock(mu);
+        events.emplace_back(i, std::move(chunk));
+        cv.notify_one();
+      });
+      std::lock_guard<std::mutex> lock(mu);
+      ++finished;
+      cv.notify_one();
+    }
+  };
+  const size_t n_threads = std::min(items.size(), static_cast<size_t>(openai_.max_connections));
+  std::vector<std::thread> threads;
+  threads.reserve(n_threads);
+  for (size_t t = 0; t < n_threads; ++t) threads.emplace_back(work);
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    for (;;) {
+      cv.wait(lock, [&] { return !events.empty() || finished == items.size(); });
+      while (!events.empty()) {
+        auto [i, chunk] = std::move(events.front());
+        events.pop_front();
+        lock.unlock();
+        if (partial) partial(i, chunk);
+        lock.lock();
+      }
+      if (finished == items.size()) break;
+    }
+  }
+  for (auto& t : threads) t.join();
+  std::vector<std::string> out;
+  out.reserve(items.size());
+  for (auto& r : results) {
+    if (!r.ok()) return r.status();
+    out.push_back(std::move(*r));
+  }
+  return out;
+}
+
+Result<std::vector<std::string>> OpenAiRuntime::Embed(const std::vector<std::string>& texts) {
+  json req = {{"model", openai_.model}, {"input", texts}, {"encoding_format", "float"}};
+  ASSIGN_OR_RETURN(UpstreamReply reply,
+                   client_->Post("/embeddings", req.dump(-1, ' ', false, json::error_handler_t::replace)));
+  if (reply.status / 100 != 2) return UpstreamError(reply.status, reply.body);
+  json doc = json::parse(reply.body, nullptr, false);
+  if (doc.is_discarded() || !doc.is_object() || !doc.contains("data") || !doc["data"].is_array())
+    return BadUpstream("/embeddings without a \"data\" array");
+  const json& data = doc["data"];
+  if (data.size() != texts.size())
+    return BadUpstream(std::to_string(data.size()) + " embeddings for " + std::to_string(texts.size()) + " inputs");
+  std::vector<std::string> out(texts.size());
+  std::vector<bool> seen(texts.size(), false);
+  for (size_t k = 0; k < data.size(); ++k) {
+    const json& e = data[k];
+    size_t index = k;
+    if (e.contains("index") && e["index"].is_number_unsigned()) index = e["index"].get<size_t>();
+    if (index >= texts.size() || seen[index]) return BadUpstream("embeddings with bad or repeated indices");
+    auto emb = e.find("embedding");
+    if (emb == e.end() || !emb->is_array() || emb->empty())
+      return BadUpstream("an embedding that is not an array of numbers");
+    std::vector<float> row;
+    row.reserve(emb->size());
+    for (const json& v : *emb) {
+      if (!v.is_number()) return BadUpstream("an embedding that is not an array of numbers");
+      row.push_back(v.get<float>());
+    }
+    if (dim_ != 0 && static_cast<int>(row.size()) != dim_)
+      return BadUpstream("embeddings of width " + std::to_string(row.size()) + ", the model config says " +
+                         std::to_string(dim_));
+    seen[index] = true;
+    out[index] = FloatRowDoc(row);
+  }
+  return out;
+}
+
+Result<std::string> OpenAiRuntime::Generate(const std::string& item,
+                                            const std::function<void(std::string)>& partial) {
+  json req = json::from_msgpack(item, true, false);
+  if (req.is_discarded() || !req.is_object())
+    return InvalidArgument("a generate input must be a MessagePack map (the request document)", "invalid_input");
+  std::string endpoint = "chat/completions";
+  if (auto e = req.find("endpoint"); e != req.end()) {
+    if (!e->is_string()) return InvalidArgument("endpoint must be a string", "invalid_input");
+    endpoint = e->get<std::string>();
+    req.erase(e);
+  }
+  if (endpoint != "completions" && endpoint != "chat/completions")
+    return InvalidArgument("endpoint must be \"completions\" or \"chat/completions\", not '" + endpoint + "'",
+                           "invalid_input");
+  req["model"] = openai_.model;
+  auto stream_it = req.find("stream");
+  const bool stream = stream_it != req.end() && stream_it->is_boolean() && stream_it->get<bool>();
+  const std::string body = req.dump(-1, ' ', false, json::error_handler_t::replace);
+  if (!stream) {
+    ASSIGN_OR_RETURN(UpstreamReply reply, client_->Post("/" + endpoint, body));
+    if (reply.status / 100 != 2) return UpstreamError(reply.status, reply.body);
+    json doc = json::parse(reply.body, nullptr, false);
+    if (doc.is_discarded() || !doc.is_object()) return BadUpstream("/" + endpoint + " with a body that is not JSON");
+    return ToMsgpack(doc);
+  }
+  int64_t events = 0;
+  bool done = false;
+  Status bad;
+  SseParser sse([&](std::string_view data) {
+    if (done) return true;  // read on to the end so the connection can be reused
+    if (data == "[DONE]") {
+      done = true;
+      return true;
+    }
+    json ev = json::parse(data, nullptr, false);
+    if (ev.is_discarded() || !ev.is_object()) {
+      bad = BadUpstream("a stream event that is not JSON");
+      return false;
+    }
+    if (ev.contains("error") && !ev.contains("choices")) {
+      // vLLM and others report a failure mid-stream as an error event.
+      const json& e = ev["error"];
+      bad = UpstreamError(e.is_object() && e.contains("code") && e["code"].is_number_integer()
+                              ? e["code"].get<int>()
+                              : 500,
+                          data);
+      return false;
+    }
+    ++events;
+    partial(ToMsgpack(ev));
+    return true;
+  });
+  ASSIGN_OR_RETURN(UpstreamReply reply,
+                   client_->Post("/" + endpoint, body, [&](std::string_view bytes) { return sse.Feed(bytes); }));
+  if (reply.status / 100 != 2) return UpstreamError(reply.status, reply.body);
+  if (!bad.ok()) return bad;
+  if (reply.content_type.find("text/event-stream") == std::string::npos) {
+    // The upstream does not stream: its whole answer is the result.
+    json doc = json::parse(reply.body, nullptr, false);
+    if (doc.is_discarded() || !doc.is_object()) return BadUpstream("/" + endpoint + " with a body that is not JSON");
+    return ToMsgpack(doc);
+  }
+  if (!done) {
+    (void)sse.Finish();
+    if (!bad.ok()) return bad;
+  }
+  return ToMsgpack(json{{"object", "shoal.stream.end"}, {"events", events}});
+}
+
+}  // namespace shoal

@@ -1,0 +1,248 @@
+// The openai runtime against a scripted OpenAI-compatible server (a real
+// HTTP server on 127.0.0.1): embeddings, completions, streamed chat, error
+// mapping, timeouts and connection reuse.
+#include "runtime/openai/openai_runtime.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "runtime/openai/sse_parser.h"
+#include "support/fake_openai_server.h"
+
+namespace shoal {
+namespace {
+
+using nlohmann::json;
+using testing::FakeOpenAiServer;
+
+ModelConfig Config(const std::string& task, const std::string& base_url, const std::string& extra = "") {
+  ModelConfig c;
+  c.name = "remote";
+  c.task = task;
+  c.runtime = "openai";
+  c.config_json = R"({"name":"remote","task":")" + task + R"(","runtime":"openai","openai":{"base_url":")" +
+                  base_url + R"(","model":"up-model")" + extra + "}}";
+  return c;
+}
+
+std::string Msgpack(const json& j) {
+  std::string out;
+  json::to_msgpack(j, out);
+  return out;
+}
+
+json FromMsgpack(const std::string& s) { return json::from_msgpack(s); }
+
+std::vector<float> Row(const std::string& doc) {
+  json j = json::from_msgpack(doc);
+  EXPECT_TRUE(j.is_binary());
+  const auto& b = j.get_binary();
+  std::vector<float> row(b.size() / sizeof(float));
+  std::memcpy(row.data(), b.data(), b.size());
+  return row;
+}
+
+std::unique_ptr<OpenAiRuntime> Loaded(const ModelConfig& c) {
+  auto r = std::make_unique<OpenAiRuntime>();
+  Status st = r->Load(c);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  return r;
+}
+
+TEST(SseParser, SplitsEventsFedInPieces) {
+  std::vector<std::string> got;
+  SseParser p([&](std::string_view d) {
+    got.emplace_back(d);
+    return true;
+  });
+  const std::string stream = ": keep-alive\r\ndata: {\"a\":1}\r\n\r\nevent: x\ndata: line1\ndata:line2\n\ndata: [DONE]\n\n";
+  for (char ch : stream) ASSERT_TRUE(p.Feed(std::string_view(&ch, 1)));
+  ASSERT_TRUE(p.Finish());
+  EXPECT_EQ(got, (std::vector<std::string>{"{\"a\":1}", "line1\nline2", "[DONE]"}));
+}
+
+TEST(SseParser, FinishDeliversAnUnterminatedEvent) {
+  std::vector<std::string> got;
+  SseParser p([&](std::string_view d) {
+    got.emplace_back(d);
+    return true;
+  });
+  ASSERT_TRUE(p.Feed("data: tail"));
+  EXPECT_TRUE(got.empty());
+  ASSERT_TRUE(p.Finish());
+  EXPECT_EQ(got, (std::vector<std::string>{"tail"}));
+}
+
+TEST(OpenAiRuntime, RejectsBadConfigs) {
+  OpenAiRuntime r;
+  ModelConfig c = Config("embed", "http://127.0.0.1:1/v1");
+  c.config_json = R"({"name":"remote","runtime":"openai"})";
+  EXPECT_EQ(r.Load(c).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(OpenAiRuntime().Load(Config("embed", "https://example.com/v1")).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(OpenAiRuntime().Load(Config("score", "http://127.0.0.1:1/v1")).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(OpenAiRuntime().Load(Config("embed", "http://127.0.0.1:1/v1", R"(,"api_key_env":"SHOAL_TEST_UNSET_KEY")"))
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(OpenAiRuntime, EmbedsABatchInOneCallOverOneConnection) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) { return FakeOpenAiServer::Embeddings(r.body); });
+  ::setenv("SHOAL_TEST_OPENAI_KEY", "sk-test", 1);
+  auto rt = Loaded(Config("embed", server.url() + "/v1", R"(,"api_key_env":"SHOAL_TEST_OPENAI_KEY")"));
+  EXPECT_TRUE(rt->TakesItems());
+  for (int round = 0; round < 3; ++round) {
+    auto out = rt->RunItems({"hello world", "a b c"}, {});
+    ASSERT_TRUE(out.ok()) << out.status().ToString();
+    ASSERT_EQ(out->size(), 2u);
+    EXPECT_EQ(Row((*out)[0]), (std::vector<float>{0.6f, 0.8f}));
+    EXPECT_EQ(Row((*out)[1]), (std::vector<float>{0.6f, 0.8f}));
+  }
+  auto reqs = server.requests();
+  ASSERT_EQ(reqs.size(), 3u);
+  EXPECT_EQ(reqs[0].target, "/v1/embeddings");
+  EXPECT_EQ(reqs[0].authorization, "Bearer sk-test");
+  json body = json::parse(reqs[0].body);
+  EXPECT_EQ(body["model"], "up-model");
+  EXPECT_EQ(body["input"], json::array({"hello world", "a b c"}));
+  EXPECT_EQ(rt->client()->connections_opened(), 1);
+}
+
+TEST(OpenAiRuntime, ReconnectsWhenTheUpstreamClosedTheConnection) {
+  for (bool announced : {true, false}) {
+    FakeOpenAiServer server([announced](const FakeOpenAiServer::Request& r) {
+      auto reply = FakeOpenAiServer::Embeddings(r.body);
+      // Connection: close, or a keep-alive answer followed by a hang-up
+      // (the pooled connection is found dead at the next request).
+      (announced ? reply.close : reply.hang_up) = true;
+      return reply;
+    });
+    auto rt = Loaded(Config("embed", server.url() + "/v1"));
+    for (int round = 0; round < 3; ++round) {
+      auto out = rt->RunItems({"x"}, {});
+      ASSERT_TRUE(out.ok()) << announced << " " << out.status().ToString();
+    }
+    EXPECT_EQ(server.requests().size(), 3u);
+    EXPECT_EQ(rt->client()->connections_opened(), 3);
+  }
+}
+
+TEST(OpenAiRuntime, ForwardsCompletionsWithTheUpstreamModelName) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
+    json req = json::parse(r.body);
+    json out = {{"id", "cmpl-1"},
+                {"object", "text_completion"},
+                {"model", req["model"]},
+                {"choices", json::array({{{"index", 0}, {"text", "echo " + req["prompt"].get<std::string>()},
+                                          {"finish_reason", "stop"}}})}};
+    return FakeOpenAiServer::Reply{200, out.dump()};
+  });
+  auto rt = Loaded(Config("generate", server.url() + "/v1"));
+  auto out = rt->RunItems({Msgpack({{"endpoint", "completions"}, {"model", "remote"}, {"prompt", "hi"}})}, {});
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  json doc = FromMsgpack((*out)[0]);
+  EXPECT_EQ(doc["choices"][0]["text"], "echo hi");
+  EXPECT_EQ(doc["model"], "up-model");
+  auto reqs = server.requests();
+  ASSERT_EQ(reqs.size(), 1u);
+  EXPECT_EQ(reqs[0].target, "/v1/completions");
+  EXPECT_FALSE(json::parse(reqs[0].body).contains("endpoint"));
+}
+
+std::vector<std::string> ChatEvents(const std::string& tag, int n) {
+  std::vector<std::string> ev;
+  for (int i = 0; i < n; ++i)
+    ev.push_back(json{{"object", "chat.completion.chunk"},
+                      {"choices", json::array({{{"index", 0}, {"delta", {{"content", tag + std::to_string(i)}}}}})}}
+                     .dump());
+  ev.push_back("[DONE]");
+  return ev;
+}
+
+TEST(OpenAiRuntime, StreamsChatEventsToThePartialSink) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
+    FakeOpenAiServer::Reply reply;
+    reply.events = ChatEvents(json::parse(r.body)["messages"][0]["content"].get<std::string>(), 3);
+    reply.event_delay_ms = 5;
+    return reply;
+  });
+  auto rt = Loaded(Config("generate", server.url() + "/v1", R"(,"max_connections":2)"));
+  std::map<size_t, std::vector<std::string>> got;
+  auto request = [](const std::string& tag) {
+    return Msgpack({{"endpoint", "chat/completions"},
+                    {"stream", true},
+                    {"messages", json::array({{{"role", "user"}, {"content", tag}}})}});
+  };
+  auto out = rt->RunItems({request("a"), request("b"), request("c")}, [&](size_t item, std::string_view chunk) {
+    got[item].push_back(FromMsgpack(std::string(chunk))["choices"][0]["delta"]["content"].get<std::string>());
+  });
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  ASSERT_EQ(out->size(), 3u);
+  for (const auto& doc : *out) {
+    EXPECT_EQ(FromMsgpack(doc)["object"], "shoal.stream.end");
+    EXPECT_EQ(FromMsgpack(doc)["events"], 3);
+  }
+  EXPECT_EQ(got[0], (std::vector<std::string>{"a0", "a1", "a2"}));
+  EXPECT_EQ(got[1], (std::vector<std::string>{"b0", "b1", "b2"}));
+  EXPECT_EQ(got[2], (std::vector<std::string>{"c0", "c1", "c2"}));
+  EXPECT_LE(rt->client()->connections_opened(), 2);
+}
+
+TEST(OpenAiRuntime, MapsUpstreamErrors) {
+  int status = 400;
+  FakeOpenAiServer server([&](const FakeOpenAiServer::Request&) {
+    return FakeOpenAiServer::Reply{status, R"({"error":{"message":"prompt is too long","code":"context_length"}})"};
+  });
+  auto rt = Loaded(Config("embed", server.url() + "/v1"));
+  auto out = rt->RunItems({"x"}, {});
+  EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(out.status().message().find("prompt is too long"), std::string::npos) << out.status().message();
+  EXPECT_EQ(out.status().reason(), "context_length");
+  status = 429;
+  EXPECT_EQ(rt->RunItems({"x"}, {}).status().code(), StatusCode::kResourceExhausted);
+  status = 500;
+  out = rt->RunItems({"x"}, {});
+  EXPECT_EQ(out.status().code(), StatusCode::kBadGateway);
+  EXPECT_EQ(out.status().reason(), "upstream_error");
+  status = 503;
+  EXPECT_EQ(rt->RunItems({"x"}, {}).status().code(), StatusCode::kBadGateway);
+}
+
+TEST(OpenAiRuntime, ConnectionRefusedIsBadGateway) {
+  int port = 0;
+  {
+    FakeOpenAiServer gone([](const FakeOpenAiServer::Request&) { return FakeOpenAiServer::Reply{}; });
+    port = gone.port();
+  }
+  auto rt = Loaded(Config("embed", "http://127.0.0.1:" + std::to_string(port) + "/v1"));
+  auto out = rt->RunItems({"x"}, {});
+  EXPECT_EQ(out.status().code(), StatusCode::kBadGateway) << out.status().ToString();
+  EXPECT_EQ(out.status().reason(), "upstream_error");
+}
+
+TEST(OpenAiRuntime, SlowUpstreamTimesOut) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
+    auto reply = FakeOpenAiServer::Embeddings(r.body);
+    reply.delay_ms = 1500;
+    return reply;
+  });
+  auto rt = Loaded(Config("embed", server.url() + "/v1", R"(,"timeout_ms":200)"));
+  auto out = rt->RunItems({"x"}, {});
+  EXPECT_EQ(out.status().code(), StatusCode::kDeadlineExceeded) << out.status().ToString();
+  EXPECT_EQ(out.status().reason(), "upstream_timeout");
+}
+
+TEST(OpenAiRuntime, MalformedEmbeddingsAreBadGateway) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request&) {
+    return FakeOpenAiServer::Reply{200, R"({"data":[{"index":0,"embedding":"zz"}]})"};
+  });
+  auto rt = Loaded(Config("embed", server.url() + "/v1"));
+  EXPECT_EQ(rt->RunItems({"x"}, {}).status().code(), StatusCode::kBadGateway);
+  EXPECT_EQ(rt->RunItems({"x", "y"}, {}).status().code(), StatusCode::kBadGateway);
+}
+
+}  // namespace
+}  // namespace shoal

@@ -1,0 +1,252 @@
+#include "runtime/openai/upstream_client.h"
+
+#include <optional>
+#include <utility>
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <nlohmann/json.hpp>
+
+namespace shoal {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = net::ip::tcp;
+using beast::error_code;
+using Clock = std::chrono::steady_clock;
+
+struct UpstreamClient::Connection {
+  // Each connection runs its own operations to completion on the calling
+  // thread; a private io_context keeps concurrent callers apart.
+  net::io_context ioc;
+  beast::tcp_stream stream{ioc};
+  beast::flat_buffer buffer;
+  bool used = false;  // has carried a request (may have been closed since)
+};
+
+namespace {
+
+// Runs one asynchronous operation on `c`'s io_context until it completes or
+// the stream's expiry cancels it (beast::error::timeout).
+template <typename Start>
+error_code RunOp(net::io_context& ioc, Start start) {
+  error_code result = net::error::would_block;
+  start([&result](error_code ec, auto&&...) { result = ec; });
+  ioc.restart();
+  ioc.run();
+  return result;
+}
+
+bool IsTimeout(const error_code& ec) { return ec == beast::error::timeout; }
+
+// The connection was closed under us before any answer: worth one retry on
+// a fresh connection when it had been pooled.
+bool IsStale(const error_code& ec) {
+  return ec == http::error::end_of_stream || ec == net::error::eof || ec == net::error::connection_reset ||
+         ec == net::error::broken_pipe || ec == http::error::partial_message;
+}
+
+std::string Truncate(std::string_view s, size_t n) {
+  return s.size() <= n ? std::string(s) : std::string(s.substr(0, n)) + "...";
+}
+
+}  // namespace
+
+Status UpstreamOptions::Validate() const {
+  if (base_url.empty()) return InvalidArgument("openai.base_url is required");
+  if (connect_timeout_ms <= 0) return InvalidArgument("openai.connect_timeout_ms must be positive");
+  if (timeout_ms <= 0) return InvalidArgument("openai.timeout_ms must be positive");
+  if (max_connections < 1 || max_connections > 1024)
+    return InvalidArgument("openai.max_connections must be in 1..1024");
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<UpstreamClient>> UpstreamClient::Create(const UpstreamOptions& options) {
+  RETURN_IF_ERROR(options.Validate());
+  std::unique_ptr<UpstreamClient> c(new UpstreamClient(options));
+  std::string rest = options.base_url;
+  const std::string scheme = "http://";
+  if (rest.size() < scheme.size() || !beast::iequals(rest.substr(0, scheme.size()), scheme))
+    return InvalidArgument("openai.base_url must start with http:// (https is not supported): '" +
+                           options.base_url + "'");
+  rest = rest.substr(scheme.size());
+  const size_t slash = rest.find('/');
+  std::string authority = rest.substr(0, slash);
+  c->prefix_ = slash == std::string::npos ? "" : rest.substr(slash);
+  while (!c->prefix_.empty() && c->prefix_.back() == '/') c->prefix_.pop_back();
+  if (authority.empty()) return InvalidArgument("openai.base_url has no host: '" + options.base_url + "'");
+  if (authority.front() == '[') {  // [v6]:port
+    const size_t close = authority.find(']');
+    if (close == std::string::npos) return InvalidArgument("openai.base_url: bad IPv6 host");
+    c->host_ = authority.substr(1, close - 1);
+    c->port_ = close + 1 < authority.size() && authority[close + 1] == ':' ? authority.substr(close + 2) : "80";
+  } else {
+    const size_t colon = authority.rfind(':');
+    c->host_ = authority.substr(0, colon);
+    c->port_ = colon == std::string::npos ? "80" : authority.substr(colon + 1);
+  }
+  int port = 0;
+  try {
+    port = std::stoi(c->port_);
+  } catch (...) {
+    port = 0;
+  }
+  if (c->host_.empty() || port < 1 || port > 65535)
+    return InvalidArgument("openai.base_url has a bad host or port: '" + options.base_url + "'");
+  return c;
+}
+
+UpstreamClient::UpstreamClient(const UpstreamOptions& options) : options_(options) {}
+UpstreamClient::~UpstreamClient() = default;
+
+int64_t UpstreamClient::connections_opened() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return opened_;
+}
+
+std::unique_ptr<UpstreamClient::Connection> UpstreamClient::TakeIdle() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (idle_.empty()) return nullptr;
+  auto c = std::move(idle_.back());
+  idle_.pop_back();
+  return c;
+}
+
+void UpstreamClient::ReturnIdle(std::unique_ptr<Connection> c) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (static_cast<int>(idle_.size()) < options_.max_connections) idle_.push_back(std::move(c));
+}
+
+Result<UpstreamReply> UpstreamClient::Post(const std::string& path, const std::string& json_body,
+                                           const UpstreamDataFn& on_data) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(options_.timeout_ms);
+  const std::string target = prefix_ + path;
+  for (int attempt = 0;; ++attempt) {
+    std::unique_ptr<Connection> c = attempt == 0 ? TakeIdle() : nullptr;
+    if (!c) c = std::make_unique<Connection>();
+    bool retryable = false, reusable = false;
+    auto r = Attempt(*c, target, json_body, on_data, deadline, &retryable, &reusable);
+    if (!r.ok() && retryable && attempt == 0) continue;
+    if (r.ok() && reusable) ReturnIdle(std::move(c));
+    return r;
+  }
+}
+
+Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& target, const std::string& body,
+                                              const UpstreamDataFn& on_data, Clock::time_point deadline,
+                                              bool* retryable, bool* reusable) {
+  const std::string where = "upstream " + options_.base_url;
+  auto fail = [&](const error_code& ec, const std::string& what) -> Status {
+    if (IsTimeout(ec))
+      return DeadlineExceeded(where + " did not answer within " + std::to_string(options_.timeout_ms) + " ms",
+                              "upstream_timeout");
+    return Status(StatusCode::kBadGateway, where + ": " + what + ": " + ec.message(), "upstream_error");
+  };
+  const bool pooled = c.used;
+  if (!pooled) {
+    error_code ec;
+    tcp::resolver resolver(c.ioc);
+    auto endpoints = resolver.resolve(host_, port_, ec);
+    if (ec) return fail(ec, "cannot resolve " + host_);
+    const auto connect_deadline =
+        std::min(deadline, Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms));
+    c.stream.expires_at(connect_deadline);
+    ec = RunOp(c.ioc, [&](auto handler) { c.stream.async_connect(endpoints, std::move(handler)); });
+    if (ec) {
+      if (IsTimeout(ec))
+        return DeadlineExceeded(where + ": connect timed out", "upstream_timeout");
+      return fail(ec, "cannot connect");
+    }
+    error_code ignored;
+    c.stream.socket().set_option(tcp::no_delay(true), ignored);
+    std::lock_guard<std::mutex> lock(mu_);
+    ++opened_;
+  }
+  c.used = true;
+
+  http::request<http::string_body> req{http::verb::post, target, 11};
+  req.set(http::field::host, host_ + ":" + port_);
+  req.set(http::field::user_agent, "shoal");
+  req.set(http::field::content_type, "application/json");
+  req.set(http::field::accept, on_data ? "text/event-stream, application/json" : "application/json");
+  if (!options_.api_key.empty()) req.set(http::field::authorization, "Bearer " + options_.api_key);
+  req.keep_alive(true);
+  req.body() = body;
+  req.prepare_payload();
+
+  c.stream.expires_at(deadline);
+  error_code ec = RunOp(c.ioc, [&](auto handler) { http::async_write(c.stream, req, std::move(handler)); });
+  if (ec) {
+    *retryable = pooled && !IsTimeout(ec);
+    return fail(ec, "cannot send the request");
+  }
+  http::response_parser<http::string_body> parser;
+  parser.body_limit(options_.max_response_bytes);
+  ec = RunOp(c.ioc, [&](auto handler) { http::async_read_header(c.stream, c.buffer, parser, std::move(handler)); });
+  if (ec) {
+    *retryable = pooled && IsStale(ec);
+    return fail(ec, "no answer");
+  }
+  UpstreamReply reply;
+  reply.status = static_cast<int>(parser.get().result_int());
+  reply.content_type = std::string(parser.get()[http::field::content_type]);
+  const bool streamed = on_data && reply.status / 100 == 2 &&
+                        reply.content_type.find("text/event-stream") != std::string::npos;
+  if (streamed) {
+    while (!parser.is_done()) {
+      ec = RunOp(c.ioc, [&](auto handler) { http::async_read_some(c.stream, c.buffer, parser, std::move(handler)); });
+      if (ec) return fail(ec, "the stream broke");
+      std::string& got = parser.get().body();
+      if (!got.empty()) {
+        if (!on_data(got)) return reply;  // abandoned: not reusable
+        got.clear();
+      }
+    }
+  } else {
+    ec = RunOp(c.ioc, [&](auto handler) { http::async_read(c.stream, c.buffer, parser, std::move(handler)); });
+    if (ec) return fail(ec, "the answer broke off");
+    reply.body = std::move(parser.get().body());
+  }
+  *reusable = parser.get().keep_alive();
+  return reply;
+}
+
+Status UpstreamError(int http_status, std::string_view body) {
+  std::string message;
+  std::string code;
+  auto j = nlohmann::json::parse(body, nullptr, false);
+  if (!j.is_discarded() && j.is_object()) {
+    // OpenAI {"error":{"message","code"}}; some servers put a string in
+    // "error" or use {"message"} / {"detail"}.
+    const nlohmann::json* e = j.contains("error") ? &j["error"] : &j;
+    if (e->is_string()) {
+      message = e->get<std::string>();
+    } else if (e->is_object()) {
+      for (const char* k : {"message", "detail"})
+        if (e->contains(k) && (*e)[k].is_string()) {
+          message = (*e)[k].get<std::string>();
+          break;
+        }
+      if (e->contains("code") && (*e)["code"].is_string()) code = (*e)["code"].get<std::string>();
+    }
+  }
+  if (message.empty()) message = Truncate(body, 500);
+  const std::string m = "upstream answered " + std::to_string(http_status) + ": " + message;
+  switch (http_status) {
+    case 400: return InvalidArgument(m, code);
+    case 404: return NotFound(m, code.empty() ? "upstream_not_found" : code);
+    case 413: return Status(StatusCode::kPayloadTooLarge, m, code);
+    case 422: return Unprocessable(m, code);
+    case 429: return ResourceExhausted(m, code.empty() ? "upstream_busy" : code);
+    case 401:
+    case 403: return Status(StatusCode::kBadGateway, m, "upstream_auth");
+    case 504: return DeadlineExceeded(m, "upstream_timeout");
+    default: break;
+  }
+  if (http_status >= 400 && http_status < 500) return InvalidArgument(m, code);
+  return Status(StatusCode::kBadGateway, m, "upstream_error");
+}
+
+}  // namespace shoal
