@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -64,7 +65,21 @@ Status TesseractRuntime::Load(const ModelConfig& config) {
   ASSIGN_OR_RETURN(OcrOptions options, ParseOcrOptions(config.config_json, config.dir));
   const int64_t before = ResidentBytes();
   ASSIGN_OR_RETURN(engine_, TesseractOcr::Create(options));
-  memory_bytes_ = std::max<int64_t>(ResidentBytes() - before, 0);
+  // The language data may already be resident (another engine of the same
+  // languages in this process): count at least the files' size then.
+  int64_t data_bytes = 0;
+  const OcrOptions& resolved = engine_->options();
+  size_t start = 0;
+  while (start <= resolved.languages.size()) {
+    size_t plus = resolved.languages.find('+', start);
+    if (plus == std::string::npos) plus = resolved.languages.size();
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(
+        resolved.tessdata_dir + "/" + resolved.languages.substr(start, plus - start) + ".traineddata", ec);
+    if (!ec) data_bytes += static_cast<int64_t>(size);
+    start = plus + 1;
+  }
+  memory_bytes_ = std::max<int64_t>(ResidentBytes() - before, data_bytes);
   return Status::Ok();
 }
 
