@@ -214,12 +214,13 @@ TEST_F(E2eOcr, BadInputsGetTheirStatusAndCode) {
       {Image("eng.png"), "image/png", "tiny-bert", 400, "wrong_task"},
       // PNG signature, then garbage: only the worker's decoder can tell.
       {std::string("\x89PNG\r\n\x1a\n", 8) + std::string(4000, 'x'), "image/png", "ocr-eng", 400, "invalid_image"},
-      {std::string(kMaxBody + 1, 'x'), "image/png", "ocr-eng", 413, ""},
   };
   for (const auto& c : cases) {
     auto r = Post(c.body, c.type, c.model);
     EXPECT_EQ(r.status, c.status) << c.type << " " << c.model << ": " << r.error << r.body.substr(0, 300);
-    if (!c.code.empty()) EXPECT_EQ(Code(r), c.code) << r.body.substr(0, 300);
+    if (!c.code.empty()) {
+      EXPECT_EQ(Code(r), c.code) << r.body.substr(0, 300);
+    }
   }
 }
 

@@ -1,10 +1,9 @@
 #include "runtime/ocr/tesseract_runtime.h"
 
-#include <filesystem>
-
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -66,12 +65,12 @@ Status TesseractRuntime::Load(const ModelConfig& config) {
   ASSIGN_OR_RETURN(OcrOptions options, ParseOcrOptions(config.config_json, config.dir));
   const int64_t before = ResidentBytes();
   ASSIGN_OR_RETURN(engine_, TesseractOcr::Create(options));
-  // The resident-set delta, but never less than the language data loaded:
-  // memory the allocator reuses (an engine loaded before in this process)
-  // does not show in the delta.
+  // The language data may already be resident (another engine of the same
+  // languages in this process): count at least the files' size then.
   int64_t data_bytes = 0;
   const OcrOptions& resolved = engine_->options();
-  for (size_t start = 0; start <= resolved.languages.size();) {
+  size_t start = 0;
+  while (start <= resolved.languages.size()) {
     size_t plus = resolved.languages.find('+', start);
     if (plus == std::string::npos) plus = resolved.languages.size();
     std::error_code ec;
