@@ -84,7 +84,7 @@ class E2eOcr : public ::testing::Test {
     dir_ = new shoal::testing::TempDir();
     serve_ = new Shoal(StartServe(dir_->path(), {"--models", "ocr-eng,tiny-bert", "--threads", "1",
                                                  "--max-body-bytes", std::to_string(kMaxBody)}));
-    ready_status_ = WaitForReadyz(serve_->port, 200, 60s);
+    ready_status_ = WaitForReadyz(serve_->port, 200, 120s);
   }
   static void TearDownTestSuite() {
     delete serve_;
@@ -101,6 +101,9 @@ class E2eOcr : public ::testing::Test {
     c.target = "/v1/ocr/" + model;
     c.body = body;
     c.content_type = content_type;
+    // OCR of the 5 MiB page takes seconds, many more on a loaded machine:
+    // the request's own deadline must not be the default 30 s.
+    c.headers = {{"Shoal-Timeout-Ms", "110000"}};
     c.timeout = 120s;
     return Http(serve_->port, c);
   }
