@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
+#include "common/process_memory.h"
 #include "runtime/runtime.h"
 #include "tokenize/wordpiece_tokenizer.h"
 #include "wire/work_message.h"
@@ -64,13 +65,6 @@ std::string DefaultWorkerId(const std::string& host) {
   return id;
 }
 
-// Resident set size of this process, from /proc/self/statm.
-int64_t ResidentBytes() {
-  std::ifstream in("/proc/self/statm");
-  int64_t size = 0, resident = 0;
-  if (!(in >> size >> resident)) return 0;
-  return resident * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
-}
 
 json ErrorJson(const Status& s) {
   return {{"message", s.message()},

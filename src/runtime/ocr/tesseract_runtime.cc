@@ -9,15 +9,10 @@
 
 #include <msgpack.hpp>
 
+#include "common/process_memory.h"
+
 namespace shoal {
 namespace {
-
-int64_t ResidentBytes() {
-  std::ifstream statm("/proc/self/statm");
-  int64_t size_pages = 0, resident_pages = 0;
-  if (!(statm >> size_pages >> resident_pages)) return 0;
-  return resident_pages * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-}
 
 void PackString(msgpack::packer<msgpack::sbuffer>& pk, std::string_view s) {
   pk.pack_str(static_cast<uint32_t>(s.size()));

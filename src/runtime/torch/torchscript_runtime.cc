@@ -10,17 +10,11 @@
 #include <ATen/Parallel.h>
 #include <torch/script.h>
 
+#include "common/process_memory.h"
 #include "runtime/internal/batch_check.h"
 
 namespace shoal {
 namespace {
-
-int64_t ResidentBytes() {
-  std::ifstream statm("/proc/self/statm");
-  int64_t size_pages = 0, resident_pages = 0;
-  if (!(statm >> size_pages >> resident_pages)) return 0;
-  return resident_pages * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-}
 
 // The useful part of a libtorch message. Interpreter errors put a TorchScript
 // traceback first and the original error ("RuntimeError: ...") last.
