@@ -1,5 +1,7 @@
 #include "runtime/runtime.h"
 
+#include <msgpack.hpp>
+
 #include "runtime/null/null_runtime.h"
 #include "runtime/ocr/tesseract_runtime.h"
 #include "runtime/openai/openai_runtime.h"
@@ -8,6 +10,47 @@
 #include "runtime/torch/torchscript_runtime.h"
 
 namespace shoal {
+
+std::string ItemError(const Status& status) {
+  msgpack::sbuffer buf;
+  msgpack::packer<msgpack::sbuffer> pk(buf);
+  pk.pack_map(1);
+  pk.pack(std::string("error"));
+  pk.pack_map(3);
+  pk.pack(std::string("code"));
+  pk.pack(std::string(StatusCodeName(status.code())));
+  pk.pack(std::string("message"));
+  pk.pack(status.message());
+  pk.pack(std::string("reason"));
+  pk.pack(status.reason());
+  return std::string(buf.data(), buf.size());
+}
+
+Status ParseItemError(std::string_view doc) {
+  // Cheap test first: a one-entry map whose key is "error" (fixmap, fixstr).
+  if (doc.size() < 8 || static_cast<unsigned char>(doc[0]) != 0x81 || doc.substr(1, 6) != "\xa5" "error")
+    return Status::Ok();
+  try {
+    auto handle = msgpack::unpack(doc.data(), doc.size());
+    const auto& err = handle.get().via.map.ptr[0].val;
+    if (err.type != msgpack::type::MAP) return Status::Ok();
+    std::string code, message, reason;
+    for (uint32_t i = 0; i < err.via.map.size; ++i) {
+      const auto& kv = err.via.map.ptr[i];
+      if (kv.key.type != msgpack::type::STR || kv.val.type != msgpack::type::STR) continue;
+      const std::string_view k(kv.key.via.str.ptr, kv.key.via.str.size);
+      std::string v(kv.val.via.str.ptr, kv.val.via.str.size);
+      if (k == "code") code = std::move(v);
+      else if (k == "message") message = std::move(v);
+      else if (k == "reason") reason = std::move(v);
+    }
+    StatusCode c = ParseStatusCode(code);
+    if (c == StatusCode::kOk) c = StatusCode::kInternal;
+    return Status(c, message, reason);
+  } catch (const std::exception&) {
+    return Status::Ok();
+  }
+}
 
 Result<std::unique_ptr<Runtime>> CreateRuntime(const std::string& kind) {
   if (kind == "torchscript") {

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/model_config.h"
@@ -55,8 +56,10 @@ class Runtime {
   // tokenizer and batches items.
   virtual bool TakesItems() const { return false; }
   // Runs a batch of opaque inputs (WorkBody::items); one MessagePack result
-  // document per input, in order. A failure fails the whole batch. `partial`
-  // (may be empty) receives streamed output before the results. Never throws.
+  // document per input, in order. A failure fails the whole batch; an input
+  // that fails on its own gets ItemError(status) as its document instead,
+  // and only its caller gets the error. `partial` (may be empty) receives
+  // streamed output before the results. Never throws.
   virtual Result<std::vector<std::string>> RunItems(const std::vector<std::string>& items,
                                                     const PartialSink& partial) {
     (void)items;
@@ -74,6 +77,12 @@ class Runtime {
   // for the model instead of burning its deliveries. Thread-safe.
   virtual bool Available() const { return true; }
 };
+
+// The result document of one input that failed on its own (see RunItems):
+// a map {error: {code, message, reason}}.
+std::string ItemError(const Status& status);
+// The error an ItemError document carries; OK for any other document.
+Status ParseItemError(std::string_view doc);
 
 // Makes an unloaded runtime for config.runtime ("torchscript" | "process" |
 // "openai" | "sim" | "null").

@@ -42,5 +42,16 @@ TEST(CreateRuntime, TorchScriptMissingModelIsNotFound) {
   EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
 }
 
+TEST(ItemError, RoundTripsAndLeavesOtherDocumentsAlone) {
+  const Status st = ParseItemError(ItemError(Unprocessable("too long", "context_length_exceeded")));
+  EXPECT_EQ(st.code(), StatusCode::kUnprocessable);
+  EXPECT_EQ(st.message(), "too long");
+  EXPECT_EQ(st.reason(), "context_length_exceeded");
+  EXPECT_TRUE(ParseItemError("\x81\xa4text\xa2hi").ok());                 // a result
+  EXPECT_TRUE(ParseItemError("\x81\xa5" "error\x01").ok());                  // error but not a map
+  EXPECT_TRUE(ParseItemError(std::string("\x81\xa5" "error\x81", 8)).ok());  // truncated
+  EXPECT_TRUE(ParseItemError("").ok());
+}
+
 }  // namespace
 }  // namespace shoal

@@ -3,6 +3,7 @@
 // -js, the real Worker and the gateway's Dispatcher, over a scripted item
 // runtime so that every path (results, float rows, streamed partials, one
 // caller's bad input, a failed runtime) can be driven.
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -53,6 +54,8 @@ class ScriptedItemRuntime final : public Runtime {
         const int n = std::stoi(in.substr(7));
         for (int k = 0; k < n; ++k) partial(i, PackStr("part" + std::to_string(k)));
         out.push_back(PackStr("done"));
+      } else if (in.rfind("alone:", 0) == 0) {
+        out.push_back(ItemError(InvalidArgument("input '" + in + "' is too long", "context_length_exceeded")));
       } else if (in.rfind("row:", 0) == 0) {
         msgpack::sbuffer buf;
         msgpack::pack(buf, std::vector<double>{std::stod(in.substr(4)), 2.0});
@@ -170,6 +173,34 @@ TEST_F(ItemPathTest, OneCallersBadInputFailsOnlyThatCaller) {
       EXPECT_EQ(Unpacked(r->items[0]), "OK" + std::to_string(i));
     }
   }
+}
+
+TEST_F(ItemPathTest, AnInputThatFailsAloneFailsOnlyItsCaller) {
+  // In one request: the error of one input is the request's error.
+  auto r = Submit({"fine", "alone:x"});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.status().reason(), "context_length_exceeded");
+  // Across requests batched together: only that caller sees it, and the
+  // others are not rerun (their streams would repeat).
+  std::atomic<int> partials{0};
+  std::vector<std::future<Result<ItemResult>>> futures;
+  for (int i = 0; i < 6; ++i)
+    futures.push_back(std::async(std::launch::async, [this, i, &partials] {
+      return Submit({i == 2 ? std::string("alone:y") : "stream:2"},
+                    [&partials](size_t, std::string_view) { ++partials; });
+    }));
+  for (int i = 0; i < 6; ++i) {
+    auto got = futures[i].get();
+    if (i == 2) {
+      ASSERT_FALSE(got.ok());
+      EXPECT_EQ(got.status().reason(), "context_length_exceeded");
+    } else {
+      ASSERT_TRUE(got.ok()) << i << ": " << got.status().ToString();
+      EXPECT_EQ(Unpacked(got->items[0]), "done");
+    }
+  }
+  EXPECT_EQ(partials.load(), 5 * 2);  // each stream once
 }
 
 TEST_F(ItemPathTest, TokenTaskOnAnItemRuntimeGetsFloatRowsFromTexts) {

@@ -567,8 +567,8 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
 void ModelServer::Finish(std::vector<std::unique_ptr<PendingWork>>& live, std::vector<wire::WorkReply>& replies,
                          const Status& failure) {
   for (size_t i = 0; i < live.size(); ++i) {
-    if (!failure.ok()) {
-      Fail(live[i]->delivery, live[i]->headers, failure);
+    if (!failure.ok() || !replies[i].status.ok()) {
+      Fail(live[i]->delivery, live[i]->headers, failure.ok() ? replies[i].status : failure);
       continue;
     }
     if (live[i]->items.empty()) tokens_total_->Inc(live[i]->tokens);
@@ -630,6 +630,11 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
   }
   for (size_t n = 0; n < out->size(); ++n) {
     auto& r = (*replies)[owner[n].first];
+    if (!r.status.ok()) continue;  // another input of this message failed
+    if (Status own = ParseItemError((*out)[n]); !own.ok()) {
+      r.status = own;  // only this input's caller gets it
+      continue;
+    }
     if (c.ItemTask()) {
       r.items.push_back(std::move((*out)[n]));
       continue;

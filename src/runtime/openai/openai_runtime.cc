@@ -152,10 +152,9 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItems(const std::vector<std::
   for (auto& t : threads) t.join();
   std::vector<std::string> out;
   out.reserve(items.size());
-  for (auto& r : results) {
-    if (!r.ok()) return r.status();
-    out.push_back(std::move(*r));
-  }
+  // One request's failure is its caller's alone: the others have streamed
+  // and finished, and rerunning them would stream their output twice.
+  for (auto& r : results) out.push_back(r.ok() ? std::move(*r) : ItemError(r.status()));
   return out;
 }
 
