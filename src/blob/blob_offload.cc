@@ -33,6 +33,7 @@ BlobOffload::~BlobOffload() {
     stop_ = true;
   }
   cv_.notify_all();
+  sweep_cv_.notify_all();
   for (auto& t : threads_) t.join();
   if (sweeper_.joinable()) sweeper_.join();
 }
@@ -54,7 +55,7 @@ void BlobOffload::Loop() {
 void BlobOffload::SweepLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
-    cv_.wait_for(lock, std::chrono::milliseconds(options_.sweep_interval_ms), [&] { return stop_; });
+    sweep_cv_.wait_for(lock, std::chrono::milliseconds(options_.sweep_interval_ms), [&] { return stop_; });
     if (stop_) return;
     lock.unlock();
     auto n = SweepNow();

@@ -88,7 +88,10 @@ class BlobOffload {
   MetricsRegistry* metrics_ = nullptr;
 
   std::mutex mu_;  // guards tasks_, stop_
-  std::condition_variable cv_;
+  std::condition_variable cv_;        // the task threads wait here
+  // The sweeper waits on its own: a task's notify_one must never wake it
+  // (it would go back to sleep and the task would wait for the next one).
+  std::condition_variable sweep_cv_;
   std::deque<std::function<void()>> tasks_;
   bool stop_ = false;
   std::vector<std::thread> threads_;

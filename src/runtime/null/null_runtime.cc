@@ -20,6 +20,7 @@ Status NullRuntime::Load(const ModelConfig& config) {
   if (config.dim < 0) return InvalidArgument("null runtime: dim must be >= 0");
   dim_ = config.dim > 0 ? config.dim : kDefaultDim;
   normalize_ = config.normalize;
+  items_ = config.ItemTask();
   loaded_ = true;
   return Status::Ok();
 }
@@ -51,6 +52,21 @@ Result<Embeddings> NullRuntime::Run(const TokenBatch& batch) {
       const float inv = static_cast<float>(1.0 / std::sqrt(sq));
       for (int d = 0; d < dim_; ++d) row[d] *= inv;
     }
+  }
+  return out;
+}
+
+Result<std::vector<std::string>> NullRuntime::RunItems(const std::vector<std::string>& items,
+                                                      const PartialSink& partial) {
+  (void)partial;
+  if (!loaded_) return Unavailable("null runtime: not loaded");
+  std::vector<std::string> out;
+  out.reserve(items.size());
+  for (const auto& item : items) {
+    // {"bytes": size} as MessagePack: fixmap(1), fixstr "bytes", uint64.
+    std::string doc = "\x81\xa5" "bytes\xcf";
+    for (int shift = 56; shift >= 0; shift -= 8) doc.push_back(static_cast<char>((item.size() >> shift) & 0xff));
+    out.push_back(std::move(doc));
   }
   return out;
 }

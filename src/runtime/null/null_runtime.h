@@ -1,7 +1,10 @@
 // NullRuntime ("null"): runs no model. Returns deterministic pseudo-random
 // embeddings derived from each row's real tokens, so the whole serving path
 // can be measured without model cost. Same tokens give the same vector
-// regardless of padding or batch position. Not thread-safe (see Runtime).
+// regardless of padding or batch position. For an item task (ocr,
+// generate) it takes whole inputs and answers each with {bytes: <size>},
+// which measures the binary path (transport, blob offload) alone. Not
+// thread-safe (see Runtime).
 #pragma once
 
 #include "runtime/runtime.h"
@@ -18,6 +21,9 @@ class NullRuntime final : public Runtime {
   // O(rows * (seq_len + dim)); kInvalidArgument on inconsistent shapes,
   // kUnavailable before Load().
   Result<Embeddings> Run(const TokenBatch& batch) override;
+  bool TakesItems() const override { return items_; }
+  Result<std::vector<std::string>> RunItems(const std::vector<std::string>& items,
+                                            const PartialSink& partial) override;
   void Unload() override { loaded_ = false; }
   int64_t MemoryBytes() const override { return 0; }
   int Dim() const override { return dim_; }
@@ -26,6 +32,7 @@ class NullRuntime final : public Runtime {
   bool loaded_ = false;
   int dim_ = 0;
   bool normalize_ = true;
+  bool items_ = false;
 };
 
 }  // namespace shoal

@@ -1,8 +1,10 @@
 #include "runtime/null/null_runtime.h"
 
 #include <cmath>
+#include <map>
 
 #include <gtest/gtest.h>
+#include <msgpack.hpp>
 
 namespace shoal {
 namespace {
@@ -102,6 +104,27 @@ TEST(NullRuntime, UnloadIsIdempotent) {
   auto out = rt.Run(Batch({{1}}));
   ASSERT_FALSE(out.ok());
   EXPECT_EQ(out.status().code(), StatusCode::kUnavailable);
+}
+
+TEST(NullRuntime, ItemTasksAnswerEachInputWithItsSize) {
+  NullRuntime rt;
+  ModelConfig config;
+  config.name = "echo";
+  config.task = "ocr";
+  ASSERT_TRUE(rt.Load(config).ok());
+  EXPECT_TRUE(rt.TakesItems());
+  auto out = rt.RunItems({std::string(3, 'x'), std::string(70000, 'y')}, {});
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  ASSERT_EQ(out->size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    auto h = msgpack::unpack((*out)[i].data(), (*out)[i].size());
+    auto m = h.get().as<std::map<std::string, uint64_t>>();
+    EXPECT_EQ(m["bytes"], i == 0 ? 3u : 70000u);
+  }
+  NullRuntime embed;
+  config.task = "embed";
+  ASSERT_TRUE(embed.Load(config).ok());
+  EXPECT_FALSE(embed.TakesItems());
 }
 
 }  // namespace
