@@ -66,6 +66,11 @@ class Runtime {
     (void)partial;
     return Unprocessable("this runtime takes token batches, not whole inputs", "wrong_task");
   }
+  // Whether batches run on this worker's device. False for a runtime that
+  // forwards to a remote server: its batches take no turn on the device
+  // (a long generation upstream must not stall the models computing here)
+  // and do not count as device busy time.
+  virtual bool UsesDevice() const { return true; }
   // Releases the model. Safe to call twice.
   virtual void Unload() = 0;
   // Resident memory attributed to this model, measured at load time.

@@ -420,7 +420,7 @@ void ModelServer::ExecLoop() {
         }
       }
       if (stop_) break;
-      if (d_.scheduler != nullptr) {
+      if (d_.scheduler != nullptr && d_.runtime->UsesDevice()) {
         // One forward pass at a time per device, shared fairly between
         // models: the turn goes to the oldest waiting work, weighted by
         // backlog. The batch is cut only once the turn is ours, so work
@@ -611,7 +611,7 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
   const int64_t t0 = d_.clock->NowMonoUs();
   auto out = d_.runtime->RunItems(inputs, partial);
   const int64_t run_us = d_.clock->NowMonoUs() - t0;
-  if (d_.busy_us) d_.busy_us->fetch_add(run_us);
+  if (d_.busy_us && d_.runtime->UsesDevice()) d_.busy_us->fetch_add(run_us);
   run_seconds_->Observe(static_cast<double>(run_us) / 1e6);
   batches_->Inc();
   batch_rows_->Observe(static_cast<double>(inputs.size()));

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <thread>
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -91,8 +93,19 @@ class E2eOpenAi : public ::testing::Test {
     nats_ = new shoal::testing::TestNatsServer();
     worker_ = new Shoal(StartFleetWorker(nats_->url(), repo_->path(), {"--threads", "1", "--preload", "none"}));
     gateway_ = new Shoal(StartGateway(nats_->url()));
+    // A generator whose upstream is a Shoal gateway (this one, serving
+    // remote-chat), on a worker of its own: Shoal relaying Shoal.
+    relay_repo_ = new shoal::testing::TempDir();
+    WriteModel(relay_repo_->path(), "relay-chat",
+               {{"name", "relay-chat"}, {"task", "generate"}, {"runtime", "openai"},
+                {"openai", {{"base_url", "http://127.0.0.1:" + std::to_string(gateway_->port) + "/v1"},
+                            {"model", "remote-chat"}}}});
+    relay_worker_ =
+        new Shoal(StartFleetWorker(nats_->url(), relay_repo_->path(), {"--threads", "1", "--preload", "none"}));
   }
   static void TearDownTestSuite() {
+    delete relay_worker_;
+    delete relay_repo_;
     delete gateway_;
     delete worker_;
     delete nats_;
@@ -117,6 +130,8 @@ class E2eOpenAi : public ::testing::Test {
   static shoal::testing::TestNatsServer* nats_;
   static Shoal* worker_;
   static Shoal* gateway_;
+  static shoal::testing::TempDir* relay_repo_;
+  static Shoal* relay_worker_;
 };
 
 shoal::testing::TempDir* E2eOpenAi::upstream_dir_ = nullptr;
@@ -127,6 +142,8 @@ shoal::testing::TempDir* E2eOpenAi::repo_ = nullptr;
 shoal::testing::TestNatsServer* E2eOpenAi::nats_ = nullptr;
 Shoal* E2eOpenAi::worker_ = nullptr;
 Shoal* E2eOpenAi::gateway_ = nullptr;
+shoal::testing::TempDir* E2eOpenAi::relay_repo_ = nullptr;
+Shoal* E2eOpenAi::relay_worker_ = nullptr;
 
 TEST_F(E2eOpenAi, EmbeddingsThroughAnotherShoalMatchItsDirectAnswer) {
   const std::vector<std::string> texts = {"the quick brown fox", "jumps over", "the lazy dog", "a"};
@@ -187,6 +204,38 @@ TEST_F(E2eOpenAi, StreamedChatIsServerSentEventsEndingInDone) {
   }
   EXPECT_EQ(text, "Hello from upstream");
   EXPECT_EQ(events.back(), "[DONE]");
+}
+
+TEST_F(E2eOpenAi, ChatThroughAnotherShoalStreamsAndAnswers) {
+  // The relay's worker publishes its catalog once it is up.
+  for (int i = 0; i < 300 && HttpGet(gateway_->port, "/v1/models").body.find("relay-chat") == std::string::npos; ++i)
+    std::this_thread::sleep_for(100ms);
+  auto r = Chat("relay-chat", "hi");
+  ASSERT_EQ(r.status, 200) << r.body;
+  json out = json::parse(r.body);
+  EXPECT_EQ(out["model"], "relay-chat");
+  EXPECT_EQ(out["choices"][0]["message"]["content"], "echo: hi");
+  // Streamed: the inner Shoal's events, relayed event by event.
+  auto s = Chat("relay-chat", "tell me", /*stream=*/true);
+  ASSERT_EQ(s.status, 200) << s.body;
+  EXPECT_EQ(s.Header("content-type"), "text/event-stream");
+  std::string text;
+  size_t pos = 0, events = 0;
+  std::string last;
+  while (pos < s.body.size()) {
+    const size_t end = s.body.find("\n\n", pos);
+    ASSERT_NE(end, std::string::npos) << "unterminated event in: " << s.body;
+    last = s.body.substr(pos + 6, end - pos - 6);
+    pos = end + 2;
+    ++events;
+    if (last == "[DONE]") break;
+    json ev = json::parse(last);
+    EXPECT_EQ(ev["model"], "relay-chat");
+    text += ev["choices"][0]["delta"]["content"].get<std::string>();
+  }
+  EXPECT_EQ(last, "[DONE]");
+  EXPECT_EQ(events, 4u) << s.body;
+  EXPECT_EQ(text, "Hello from upstream");
 }
 
 TEST_F(E2eOpenAi, UpstreamErrorsReachTheCallerOnceInOpenAiShape) {

@@ -38,6 +38,7 @@ class OpenAiRuntime final : public Runtime {
   Status Load(const ModelConfig& config) override;
   Result<Embeddings> Run(const TokenBatch& batch) override;
   bool TakesItems() const override { return true; }
+  bool UsesDevice() const override { return false; }  // the upstream computes
   // Embed: items are UTF-8 texts; each result is a MessagePack bin holding
   // one little-endian float32 row. Generate: items and results are
   // MessagePack maps (request -> the upstream's response; for a streamed
