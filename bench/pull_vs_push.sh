@@ -4,7 +4,8 @@
 # For each worker count in WORKERS: a private nats-server -js, one `shoal
 # worker --sim-workers N` process hosting N simulated devices (runtime sim)
 # that each serve all 20 models of a generated repository, then for each
-# dispatch mode (pull, push) a fresh `shoal gateway --dispatch=MODE` and a
+# mode (pull: free pulling; pull-ahead: load-aware pulling, workers with
+# --pull-ahead; push) fresh workers, a fresh gateway and a
 # `shoal bench` open-loop sweep (Zipf(1.1) over the 20 models, short
 # inputs). Reports, per mode and worker count, the highest offered rate
 # whose p99 stayed under SLO_MS with no errors, the throughput there, the
@@ -15,7 +16,8 @@
 # Environment (defaults in brackets):
 #   SHOAL        the shoal binary                [build/src/cli/shoal]
 #   WORKERS      worker counts                   ["4 16 64"]
-#   PER_WORKER_RATES  offered req/s per worker   ["10 25 50 100 150 200"]
+#   PER_WORKER_RATES  offered req/s per worker   ["25 50 75 100"; "6 12 19 25" at 32+ workers,
+#                where the 2-CPU machine, not the devices, is the limit]
 #   DURATION, WARMUP  seconds per load level     [10, 2]
 #   SLO_MS       p99 bound                       [250]
 #   SIM_FIXED_US, SIM_PER_TOKEN_US  device cost per batch: fixed + per padded token [20000, 250]
@@ -23,17 +25,23 @@
 #   MAX_WAIT_US  batcher wait                    [2000]
 #   LOAD_REPORT_MS  push: load report interval   [100]
 #   MAX_HELD_ROWS   workers' --max-held-rows (bound on pulled work held) [0: none]
+#   PULL_AHEAD   workers' --pull-ahead in pull-ahead mode (passes waiting for the device) [1]
+#   PULL_IDLE_POLL_MS  workers' --pull-idle-poll-ms  [20]
+#   FETCH_POLL_MS   workers' --fetch-poll-ms (longest pull; with PULL_AHEAD, idle models back off to it) [5000]
+#   DEMAND_POLL_MS  workers' --demand-poll-ms (how fresh their view of the backlog is) [1000]
+#   MODES        modes to run, in order  ["pull pull-ahead push"]
 #   PUSH_POLICY  least-loaded | p2c              [least-loaded]
 #   SCALING      1: also the pull scaling curve  [1]
+#   SCALING_MODE pull or pull-ahead for the curve [pull]
 #   SCALING_WORKERS                              ["1 2 4 8 16 32 64"]
-#   SCALING_CLIENTS_PER_WORKER  closed-loop clients per worker [48]
+#   SCALING_CLIENTS_PER_WORKER  closed-loop clients per worker [24]
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")/.." && pwd)"
 out="$(realpath -m "${1:-pull-vs-push}")"
 SHOAL="${SHOAL:-$here/build/src/cli/shoal}"
 WORKERS="${WORKERS:-4 16 64}"
-PER_WORKER_RATES="${PER_WORKER_RATES:-10 25 50 100 150 200}"
+PER_WORKER_RATES="${PER_WORKER_RATES:-}"
 DURATION="${DURATION:-10}"
 WARMUP="${WARMUP:-2}"
 SLO_MS="${SLO_MS:-250}"
@@ -44,9 +52,15 @@ MAX_WAIT_US="${MAX_WAIT_US:-2000}"
 LOAD_REPORT_MS="${LOAD_REPORT_MS:-100}"
 MAX_HELD_ROWS="${MAX_HELD_ROWS:-0}"
 PUSH_POLICY="${PUSH_POLICY:-least-loaded}"
+PULL_AHEAD="${PULL_AHEAD:-1}"
+PULL_IDLE_POLL_MS="${PULL_IDLE_POLL_MS:-20}"
+DEMAND_POLL_MS="${DEMAND_POLL_MS:-1000}"
+FETCH_POLL_MS="${FETCH_POLL_MS:-5000}"
+MODES="${MODES:-pull pull-ahead push}"
 SCALING="${SCALING:-1}"
+SCALING_MODE="${SCALING_MODE:-pull}"
 SCALING_WORKERS="${SCALING_WORKERS:-1 2 4 8 16 32 64}"
-SCALING_CLIENTS_PER_WORKER="${SCALING_CLIENTS_PER_WORKER:-48}"
+SCALING_CLIENTS_PER_WORKER="${SCALING_CLIENTS_PER_WORKER:-24}"
 NMODELS=20
 vocab="$here/models/tiny-bert/vocab.txt"
 
@@ -112,11 +126,14 @@ start_nats() {
   echo "nats-server did not start" >&2; return 1
 }
 wm_port=0
-start_workers() {  # n
+start_workers() {  # n, mode
   wm_port=$(free_port)
+  local ahead=0
+  [[ "${2:-pull}" == pull-ahead ]] && ahead="$PULL_AHEAD"
   SHOAL_LOG_LEVEL=warn "$SHOAL" worker --metrics-port "$wm_port" --nats-url "nats://127.0.0.1:$nats_port" --models-dir "$repo" \
-    --sim-workers "$1" --worker-id "sim$1" --queue-memory --heartbeat-ms 1000 --heartbeat-ttl-ms 5000 \
-    --fetch-poll-ms 5000 --demand-poll-ms 1000 --load-report-ms "$LOAD_REPORT_MS" --max-held-rows "$MAX_HELD_ROWS" \
+    --sim-workers "$1" --worker-id "sim$1-${2:-pull}" --queue-memory --heartbeat-ms 1000 --heartbeat-ttl-ms 5000 \
+    --fetch-poll-ms "$FETCH_POLL_MS" --demand-poll-ms "$DEMAND_POLL_MS" --load-report-ms "$LOAD_REPORT_MS" --max-held-rows "$MAX_HELD_ROWS" \
+    --pull-ahead "$ahead" --pull-idle-poll-ms "$PULL_IDLE_POLL_MS" \
     > "$tmp/worker-$1.log" 2>&1 &
   worker_pid=$!; pids+=("$worker_pid")
 }
@@ -149,13 +166,16 @@ printf 'workers\tmode\toffered\tachieved_req_s\tp50_ms\tp99_ms\terrors\tdropped\
 printf 'workers\tmode\trows_per_pass_over_the_sweep\n' > "$out/batching.tsv"
 
 for n in $WORKERS; do
-  start_nats
-  start_workers "$n"
-  for mode in pull push; do
-    start_gateway "$mode"
+  for mode in $MODES; do
+    # Fresh NATS and workers per mode: neither inherits the other's state.
+    start_nats
+    start_workers "$n" "$mode"
+    start_gateway "${mode%-ahead}"
     wait_workers "$gw_url" "$n"
+    per_worker="$PER_WORKER_RATES"
+    [[ -z "$per_worker" ]] && { per_worker="25 50 75 100"; (( n >= 32 )) && per_worker="6 12 19 25"; }
     rates=""
-    for r in $PER_WORKER_RATES; do rates="${rates:+$rates,}$(( r * n ))"; done
+    for r in $per_worker; do rates="${rates:+$rates,}$(( r * n ))"; done
     echo "== $n workers, $mode, rates $rates" >&2
     read -r rows0 passes0 < <(batch_counts)
     bench "$out/w$n-$mode" --rates "$rates" --max-connections 4096
@@ -174,16 +194,16 @@ for p in r["phases"]:
 EOF
     curl -sf "$gw_url/metrics" > "$out/w$n-$mode.gateway-metrics.txt" || true
     stop "$gw_pid"
+    stop "$worker_pid"
+    stop "$nats_pid"
   done
-  stop "$worker_pid"
-  stop "$nats_pid"
 done
 
 if [[ "$SCALING" == 1 ]]; then
   printf 'workers\tclients\treq_s\tp50_ms\tp99_ms\tmean_utilisation\n' > "$out/scaling.tsv"
   for n in $SCALING_WORKERS; do
     start_nats
-    start_workers "$n"
+    start_workers "$n" "$SCALING_MODE"
     start_gateway pull
     wait_workers "$gw_url" "$n"
     c=$(( n * SCALING_CLIENTS_PER_WORKER ))
@@ -215,11 +235,13 @@ for r in rows:
 print(f"max throughput with p99 <= {slo:g} ms and no errors (req/s, mean utilisation there)")
 for n in sorted({k[0] for k in best} | {int(r["workers"]) for r in rows}):
     line = [f"{n:>3} workers"]
-    for mode in ("pull", "push"):
+    for mode in sorted({k[1] for k in best} | {r["mode"] for r in rows}):
         b = best.get((n, mode))
         line.append(f"{mode}: {b[0]:8.1f} (util {b[1]['mean_utilisation']})" if b else f"{mode}: none under SLO")
-    pull, push = best.get((n, "pull")), best.get((n, "push"))
-    if pull and push and push[0] > 0: line.append(f"pull/push {pull[0] / push[0]:.2f}")
+    push = best.get((n, "push"))
+    for mode in ("pull", "pull-ahead"):
+        b = best.get((n, mode))
+        if b and push and push[0] > 0: line.append(f"{mode}/push {b[0] / push[0]:.2f}")
     print("  ".join(line))
 EOF
 cat "$out/verdict.txt"

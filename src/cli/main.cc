@@ -166,6 +166,11 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
       "Load report interval on shoal.load.<worker> for push-dispatching gateways (0: off)");
   Opt(app, "--max-held-rows", w.options.max_held_rows, "SHOAL_MAX_HELD_ROWS",
       "Stop pulling while this worker holds this many rows, all models together (0: no bound; each model pulls up to its batch budget)");
+  Opt(app, "--pull-ahead", w.options.pull_ahead, "SHOAL_PULL_AHEAD",
+      "Most forward passes' worth of work a worker claims ahead of its device, all models together: open pulls "
+      "plus pulled work waiting (0: no bound; each model pulls whenever its batcher has room)");
+  Opt(app, "--pull-idle-poll-ms", w.options.pull_idle_poll_ms, "SHOAL_PULL_IDLE_POLL_MS",
+      "With --pull-ahead: how long a claimed pull waits for work before its claim moves on to another model");
   Opt(app, "--fetch-poll-ms", w.options.fetch_poll_ms, "SHOAL_FETCH_POLL_MS",
       "Long-poll of an idle model's pull (returns as soon as work arrives)");
 }

@@ -61,6 +61,7 @@ Result<wire::WorkHeaders> ParseWorkHeaders(const Delivery& d) {
 
 ModelServer::ModelServer(ModelServerDeps deps)
     : d_(std::move(deps)), batcher_(d_.config.batching, d_.clock), activation_(d_.config.EffectiveActivation()) {
+  gated_poll_ms_ = d_.idle_poll_ms;
   Labels l = {{"model", d_.config.name}};
   auto* m = d_.metrics;
   batches_ = m->GetCounter("shoal_worker_batches_total", "Forward passes run.", l);
@@ -116,6 +117,10 @@ void ModelServer::Stop() {
     int64_t rows = 0;
     for (const auto& w : left) rows += w->row_count();
     d_.held_rows->Done(rows);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    MaybeReleaseClaimLocked();
   }
   Release(std::move(left), Unavailable("the worker stopped before running this work; retry", "worker_stopping"));
 }
@@ -343,7 +348,24 @@ void ModelServer::FetchLoop() {
       if (room <= 0) continue;
       want = static_cast<int>(room);
     }
-    auto fetched = d_.consumer->Fetch(want, d_.fetch_poll_ms);
+    int64_t poll_ms = d_.fetch_poll_ms;
+    if (d_.pull_gate != nullptr && d_.pull_gate->bounded()) {
+      // Load-aware pulling: open a pull only while few passes wait for this
+      // worker's device (work for this model waiting already is one of them:
+      // what comes now joins it), and keep it open briefly, since a pull
+      // cannot be withdrawn once the device falls behind.
+      bool waiting;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        waiting = claim_held_;
+      }
+      if (!waiting && !d_.pull_gate->WaitForRoom(100, &stop_)) continue;
+      poll_ms = std::min(poll_ms, gated_poll_ms_);
+    }
+    auto fetched = d_.consumer->Fetch(want, poll_ms);
+    // A model that keeps getting nothing polls less often (twice as long
+    // each time, up to fetch_poll_ms); work brings the short poll back.
+    gated_poll_ms_ = fetched.ok() && fetched->empty() ? std::min(d_.fetch_poll_ms, gated_poll_ms_ * 2) : d_.idle_poll_ms;
     if (!fetched.ok()) {
       if (stop_) break;
       LOG_WARN("worker", "fetch for " << d_.config.name << " failed: " << fetched.status().ToString());
@@ -392,16 +414,25 @@ void ModelServer::FetchLoop() {
           published_ms > 0 ? now_mono - std::max<int64_t>(0, now_ms - published_ms) * 1000 : now_mono;
       ready.push_back(std::move(work).value());
     }
-    if (ready.empty()) continue;
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& w : ready) {
         if (d_.held_rows) d_.held_rows->Add(w->row_count());
         batcher_.Add(std::move(w));
       }
+      if (!ready.empty() && !claim_held_ && d_.pull_gate != nullptr && d_.pull_gate->bounded()) {
+        d_.pull_gate->Take();  // this model's work now waits for the device
+        claim_held_ = true;
+      }
     }
-    work_cv_.notify_one();
+    if (!ready.empty()) work_cv_.notify_one();
   }
+}
+
+void ModelServer::MaybeReleaseClaimLocked() {
+  if (!claim_held_ || batcher_.size() > 0) return;
+  claim_held_ = false;
+  d_.pull_gate->Release();
 }
 
 void ModelServer::ExecLoop() {
@@ -440,6 +471,8 @@ void ModelServer::ExecLoop() {
         if (stop_) break;
       }
       batch = batcher_.Take();
+      // The batch is the device's now: its claim can go to the next pass.
+      MaybeReleaseClaimLocked();
     }
     space_cv_.notify_one();
     int64_t batch_rows = 0;

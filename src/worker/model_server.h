@@ -26,6 +26,7 @@
 #include "worker/batcher.h"
 #include "worker/device_scheduler.h"
 #include "worker/model_manager.h"
+#include "worker/pull_gate.h"
 
 namespace shoal {
 
@@ -87,6 +88,12 @@ struct ModelServerDeps {
   // rows held in its batcher or running now (and the pull bound).
   std::atomic<int64_t>* busy_us = nullptr;
   HeldRows* held_rows = nullptr;
+  // Worker-wide bound on passes waiting for the device (null or unbounded:
+  // pull freely). While it is bounded, a pull stays open at most
+  // `idle_poll_ms` (an open pull cannot be withdrawn when the device falls
+  // behind).
+  PullGate* pull_gate = nullptr;
+  int64_t idle_poll_ms = 20;
 };
 
 class ModelServer final : public ModelAttachment {
@@ -120,6 +127,9 @@ class ModelServer final : public ModelAttachment {
   // sends only its reference (header Shoal-Payload-Ref, empty body).
   Status ReplyByRef(const std::string& encoded, const wire::WorkReply& reply, const std::string& reply_to);
   void FetchLoop();
+  // Gives this server's PullGate claim back once no work of it waits for
+  // the device. Requires mu_.
+  void MaybeReleaseClaimLocked();
   void ExecLoop();
   void RunBatch(std::vector<std::unique_ptr<PendingWork>> batch);
   // Item work (TakesItems runtimes): whole inputs, no tokenizer.
@@ -146,7 +156,9 @@ class ModelServer final : public ModelAttachment {
   Batcher batcher_;
   const std::string activation_;      // applied to every output row
   std::atomic<bool> stop_{false};
+  bool claim_held_ = false;           // guarded by mu_: waiting work holds a PullGate claim
   double avg_tokens_per_msg_ = 32;    // fetcher thread only
+  int64_t gated_poll_ms_ = 20;        // fetcher thread only: pull length under a PullGate
   std::thread fetcher_;
   std::thread executor_;
 

@@ -72,7 +72,7 @@ class GateRuntime : public Runtime {
 class PushTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    MakeFleetRepository(repo_.path(), {"sim-a", "sim-b"});
+    MakeFleetRepository(repo_.path(), {"sim-a", "sim-b", "sim-c", "sim-d"});
     NatsOptions no;
     no.url = server_.url();
     auto c = NatsClient::Connect(no);
@@ -301,6 +301,75 @@ TEST_F(PushTest, PullWithAHeldRowsBoundServesEverything) {
   EXPECT_EQ(a.Pushed("sim-a"), 0);
   // Rows stop counting just after their replies go out.
   EXPECT_TRUE(Eventually([&] { return nlohmann::json::parse(a.worker->LoadReportJson())["outstanding_rows"] == 0; }));
+}
+
+// Load-aware pulling (--pull-ahead 1): a worker whose device is busy and
+// already has one pass waiting stops taking work, which stays in the shared
+// queue for an idle worker. Without the bound, the busy worker's fetchers
+// would keep pulls open for every model and take it all.
+TEST_F(PushTest, PullAheadLeavesWorkInTheQueueForAnIdleWorker) {
+  DispatcherOptions dopt;  // pull
+  auto d = Dispatcher::Create(dopt, client_.get(), &gateway_metrics_);
+  ASSERT_TRUE(d.ok());
+  dispatcher_ = std::move(d).value();
+  const std::vector<std::string> models = {"sim-a", "sim-b", "sim-c", "sim-d"};
+  GateRuntime::Gate gate;
+  WorkerOptions busy_opts = Options(models, "pull-busy");
+  busy_opts.pull_ahead = 1;
+  busy_opts.pull_idle_poll_ms = 20;
+  busy_opts.runtime_factory = [&gate](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
+    ASSIGN_OR_RETURN(auto inner, CreateRuntime(cfg.runtime));
+    return std::unique_ptr<Runtime>(new GateRuntime(std::move(inner), &gate));
+  };
+  struct OpenOnExit {  // a failed assertion must not leave the device blocked
+    GateRuntime::Gate* gate;
+    ~OpenOnExit() {
+      {
+        std::lock_guard<std::mutex> lock(gate->mu);
+        gate->open = true;
+      }
+      gate->cv.notify_all();
+    }
+  };
+  Member busy = Start(busy_opts);
+  OpenOnExit open_on_exit{&gate};  // destroyed before `busy`
+  ASSERT_TRUE(busy.worker);
+  auto held = [&] { return nlohmann::json::parse(busy.worker->LoadReportJson())["outstanding_rows"].get<int64_t>(); };
+
+  auto a = EmbedAsync("sim-a", {"runs first"}, 60000);
+  ASSERT_TRUE(Eventually([&] { return gate.entered.load() == 1; }));  // on the device, blocked
+  auto b = EmbedAsync("sim-b", {"waits for the device"}, 60000);
+  ASSERT_TRUE(Eventually([&] { return held() == 2; }));  // one pass running, one waiting: the bound
+  // Pulls opened before the bound was reached close within fetch_poll_ms
+  // (200 ms here; a model without work polls ever less often up to that).
+  std::this_thread::sleep_for(500ms);
+  auto c = EmbedAsync("sim-c", {"for an idle worker"}, 60000);
+  auto dd = EmbedAsync("sim-d", {"also for an idle worker"}, 60000);
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ(held(), 2);  // the busy worker did not take them
+  EXPECT_EQ(busy.metrics->GetCounter("shoal_worker_tokens_total", "", {{"model", "sim-c"}})->Value(), 0);
+
+  Member idle = Start(Options(models, "pull-idle"));
+  ASSERT_TRUE(idle.worker);
+  // Answered while the busy worker's device is still blocked.
+  for (auto* f : {&c, &dd}) {
+    ASSERT_EQ(f->wait_for(30s), std::future_status::ready);
+    auto r = f->get();
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->rows, 1);
+  }
+  EXPECT_EQ(gate.entered.load(), 1);
+  EXPECT_EQ(a.wait_for(0s), std::future_status::timeout);
+  {
+    std::lock_guard<std::mutex> lock(gate.mu);
+    gate.open = true;
+  }
+  gate.cv.notify_all();
+  for (auto* f : {&a, &b}) {
+    auto r = f->get();
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+  }
+  EXPECT_TRUE(Eventually([&] { return held() == 0; }));
 }
 
 TEST(PushOptions, RejectsUnknownModesAndPolicies) {

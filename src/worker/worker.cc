@@ -38,6 +38,8 @@ Status WorkerOptions::Validate() const {
   if (scale_out_backlog < 0) return InvalidArgument("worker: scale_out_backlog must be >= 0");
   if (retry_failed_after_ms < 0) return InvalidArgument("worker: retry_failed_after_ms must be >= 0");
   if (max_held_rows < 0) return InvalidArgument("worker: max_held_rows must be >= 0");
+  if (pull_ahead < 0) return InvalidArgument("worker: pull_ahead must be >= 0");
+  if (pull_idle_poll_ms < 1) return InvalidArgument("worker: pull_idle_poll_ms must be >= 1");
   if (load_report_interval_ms != 0 && load_report_interval_ms < 5)
     return InvalidArgument("worker: load_report_interval_ms must be 0 (off) or >= 5");
   RETURN_IF_ERROR(consumer.Validate());
@@ -138,6 +140,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   RETURN_IF_ERROR(so.Validate());
   w->scheduler_ = std::make_unique<DeviceScheduler>(so, clock);
   w->held_rows_ = std::make_unique<HeldRows>(options.max_held_rows);
+  w->pull_gate_ = std::make_unique<PullGate>(options.pull_ahead);
 
   ModelManagerOptions mo;
   mo.memory_budget_bytes = options.memory_budget_bytes;
@@ -211,6 +214,7 @@ void Worker::Stop() {
   }
   { std::lock_guard<std::mutex> wait_for_control(control_mu_); }  // one in progress finishes first
   if (scheduler_) scheduler_->Shutdown();
+  if (pull_gate_) pull_gate_->Shutdown();
   manager_.reset();  // stops every model's threads, then unloads
   drain_consumers_.clear();
   if (workers_kv_) (void)workers_kv_->Delete(id_);
@@ -302,6 +306,8 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   deps.loaded_unix_ms = clock_->NowUnixMs();
   deps.busy_us = &busy_us_;
   deps.held_rows = held_rows_.get();
+  deps.pull_gate = pull_gate_.get();
+  deps.idle_poll_ms = options_.pull_idle_poll_ms;
   auto server = std::make_unique<ModelServer>(std::move(deps));
   server->Start();
   m->attachment = std::move(server);

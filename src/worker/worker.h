@@ -85,6 +85,13 @@ struct WorkerOptions {
   // models) before it stops pulling more; 0: no bound (each model pulls up
   // to its own batch budget).
   int64_t max_held_rows = 0;
+  // Most forward passes' worth of work this worker claims ahead of its
+  // device, all models together: open pull requests plus pulled work
+  // waiting for the device (see PullGate); 0: no bound (each model keeps a
+  // pull open whenever its batcher has room). While bounded, a claimed
+  // pull stays open at most pull_idle_poll_ms before its claim moves on.
+  int pull_ahead = 0;
+  int64_t pull_idle_poll_ms = 20;
   // Load reports on shoal.load.<worker-id> (push dispatch); 0: none.
   int64_t load_report_interval_ms = 100;
   Status Validate() const;
@@ -93,6 +100,7 @@ struct WorkerOptions {
 class ModelManager;
 class DeviceScheduler;
 class HeldRows;
+class PullGate;
 
 class Worker {
  public:
@@ -172,6 +180,7 @@ class Worker {
   // Used by the model servers: declared before manager_, so they outlive it.
   std::atomic<int64_t> busy_us_{0};           // see busy_seconds()
   std::unique_ptr<HeldRows> held_rows_;       // rows in batchers or running
+  std::unique_ptr<PullGate> pull_gate_;       // passes claimed ahead of the device
   std::unique_ptr<DeviceScheduler> scheduler_;
   std::unique_ptr<ModelManager> manager_;
   ModelManager* manager_raw_ = nullptr;  // the same, for threads that outlive manager_'s reset

@@ -1,0 +1,56 @@
+// PullGate: keeps a worker's pulling at most a few forward passes ahead of
+// its device, across all the models it serves.
+//
+// Without it, each model's fetcher keeps a pull request open whenever its
+// own batcher has room. With twenty models per worker, every worker then
+// has a request waiting for nearly every model, and JetStream hands each
+// message to one of them whatever its device is doing: random assignment,
+// where pulled work waits behind a busy device while another device idles.
+//
+// With it, a model's work waiting for the device holds a claim (one per
+// model, whatever its rows: one pass), taken when the work is pulled and
+// given back when the executor takes the batch. Fetchers open pulls only
+// while fewer than `limit` claims are held, and keep each pull open only
+// briefly (a pull already open cannot be withdrawn), so a worker whose
+// device is behind stops taking work and the shared queue hands it to one
+// that frees up first. Thread-safe.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+
+namespace shoal {
+
+class PullGate {
+ public:
+  // limit <= 0: unbounded (there is always room).
+  explicit PullGate(int limit) : limit_(limit) {}
+  PullGate(const PullGate&) = delete;
+  PullGate& operator=(const PullGate&) = delete;
+
+  bool bounded() const { return limit_ > 0; }
+  int limit() const { return limit_; }
+  int held() const;
+
+  // Waits up to `wait_ms` until fewer than `limit` claims are held. False on
+  // timeout, when `stop` (may be null; polled every 20 ms) is set, or after
+  // Shutdown().
+  bool WaitForRoom(int64_t wait_ms, const std::atomic<bool>* stop = nullptr);
+  // Takes a claim, room or not: the work is pulled already.
+  void Take();
+  // Gives one claim back.
+  void Release();
+  // Fails every waiting and later WaitForRoom(). Idempotent.
+  void Shutdown();
+
+ private:
+  const int limit_;
+  mutable std::mutex mu_;
+  std::condition_variable room_cv_;
+  int held_ = 0;            // guarded by mu_
+  bool shutdown_ = false;   // guarded by mu_
+};
+
+}  // namespace shoal
