@@ -1,8 +1,9 @@
 // End to end: separate `shoal gateway` and `shoal worker` processes on a
 // test nats-server -js. Covers the failure cases the pull design exists for:
 // no worker (504), a full queue (429), a worker killed mid-batch (redelivery,
-// nothing lost), a restarted worker draining queued work, and several
-// gateways sharing one pool of workers.
+// nothing lost), a restarted worker draining queued work, several
+// gateways sharing one pool of workers, and (push dispatch) a killed
+// worker's pushed work failing fast with worker_lost.
 #include <signal.h>
 #include <sys/wait.h>
 
@@ -291,6 +292,68 @@ TEST(E2eCluster, TwoGatewaysShareTheWorkers) {
   };
   EXPECT_EQ(workers_of(g1.port), workers_of(g2.port));
   EXPECT_EQ(workers_of(g1.port).size(), 1u) << HttpGet(g1.port, "/v1/models").body;
+}
+
+// Push dispatch has no queue to fall back on: SIGKILL one of two workers
+// while both hold pushed work, and each request still gets one prompt
+// answer, either the right vectors or 503 worker_lost with Retry-After
+// (well before its 60 s deadline), and the survivor keeps serving.
+TEST(E2eCluster, PushedWorkOnAKilledWorkerFailsFastWithWorkerLost) {
+  shoal::testing::TestNatsServer nats;
+  Shoal gateway = StartGateway(nats.url(), {"--dispatch", "push", "--push-worker-timeout-ms", "1000"});
+  Shoal victim = StartWorker(nats.url(), kCrashWorkerFlags);
+  Shoal survivor = StartWorker(nats.url(), kCrashWorkerFlags);
+  ASSERT_EQ(WaitForReadyz(gateway.port, 200, 30s), 200);
+  const auto pool = TextPool(20);
+  const Vectors reference = EmbedOrThrow(gateway.port, kModel, pool).rows;
+
+  constexpr int kRequests = 200, kClients = 16, kKillAfter = 20;
+  std::vector<HttpResult> results(kRequests);
+  std::vector<double> seconds(kRequests);
+  std::atomic<int> next{0}, completed{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kClients; ++c)
+    clients.emplace_back([&] {
+      for (int r = next++; r < kRequests; r = next++) {
+        const auto t0 = std::chrono::steady_clock::now();
+        results[r] = EmbedWithTimeout(gateway.port, json::array({pool[r % pool.size()], pool[(r + 3) % pool.size()]}), 60000);
+        seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        ++completed;
+      }
+    });
+  const auto give_up = std::chrono::steady_clock::now() + 60s;
+  while (completed < kKillAfter && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(1ms);
+  const int completed_at_kill = completed;
+  victim.process->Kill();
+  for (auto& t : clients) t.join();
+
+  EXPECT_LT(completed_at_kill, kRequests) << "the kill came after all the work; nothing was tested";
+  int ok = 0, lost = 0;
+  for (int r = 0; r < kRequests; ++r) {
+    SCOPED_TRACE("request " + std::to_string(r));
+    const HttpResult& res = results[r];
+    EXPECT_LT(seconds[r], 30.0) << "waited towards its deadline instead of failing fast";
+    if (res.status == 200) {
+      auto e = ParseOpenAiEmbeddings(res.body);
+      ASSERT_EQ(e.rows.size(), 2u);
+      EXPECT_LT(MaxAbsDiff(e.rows[0], reference[r % pool.size()]), kTolerance);
+      EXPECT_LT(MaxAbsDiff(e.rows[1], reference[(r + 3) % pool.size()]), kTolerance);
+      ++ok;
+    } else {
+      ASSERT_EQ(res.status, 503) << res.error << " " << res.body;
+      EXPECT_EQ(ErrorCode(res.body), "worker_lost");
+      EXPECT_FALSE(res.Header("retry-after").empty());
+      ++lost;
+    }
+  }
+  EXPECT_EQ(ok + lost, kRequests);
+  EXPECT_GT(ok, kKillAfter);  // the survivor went on serving
+  // Both workers had work (least-loaded spreads it), so the victim held some.
+  EXPECT_GT(lost, 0) << "killed after " << completed_at_kill << " requests with nothing pushed to it";
+  EXPECT_GT(MetricValue(HttpGet(gateway.port, "/metrics").body, "shoal_gateway_push_worker_lost_total"), 0);
+  EXPECT_TRUE(ProcessAlive(survivor.process->pid()));
+  // New work goes only to the survivor now.
+  EXPECT_EQ(EmbedOrThrow(gateway.port, kModel, pool).rows.size(), pool.size());
 }
 
 }  // namespace
