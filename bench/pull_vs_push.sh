@@ -31,6 +31,9 @@
 #   DEMAND_POLL_MS  workers' --demand-poll-ms (how fresh their view of the backlog is) [1000]
 #   MODES        modes to run, in order  ["pull pull-ahead push"]
 #   PUSH_POLICY  least-loaded | p2c              [least-loaded]
+#   GATEWAYS     gateways sharing the load (shoal bench spreads its
+#                connections over them); a push gateway knows its own
+#                sends exactly and the others' only from load reports [1]
 #   SCALING      1: also the pull scaling curve  [1]
 #   SCALING_MODE pull or pull-ahead for the curve [pull]
 #   SCALING_WORKERS                              ["1 2 4 8 16 32 64"]
@@ -57,6 +60,7 @@ PULL_IDLE_POLL_MS="${PULL_IDLE_POLL_MS:-20}"
 DEMAND_POLL_MS="${DEMAND_POLL_MS:-1000}"
 FETCH_POLL_MS="${FETCH_POLL_MS:-5000}"
 MODES="${MODES:-pull pull-ahead push}"
+GATEWAYS="${GATEWAYS:-1}"
 SCALING="${SCALING:-1}"
 SCALING_MODE="${SCALING_MODE:-pull}"
 SCALING_WORKERS="${SCALING_WORKERS:-1 2 4 8 16 32 64}"
@@ -137,14 +141,20 @@ start_workers() {  # n, mode
     > "$tmp/worker-$1.log" 2>&1 &
   worker_pid=$!; pids+=("$worker_pid")
 }
-start_gateway() {  # mode
-  local port; port=$(free_port)
-  SHOAL_LOG_LEVEL=warn "$SHOAL" gateway --nats-url "nats://127.0.0.1:$nats_port" --host 127.0.0.1 --port "$port" \
-    --dispatch "$1" --push-policy "$PUSH_POLICY" --http-threads 2 > "$tmp/gateway-$1.log" 2>&1 &
-  gw_pid=$!; pids+=("$gw_pid")
-  gw_url="http://127.0.0.1:$port"
-  wait_http "$gw_url/healthz" 30
+gw_pids=(); gw_urls=""
+start_gateway() {  # mode; starts GATEWAYS of them: gw_url is the first, gw_urls all
+  gw_pids=(); gw_urls=""
+  for g in $(seq 1 "$GATEWAYS"); do
+    local port; port=$(free_port)
+    SHOAL_LOG_LEVEL=warn "$SHOAL" gateway --nats-url "nats://127.0.0.1:$nats_port" --host 127.0.0.1 --port "$port" \
+      --dispatch "$1" --push-policy "$PUSH_POLICY" --http-threads 2 > "$tmp/gateway-$1-$g.log" 2>&1 &
+    gw_pids+=("$!"); pids+=("$!")
+    gw_urls="${gw_urls:+$gw_urls,}http://127.0.0.1:$port"
+    wait_http "http://127.0.0.1:$port/healthz" 30
+  done
+  gw_url="${gw_urls%%,*}"
 }
+stop_gateways() { for p in "${gw_pids[@]}"; do stop "$p"; done; }
 stop() { kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
 
 # "rows passes" so far, from the worker process's metrics (summed over its
@@ -157,7 +167,7 @@ batch_counts() {
 
 bench() {  # out dir, extra args...
   local dir="$1"; shift
-  "$SHOAL" bench --url "$gw_url" --models "$models" --popularity zipf:1.1 --input-words uniform:3:10 \
+  "$SHOAL" bench --url "$gw_urls" --models "$models" --popularity zipf:1.1 --input-words uniform:3:10 \
     --batch 1 --duration "$DURATION" --warmup "$WARMUP" --quiet --out "$dir" "$@" > "$dir.txt" 2>&1 || true
 }
 
@@ -193,7 +203,7 @@ for p in r["phases"]:
           round(lat.get("p99", float("nan")), 1), p.get("errors", 0), p.get("dropped", 0), round(mean_u, 3)]))
 EOF
     curl -sf "$gw_url/metrics" > "$out/w$n-$mode.gateway-metrics.txt" || true
-    stop "$gw_pid"
+    stop_gateways
     stop "$worker_pid"
     stop "$nats_pid"
   done
@@ -217,7 +227,7 @@ print("\t".join(str(x) for x in [sys.argv[2], sys.argv[3], round(p["throughput"]
       round(p["latency_ms"]["p50"], 1), round(p["latency_ms"]["p99"], 1),
       round(sum(u.values()) / len(u), 3) if u else "nan"]))
 EOF
-    stop "$gw_pid"; stop "$worker_pid"; stop "$nats_pid"
+    stop_gateways; stop "$worker_pid"; stop "$nats_pid"
   done
 fi
 

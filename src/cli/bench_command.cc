@@ -326,7 +326,9 @@ CLI::App* AddBenchCommand(CLI::App* app, BenchCommandFlags* f) {
   auto opt = [cmd](const std::string& flag, auto& value, const std::string& env, const std::string& help) {
     return cmd->add_option(flag, value, help)->envname(env)->capture_default_str();
   };
-  opt("--url", f->url, "SHOAL_BENCH_URL", "Target base URL, http://host:port[/prefix] (plain HTTP only)");
+  opt("--url", f->url, "SHOAL_BENCH_URL",
+      "Target base URL, http://host:port[/prefix] (plain HTTP only); several, comma-separated, spread the "
+      "connections over several gateways of one cluster (same prefix; the first lists models and workers)");
   opt("--path", f->path, "SHOAL_BENCH_PATH", "Request path under the base URL");
   opt("--closed", f->closed, "SHOAL_BENCH_CLOSED", "Closed loop: concurrent clients, one phase per value (N or N1,N2,...)");
   opt("--rate", f->rate, "SHOAL_BENCH_RATE", "Open loop: Poisson arrivals at this many requests/s");
@@ -376,8 +378,17 @@ int RunBenchCommand(const BenchCommandFlags& flags, std::ostream& out, std::ostr
   if (flags.threads < 1) return Usage(err, "--threads must be >= 1");
   if (flags.max_connections < 1) return Usage(err, "--max-connections must be >= 1");
   if (flags.path.empty() || flags.path.front() != '/') return Usage(err, "--path must start with '/'");
-  auto client = HttpClient::Create(flags.url, std::chrono::milliseconds(10000));
+  const std::vector<std::string> urls = SplitList(flags.url, ',');
+  if (urls.empty() || urls.front().empty()) return Usage(err, "--url is required");
+  auto client = HttpClient::Create(urls.front(), std::chrono::milliseconds(10000));
   if (!client.ok()) return Usage(err, "--url: " + client.status().message());
+  std::vector<std::pair<std::string, int>> more_targets;
+  for (size_t i = 1; i < urls.size(); ++i) {
+    auto u = cli::ParseHttpUrl(urls[i]);
+    if (!u.ok()) return Usage(err, "--url: " + u.status().message());
+    if (u->prefix != client->url().prefix) return Usage(err, "--url: every URL must have the same path prefix");
+    more_targets.emplace_back(u->host, u->port);
+  }
   std::string api_key = flags.api_key;
   if (api_key.empty()) {
     if (const char* k = std::getenv("OPENAI_API_KEY"); k && *k) api_key = k;
@@ -414,7 +425,7 @@ int RunBenchCommand(const BenchCommandFlags& flags, std::ostream& out, std::ostr
   if (!workload.ok()) return Usage(err, workload.status().message());
 
   lg::BenchReport report;
-  report.target = url.ToString();
+  report.target = urls.size() > 1 ? flags.url : url.ToString();
   report.path = flags.path;
   report.started_utc = UtcNow();
   report.settings = {
@@ -443,6 +454,7 @@ int RunBenchCommand(const BenchCommandFlags& flags, std::ostream& out, std::ostr
     lg::LoadOptions lo;
     lo.host = url.host;
     lo.port = url.port;
+    lo.more_targets = more_targets;
     lo.requests = workload->requests;
     lo.request_tags = workload->tags;
     lo.warmup_s = flags.warmup_s;

@@ -83,7 +83,8 @@ struct ThreadState {
 
 struct Shared {
   const LoadOptions* options = nullptr;
-  tcp::endpoint endpoint;
+  std::vector<tcp::endpoint> endpoints;  // the target, then more_targets
+  std::atomic<size_t> next_endpoint{0};  // connections go to each in turn
   bool open_loop = false;
   Time window_start, window_end;
 };
@@ -102,13 +103,19 @@ class Conn : public std::enable_shared_from_this<Conn> {
 
   // The buffer is sized for a whole response: Beast reads at most the free
   // capacity per call, 512 bytes when it starts empty.
-  explicit Conn(ThreadState* ts) : ts_(ts), sock_(ts->io), retry_(ts->io) { buf_.reserve(kReadBytes); }
+  explicit Conn(ThreadState* ts)
+      : ts_(ts),
+        sock_(ts->io),
+        retry_(ts->io),
+        endpoint_(ts->shared->endpoints[ts->shared->next_endpoint.fetch_add(1) % ts->shared->endpoints.size()]) {
+    buf_.reserve(kReadBytes);
+  }
 
   // Connects, then (closed loop) starts sending or (open loop) sends the
   // request scheduled at `pending` if set, else joins the idle pool.
   void Connect(std::optional<Time> pending = std::nullopt) {
     pending_ = pending;
-    sock_.async_connect(ts_->shared->endpoint, [self = shared_from_this()](beast::error_code ec) {
+    sock_.async_connect(endpoint_, [self = shared_from_this()](beast::error_code ec) {
       if (ec) return self->Fail("connect: " + ec.message());
       self->sock_.set_option(tcp::no_delay(true), ec);
       if (!self->ts_->shared->open_loop) return self->SendNext();
@@ -230,6 +237,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
   ThreadState* ts_;
   tcp::socket sock_;
   asio::steady_timer retry_;
+  const tcp::endpoint endpoint_;
   beast::flat_buffer buf_;
   std::optional<http::response_parser<http::string_body>> parser_;
   std::optional<Time> pending_;
@@ -368,16 +376,20 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
   }
   Shared sh;
   sh.options = &options;
-  boost::system::error_code ec;
-  const auto addr = asio::ip::make_address(options.host, ec);
-  if (!ec) {
-    sh.endpoint = tcp::endpoint(addr, static_cast<unsigned short>(options.port));
-  } else {
+  std::vector<std::pair<std::string, int>> targets = {{options.host, options.port}};
+  targets.insert(targets.end(), options.more_targets.begin(), options.more_targets.end());
+  for (const auto& [host, port] : targets) {
+    boost::system::error_code ec;
+    const auto addr = asio::ip::make_address(host, ec);
+    if (!ec) {
+      sh.endpoints.emplace_back(addr, static_cast<unsigned short>(port));
+      continue;
+    }
     asio::io_context io;
     tcp::resolver resolver(io);
-    auto found = resolver.resolve(options.host, std::to_string(options.port), ec);
-    if (ec || found.empty()) return Unavailable("load: cannot resolve host '" + options.host + "': " + ec.message());
-    sh.endpoint = found.begin()->endpoint();
+    auto found = resolver.resolve(host, std::to_string(port), ec);
+    if (ec || found.empty()) return Unavailable("load: cannot resolve host '" + host + "': " + ec.message());
+    sh.endpoints.push_back(found.begin()->endpoint());
   }
   sh.open_loop = options.rate_per_s > 0;
   const int nthreads = sh.open_loop ? 1 : std::min(options.threads, options.connections);

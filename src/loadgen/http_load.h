@@ -49,6 +49,9 @@ class LoadProgress {
 struct LoadOptions {
   std::string host = "127.0.0.1";  // IP address or name (resolved once)
   int port = 0;
+  // More servers of the same kind (host, port), e.g. several gateways:
+  // connections are opened on each target in turn.
+  std::vector<std::pair<std::string, int>> more_targets;
   // Complete raw HTTP requests (request line, headers, body), sent in turn
   // (each client thread starts at its own offset).
   std::vector<std::string> requests;

@@ -93,6 +93,24 @@ TEST(HttpLoad, OpenLoopAccountsForEveryArrival) {
   EXPECT_EQ(r->completed + r->errors, r->due);
 }
 
+// Several gateways of one cluster: connections are opened on each in turn,
+// so both servers carry the load and every answer is counted once.
+TEST(HttpLoad, ConnectionsSpreadOverEveryTarget) {
+  FakeOpenAiServer first(Answer), second(Answer);
+  LoadOptions o = Options(first.port());
+  o.more_targets = {{"127.0.0.1", second.port()}};
+  o.connections = 4;
+  LoadProgress progress;
+  o.progress = &progress;
+  auto r = RunLoad(o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ExpectConsistent(*r);
+  const auto a = first.requests().size(), b = second.requests().size();
+  EXPECT_GT(a, 0u);
+  EXPECT_GT(b, 0u);
+  EXPECT_EQ(static_cast<int64_t>(a + b), progress.Take().sent);
+}
+
 TEST(HttpLoad, ServersThatCloseEveryConnectionKeepTheirPlaceInThePool) {
   FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
     FakeOpenAiServer::Reply reply = FakeOpenAiServer::Embeddings(r.body);
