@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <string>
@@ -89,6 +90,39 @@ HttpResult EmbedWithTimeout(int port, const json& input, int64_t timeout_ms) {
   return HttpPostJson(port, "/v1/embeddings", json({{"model", kModel}, {"input", input}}).dump(),
                       {{"Shoal-Timeout-Ms", std::to_string(timeout_ms)}},
                       std::chrono::milliseconds(timeout_ms + 15000));
+}
+
+// `requests` embedding requests from `clients` concurrent clients (request r
+// sends `input_of(r)`, 60 s deadline); SIGKILLs `victim` once `kill_after`
+// have completed. Each result with its time; and how many had completed at
+// the kill.
+struct KillRun {
+  std::vector<HttpResult> results;
+  std::vector<double> seconds;
+  int completed_at_kill = 0;
+};
+KillRun RunClientsAndKill(int port, int requests, int clients, int kill_after, const std::function<json(int)>& input_of,
+                          ChildProcess& victim) {
+  KillRun run;
+  run.results.resize(requests);
+  run.seconds.resize(requests);
+  std::atomic<int> next{0}, completed{0};
+  std::vector<std::thread> threads;
+  for (int c = 0; c < clients; ++c)
+    threads.emplace_back([&] {
+      for (int r = next++; r < requests; r = next++) {
+        const auto t0 = std::chrono::steady_clock::now();
+        run.results[r] = EmbedWithTimeout(port, input_of(r), 60000);
+        run.seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        ++completed;
+      }
+    });
+  const auto give_up = std::chrono::steady_clock::now() + 60s;
+  while (completed < kill_after && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(1ms);
+  run.completed_at_kill = completed;
+  victim.Kill();
+  for (auto& t : threads) t.join();
+  return run;
 }
 
 // The gateway alone: work waits in the queue until its deadline, then 504;
@@ -175,23 +209,13 @@ TEST(E2eCluster, WorkerKilledMidBatchLosesNothing) {
 
   constexpr int kRequests = 200, kClients = 16, kInputsPerRequest = 4, kKillAfter = 20;
   auto input_of = [&](int req, int k) { return (req * 7 + k * 13) % static_cast<int>(pool.size()); };
-  std::vector<HttpResult> results(kRequests);
-  std::atomic<int> next{0}, completed{0};
-  std::vector<std::thread> clients;
-  for (int c = 0; c < kClients; ++c)
-    clients.emplace_back([&] {
-      for (int r = next++; r < kRequests; r = next++) {
-        json input = json::array();
-        for (int k = 0; k < kInputsPerRequest; ++k) input.push_back(pool[input_of(r, k)]);
-        results[r] = EmbedWithTimeout(gateway.port, input, 60000);
-        ++completed;
-      }
-    });
-  const auto give_up = std::chrono::steady_clock::now() + 60s;
-  while (completed < kKillAfter && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(1ms);
-  const int completed_at_kill = completed;
-  victim.process->Kill();
-  for (auto& t : clients) t.join();
+  KillRun run = RunClientsAndKill(gateway.port, kRequests, kClients, kKillAfter, [&](int r) {
+    json input = json::array();
+    for (int k = 0; k < kInputsPerRequest; ++k) input.push_back(pool[input_of(r, k)]);
+    return input;
+  }, *victim.process);
+  const auto& results = run.results;
+  const int completed_at_kill = run.completed_at_kill;
 
   EXPECT_LT(completed_at_kill, kRequests) << "the kill came after all the work; nothing was tested";
   int ok = 0;
@@ -308,24 +332,12 @@ TEST(E2eCluster, PushedWorkOnAKilledWorkerFailsFastWithWorkerLost) {
   const Vectors reference = EmbedOrThrow(gateway.port, kModel, pool).rows;
 
   constexpr int kRequests = 200, kClients = 16, kKillAfter = 20;
-  std::vector<HttpResult> results(kRequests);
-  std::vector<double> seconds(kRequests);
-  std::atomic<int> next{0}, completed{0};
-  std::vector<std::thread> clients;
-  for (int c = 0; c < kClients; ++c)
-    clients.emplace_back([&] {
-      for (int r = next++; r < kRequests; r = next++) {
-        const auto t0 = std::chrono::steady_clock::now();
-        results[r] = EmbedWithTimeout(gateway.port, json::array({pool[r % pool.size()], pool[(r + 3) % pool.size()]}), 60000);
-        seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        ++completed;
-      }
-    });
-  const auto give_up = std::chrono::steady_clock::now() + 60s;
-  while (completed < kKillAfter && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(1ms);
-  const int completed_at_kill = completed;
-  victim.process->Kill();
-  for (auto& t : clients) t.join();
+  KillRun run = RunClientsAndKill(gateway.port, kRequests, kClients, kKillAfter, [&](int r) {
+    return json::array({pool[r % pool.size()], pool[(r + 3) % pool.size()]});
+  }, *victim.process);
+  const auto& results = run.results;
+  const auto& seconds = run.seconds;
+  const int completed_at_kill = run.completed_at_kill;
 
   EXPECT_LT(completed_at_kill, kRequests) << "the kill came after all the work; nothing was tested";
   int ok = 0, lost = 0;
