@@ -7,7 +7,21 @@
 namespace shoal::wire {
 namespace {
 
-using Packer = msgpack::packer<msgpack::sbuffer>;
+// msgpack's packer writes into any stream with write(); this one is the
+// std::string the encoder returns. Reserved up front from the payload
+// sizes, it is filled in place and moved out: a large payload (a 100 MiB
+// image) is copied once, into the message, instead of into an sbuffer that
+// grows by doubling and then again into the returned string.
+struct StringStream {
+  std::string out;
+  void write(const char* data, size_t n) { out.append(data, n); }
+};
+
+using Packer = msgpack::packer<StringStream>;
+
+// Room for the keys, small fields and MessagePack headers around the
+// payload bytes counted by the caller.
+constexpr size_t kEnvelopeBytes = 256;
 
 void PackStr(Packer& pk, std::string_view s) {
   pk.pack_str(static_cast<uint32_t>(s.size()));
@@ -50,7 +64,13 @@ Result<msgpack::object_handle> Unpack(std::string_view data) {
 }  // namespace
 
 std::string EncodeWorkBody(const WorkBody& b) {
-  msgpack::sbuffer buf(256);
+  size_t payload = b.task.size() + b.model.size();
+  for (const auto& t : b.texts) payload += t.size() + 5;
+  for (const auto& t : b.texts_pair) payload += t.size() + 6;
+  for (const auto& item : b.items) payload += item.size() + 5;
+  for (const auto& row : b.token_ids) payload += row.size() * 5 + 5;
+  StringStream buf;
+  buf.out.reserve(kEnvelopeBytes + payload);
   Packer pk(buf);
   pk.pack_map(4);
   PackStr(pk, "task");
@@ -85,7 +105,7 @@ std::string EncodeWorkBody(const WorkBody& b) {
   pk.pack_map(1);
   PackStr(pk, "truncate");
   b.truncate ? pk.pack_true() : pk.pack_false();
-  return std::string(buf.data(), buf.size());
+  return std::move(buf.out);
 }
 
 Result<WorkBody> DecodeWorkBody(std::string_view data) {
@@ -164,7 +184,11 @@ Result<WorkBody> DecodeWorkBody(std::string_view data) {
 }
 
 std::string EncodeWorkReply(const WorkReply& r) {
-  msgpack::sbuffer buf(256 + r.embeddings.size() * sizeof(float));
+  size_t payload = r.request_id.size() + r.worker_id.size() + r.status.message().size() +
+                   r.status.reason().size() + r.embeddings.size() * sizeof(float) + r.token_counts.size() * 5;
+  for (const auto& item : r.items) payload += item.size() + 5;
+  StringStream buf;
+  buf.out.reserve(kEnvelopeBytes + payload);
   Packer pk(buf);
   const bool ok = r.status.ok();
   const bool has_items = ok && !r.items.empty();
@@ -192,7 +216,7 @@ std::string EncodeWorkReply(const WorkReply& r) {
     PackStr(pk, r.status.message());
     PackStr(pk, "reason");
     PackStr(pk, r.status.reason());
-    return std::string(buf.data(), buf.size());
+    return std::move(buf.out);
   }
   PackStr(pk, "rows");
   pk.pack_int32(r.rows);
@@ -216,7 +240,7 @@ std::string EncodeWorkReply(const WorkReply& r) {
       pk.pack_bin_body(item.data(), static_cast<uint32_t>(item.size()));
     }
   }
-  return std::string(buf.data(), buf.size());
+  return std::move(buf.out);
 }
 
 Result<WorkReply> DecodeWorkReply(std::string_view data) {
