@@ -69,13 +69,19 @@ Result<msgpack::object_handle> Unpack(std::string_view data) {
 
 }  // namespace
 
-std::string EncodeWorkBody(const WorkBody& b) {
+namespace {
+
+// Packs `b`. With `pieces`, items of at least `move_bytes` are not copied:
+// the bytes packed so far become a piece, the item (moved out of `movable`,
+// which is `b`) the next one.
+void PackWorkBody(const WorkBody& b, WorkBody* movable, size_t move_bytes, StringStream& buf,
+                  std::vector<std::string>* pieces) {
+  auto moved = [&](const std::string& item) { return pieces != nullptr && item.size() >= move_bytes; };
   size_t payload = b.task.size() + b.model.size();
   for (const auto& t : b.texts) payload += t.size() + 5;
   for (const auto& t : b.texts_pair) payload += t.size() + 6;
-  for (const auto& item : b.items) payload += item.size() + 5;
+  for (const auto& item : b.items) payload += (moved(item) ? 0 : item.size()) + 5;
   for (const auto& row : b.token_ids) payload += row.size() * 5 + 5;
-  StringStream buf;
   buf.out.reserve(kEnvelopeBytes + payload);
   Packer pk(buf);
   pk.pack_map(4);
@@ -93,9 +99,17 @@ std::string EncodeWorkBody(const WorkBody& b) {
     }
   } else if (!b.items.empty()) {
     pk.pack_array(static_cast<uint32_t>(b.items.size()));
-    for (const auto& item : b.items) {
+    for (size_t i = 0; i < b.items.size(); ++i) {
+      const std::string& item = b.items[i];
       pk.pack_bin(static_cast<uint32_t>(item.size()));
-      pk.pack_bin_body(item.data(), static_cast<uint32_t>(item.size()));
+      if (moved(item)) {
+        pieces->push_back(std::move(buf.out));
+        buf.out = std::string();
+        buf.out.reserve(kEnvelopeBytes);
+        pieces->push_back(std::move(movable->items[i]));
+      } else {
+        pk.pack_bin_body(item.data(), static_cast<uint32_t>(item.size()));
+      }
     }
   } else if (!b.texts.empty()) {
     pk.pack_array(static_cast<uint32_t>(b.texts.size()));
@@ -111,7 +125,36 @@ std::string EncodeWorkBody(const WorkBody& b) {
   pk.pack_map(1);
   PackStr(pk, "truncate");
   b.truncate ? pk.pack_true() : pk.pack_false();
+}
+
+}  // namespace
+
+std::string EncodeWorkBody(const WorkBody& b) {
+  StringStream buf;
+  PackWorkBody(b, nullptr, 0, buf, nullptr);
   return std::move(buf.out);
+}
+
+EncodedMessage EncodeWorkBodyPieces(WorkBody&& b, size_t move_bytes) {
+  EncodedMessage m;
+  StringStream buf;
+  PackWorkBody(b, &b, move_bytes, buf, &m.pieces);
+  m.pieces.push_back(std::move(buf.out));
+  return m;
+}
+
+size_t EncodedMessage::size() const {
+  size_t n = 0;
+  for (const auto& p : pieces) n += p.size();
+  return n;
+}
+
+std::string EncodedMessage::Join() && {
+  if (pieces.size() == 1) return std::move(pieces.front());
+  std::string out;
+  out.reserve(size());
+  for (const auto& p : pieces) out += p;
+  return out;
 }
 
 Result<WorkBody> DecodeWorkBody(std::string_view data) {
