@@ -1,5 +1,8 @@
 #include "blob/blob_offload.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include "common/log.h"
 
 namespace shoal {
@@ -72,10 +75,17 @@ Result<size_t> BlobOffload::SweepNow() {
 }
 
 void BlobOffload::PutAsync(std::string data, std::string kind, std::function<void(Result<BlobRef>)> done) {
+  std::vector<std::string> pieces;
+  pieces.push_back(std::move(data));
+  PutAsync(std::move(pieces), std::move(kind), std::move(done));
+}
+
+void BlobOffload::PutAsync(std::vector<std::string> pieces, std::string kind,
+                           std::function<void(Result<BlobRef>)> done) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    tasks_.push_back([this, data = std::move(data), kind = std::move(kind), done = std::move(done)] {
-      done(Put(data, kind));
+    tasks_.push_back([this, pieces = std::move(pieces), kind = std::move(kind), done = std::move(done)] {
+      done(Put(pieces, kind));
     });
   }
   cv_.notify_one();
@@ -99,13 +109,38 @@ void BlobOffload::DeleteAsync(std::string ref_text) {
   cv_.notify_one();
 }
 
+void BlobOffload::CountPut(const std::string& kind, size_t bytes) {
+  metrics_->GetCounter("shoal_blob_offloaded_total", "Payloads moved through the blob store.", {{"kind", kind}})->Inc();
+  metrics_->GetCounter("shoal_blob_offloaded_bytes_total", "Bytes moved through the blob store.", {{"kind", kind}})
+      ->Inc(static_cast<int64_t>(bytes));
+}
+
 Result<BlobRef> BlobOffload::Put(std::string_view data, const std::string& kind) {
   auto ref = store_->Put(data);
-  if (ref.ok()) {
-    metrics_->GetCounter("shoal_blob_offloaded_total", "Payloads moved through the blob store.", {{"kind", kind}})->Inc();
-    metrics_->GetCounter("shoal_blob_offloaded_bytes_total", "Bytes moved through the blob store.", {{"kind", kind}})
-        ->Inc(static_cast<int64_t>(data.size()));
-  }
+  if (ref.ok()) CountPut(kind, data.size());
+  return ref;
+}
+
+Result<BlobRef> BlobOffload::Put(const std::vector<std::string>& pieces, const std::string& kind) {
+  size_t total = 0;
+  for (const auto& p : pieces) total += p.size();
+  size_t piece = 0, offset = 0;
+  auto ref = store_->PutFrom([&](char* buffer, size_t capacity) -> Result<size_t> {
+    size_t n = 0;
+    while (n < capacity && piece < pieces.size()) {
+      const std::string& p = pieces[piece];
+      const size_t take = std::min(capacity - n, p.size() - offset);
+      std::memcpy(buffer + n, p.data() + offset, take);
+      n += take;
+      offset += take;
+      if (offset == p.size()) {
+        ++piece;
+        offset = 0;
+      }
+    }
+    return n;
+  });
+  if (ref.ok()) CountPut(kind, total);
   return ref;
 }
 

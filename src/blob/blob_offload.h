@@ -57,6 +57,9 @@ class BlobOffload {
   // reference. Never blocks the caller. `kind` labels the metric
   // ("request" | "reply").
   void PutAsync(std::string data, std::string kind, std::function<void(Result<BlobRef>)> done);
+  // The same for a payload in pieces: the blob is their bytes in order,
+  // streamed to the store without joining them first.
+  void PutAsync(std::vector<std::string> pieces, std::string kind, std::function<void(Result<BlobRef>)> done);
   // Runs `task` on an offload thread (blocking store calls of a caller that
   // must not block, e.g. fetching a reply on a NATS callback thread).
   void Post(std::function<void()> task);
@@ -65,6 +68,7 @@ class BlobOffload {
 
   // Blocking forms for callers on their own threads (the worker).
   Result<BlobRef> Put(std::string_view data, const std::string& kind);
+  Result<BlobRef> Put(const std::vector<std::string>& pieces, const std::string& kind);
   // Fetches and verifies the payload of a reference's text. Errors keep the
   // store's reason (blob_not_found, blob_corrupt, blob_ref_invalid,
   // blob_store_mismatch) with code BadGateway: a missing or tampered payload
@@ -82,6 +86,7 @@ class BlobOffload {
   BlobOffload() = default;
   void Loop();
   void SweepLoop();
+  void CountPut(const std::string& kind, size_t bytes);
 
   BlobOffloadOptions options_;
   std::unique_ptr<BlobStore> store_;

@@ -68,6 +68,24 @@ TEST_F(BlobOffloadTest, PutFetchDelete) {
   EXPECT_EQ(Files(), 0u);
 }
 
+TEST_F(BlobOffloadTest, PiecesAreStoredAsOneBlob) {
+  // Pieces larger and smaller than the store's write buffer, and empty ones.
+  std::vector<std::string> pieces = {"head:", std::string(3 << 20, 'a'), "", std::string(7, 'b'),
+                                     std::string(200000, 'c'), ":tail"};
+  std::string whole;
+  for (const auto& p : pieces) whole += p;
+  std::promise<Result<BlobRef>> done;
+  offload_->PutAsync(std::move(pieces), "request", [&done](Result<BlobRef> r) { done.set_value(std::move(r)); });
+  auto ref = done.get_future().get();
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  EXPECT_EQ(ref->size, whole.size());
+  auto got = offload_->Fetch(ref->ToString());
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_TRUE(*got == whole);
+  EXPECT_NE(metrics_.Render().find("shoal_blob_offloaded_bytes_total{kind=\"request\"} " + std::to_string(whole.size())),
+            std::string::npos);
+}
+
 TEST_F(BlobOffloadTest, MissingAndTamperedPayloadsAreClearErrors) {
   BlobRef ref = PutAsync("payload bytes, long enough");
   {

@@ -41,6 +41,10 @@ Status DispatcherOptions::Validate() const {
 
 namespace {
 
+// Items at least this large are moved into their work message as a piece
+// of their own rather than copied into it (SubmitItems).
+constexpr size_t kItemPieceBytes = size_t{64} << 10;
+
 std::string RandomId() {
   std::random_device rd;
   std::mt19937_64 gen((static_cast<uint64_t>(rd()) << 32) ^ rd());
@@ -149,7 +153,7 @@ void Dispatcher::SubmitEmbed(EmbedJob job, EmbedCallback done) {
         body.token_ids.push_back(std::move(job.token_ids[i]));
       }
     }
-    chunks.push_back({wire::EncodeWorkBody(body), estimate, static_cast<int64_t>(end - begin)});
+    chunks.push_back({{{wire::EncodeWorkBody(body)}}, estimate, static_cast<int64_t>(end - begin)});
   }
   auto assemble = [done = std::move(done)](Parts parts) {
     if (!parts.ok()) return done(parts.status());
@@ -181,7 +185,9 @@ void Dispatcher::SubmitItems(ItemJob job, ItemCallback done, PartialCallback par
     body.task = job.task;
     body.model = job.model;
     body.items.push_back(std::move(job.items[i]));
-    chunks.push_back({wire::EncodeWorkBody(body), 1, 1});
+    // A large item (an image) becomes a piece of the message, not a copy:
+    // an offloaded message is streamed to the store piece by piece.
+    chunks.push_back({wire::EncodeWorkBodyPieces(std::move(body), kItemPieceBytes), 1, 1});
     first_item.push_back(i);
   }
   auto assemble = [n, done = std::move(done)](Parts parts) {
@@ -242,7 +248,7 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
       // The put blocks on file or network I/O: never on this thread (an
       // HTTP event loop). The message follows once the blob is stored.
       const int64_t estimate = chunks[c].estimate;
-      offload_->PutAsync(std::move(chunks[c].data), "request",
+      offload_->PutAsync(std::move(chunks[c].data.pieces), "request",
                          [this, id, c, count, model, worker = p->chunk_worker[c], deadline,
                           estimate](Result<BlobRef> ref) {
                            if (!ref.ok()) {
@@ -268,8 +274,8 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
                          });
       continue;
     }
-    if (!PublishChunk(id, c, count, model, p->chunk_worker[c], deadline, chunks[c].estimate, chunks[c].data, {}))
-      return;
+    const std::string data = std::move(chunks[c].data).Join();
+    if (!PublishChunk(id, c, count, model, p->chunk_worker[c], deadline, chunks[c].estimate, data, {})) return;
   }
 }
 

@@ -153,7 +153,7 @@ class Dispatcher final : public WorkSubmitter {
   // Every chunk's reply, in chunk order, or the request's first error.
   using Parts = Result<std::vector<wire::WorkReply>>;
   struct Chunk {
-    std::string data;      // encoded WorkBody
+    wire::EncodedMessage data;  // encoded WorkBody, large items as pieces of their own
     int64_t estimate = 0;  // Shoal-Token-Estimate
     int64_t rows = 0;      // inputs (push: counted against the chosen worker)
   };

@@ -129,7 +129,10 @@ Status SniffImage(std::string_view b, size_t index) {
 Status ImagesFromMsgpack(const std::string& body, std::vector<std::string>* out) {
   msgpack::object_handle handle;
   try {
-    handle = msgpack::unpack(body.data(), body.size());
+    // Bins point into `body` (alive until the images are copied out below)
+    // instead of into a copy in the handle's zone.
+    handle = msgpack::unpack(body.data(), body.size(),
+                             [](msgpack::type::object_type, std::size_t, void*) { return true; });
   } catch (const std::exception& e) {
     return InvalidArgument(std::string("request body is not valid MessagePack: ") + e.what(), "invalid_msgpack");
   }
@@ -317,12 +320,19 @@ Result<HttpResponse> RenderOcr(const std::string& model, const std::vector<std::
 Status Router::ImagesFromRequest(HttpRequest& req, std::vector<std::string>* images) const {
   const std::string_view content_type = req.Header("content-type");
   const std::string type = MediaType(content_type);
+  // Bodies the images are copied out of are freed at once: the request
+  // lives until it is answered, and would hold a second copy of every
+  // image while the work message is encoded and stored.
+  auto release_body = [&req] { std::string().swap(req.body); };
   if (IsMsgpackType(type)) {
     RETURN_IF_ERROR(ImagesFromMsgpack(req.body, images));
+    release_body();
   } else if (type == "multipart/form-data") {
     RETURN_IF_ERROR(ImagesFromMultipart(req.body, content_type, images));
+    release_body();
   } else if (type == "application/json" || type.empty()) {
     RETURN_IF_ERROR(ImagesFromJson(req.body, images));
+    release_body();
   } else if (type.compare(0, 6, "image/") == 0 || type == "application/octet-stream") {
     images->push_back(std::move(req.body));  // the body is the image: no copy
   } else {

@@ -7,7 +7,21 @@
 namespace shoal::wire {
 namespace {
 
-using Packer = msgpack::packer<msgpack::sbuffer>;
+// msgpack's packer writes into any stream with write(); this one is the
+// std::string the encoder returns. Reserved up front from the payload
+// sizes, it is filled in place and moved out: a large payload (a 100 MiB
+// image) is copied once, into the message, instead of into an sbuffer that
+// grows by doubling and then again into the returned string.
+struct StringStream {
+  std::string out;
+  void write(const char* data, size_t n) { out.append(data, n); }
+};
+
+using Packer = msgpack::packer<StringStream>;
+
+// Room for the keys, small fields and MessagePack headers around the
+// payload bytes counted by the caller.
+constexpr size_t kEnvelopeBytes = 256;
 
 void PackStr(Packer& pk, std::string_view s) {
   pk.pack_str(static_cast<uint32_t>(s.size()));
@@ -39,9 +53,15 @@ Result<int64_t> AsInt(const msgpack::object& o, const char* what) {
   return InvalidArgument(std::string("wire: field '") + what + "' must be an integer");
 }
 
+// Strings and bins of the unpacked object point into `data` instead of
+// being copied into the handle's zone: every decoder below copies what it
+// keeps before it returns, while `data` is alive. (A 100 MiB image would
+// otherwise be held three times while decoded: message, zone, item.)
+bool ReferenceInPlace(msgpack::type::object_type, std::size_t, void*) { return true; }
+
 Result<msgpack::object_handle> Unpack(std::string_view data) {
   try {
-    return msgpack::unpack(data.data(), data.size());
+    return msgpack::unpack(data.data(), data.size(), ReferenceInPlace);
   } catch (const std::exception& e) {
     return InvalidArgument(std::string("wire: malformed MessagePack: ") + e.what());
   }
@@ -49,8 +69,20 @@ Result<msgpack::object_handle> Unpack(std::string_view data) {
 
 }  // namespace
 
-std::string EncodeWorkBody(const WorkBody& b) {
-  msgpack::sbuffer buf(256);
+namespace {
+
+// Packs `b`. With `pieces`, items of at least `move_bytes` are not copied:
+// the bytes packed so far become a piece, the item (moved out of `movable`,
+// which is `b`) the next one.
+void PackWorkBody(const WorkBody& b, WorkBody* movable, size_t move_bytes, StringStream& buf,
+                  std::vector<std::string>* pieces) {
+  auto moved = [&](const std::string& item) { return pieces != nullptr && item.size() >= move_bytes; };
+  size_t payload = b.task.size() + b.model.size();
+  for (const auto& t : b.texts) payload += t.size() + 5;
+  for (const auto& t : b.texts_pair) payload += t.size() + 6;
+  for (const auto& item : b.items) payload += (moved(item) ? 0 : item.size()) + 5;
+  for (const auto& row : b.token_ids) payload += row.size() * 5 + 5;
+  buf.out.reserve(kEnvelopeBytes + payload);
   Packer pk(buf);
   pk.pack_map(4);
   PackStr(pk, "task");
@@ -67,9 +99,17 @@ std::string EncodeWorkBody(const WorkBody& b) {
     }
   } else if (!b.items.empty()) {
     pk.pack_array(static_cast<uint32_t>(b.items.size()));
-    for (const auto& item : b.items) {
+    for (size_t i = 0; i < b.items.size(); ++i) {
+      const std::string& item = b.items[i];
       pk.pack_bin(static_cast<uint32_t>(item.size()));
-      pk.pack_bin_body(item.data(), static_cast<uint32_t>(item.size()));
+      if (moved(item)) {
+        pieces->push_back(std::move(buf.out));
+        buf.out = std::string();
+        buf.out.reserve(kEnvelopeBytes);
+        pieces->push_back(std::move(movable->items[i]));
+      } else {
+        pk.pack_bin_body(item.data(), static_cast<uint32_t>(item.size()));
+      }
     }
   } else if (!b.texts.empty()) {
     pk.pack_array(static_cast<uint32_t>(b.texts.size()));
@@ -85,7 +125,36 @@ std::string EncodeWorkBody(const WorkBody& b) {
   pk.pack_map(1);
   PackStr(pk, "truncate");
   b.truncate ? pk.pack_true() : pk.pack_false();
-  return std::string(buf.data(), buf.size());
+}
+
+}  // namespace
+
+std::string EncodeWorkBody(const WorkBody& b) {
+  StringStream buf;
+  PackWorkBody(b, nullptr, 0, buf, nullptr);
+  return std::move(buf.out);
+}
+
+EncodedMessage EncodeWorkBodyPieces(WorkBody&& b, size_t move_bytes) {
+  EncodedMessage m;
+  StringStream buf;
+  PackWorkBody(b, &b, move_bytes, buf, &m.pieces);
+  m.pieces.push_back(std::move(buf.out));
+  return m;
+}
+
+size_t EncodedMessage::size() const {
+  size_t n = 0;
+  for (const auto& p : pieces) n += p.size();
+  return n;
+}
+
+std::string EncodedMessage::Join() && {
+  if (pieces.size() == 1) return std::move(pieces.front());
+  std::string out;
+  out.reserve(size());
+  for (const auto& p : pieces) out += p;
+  return out;
 }
 
 Result<WorkBody> DecodeWorkBody(std::string_view data) {
@@ -164,7 +233,11 @@ Result<WorkBody> DecodeWorkBody(std::string_view data) {
 }
 
 std::string EncodeWorkReply(const WorkReply& r) {
-  msgpack::sbuffer buf(256 + r.embeddings.size() * sizeof(float));
+  size_t payload = r.request_id.size() + r.worker_id.size() + r.status.message().size() +
+                   r.status.reason().size() + r.embeddings.size() * sizeof(float) + r.token_counts.size() * 5;
+  for (const auto& item : r.items) payload += item.size() + 5;
+  StringStream buf;
+  buf.out.reserve(kEnvelopeBytes + payload);
   Packer pk(buf);
   const bool ok = r.status.ok();
   const bool has_items = ok && !r.items.empty();
@@ -192,7 +265,7 @@ std::string EncodeWorkReply(const WorkReply& r) {
     PackStr(pk, r.status.message());
     PackStr(pk, "reason");
     PackStr(pk, r.status.reason());
-    return std::string(buf.data(), buf.size());
+    return std::move(buf.out);
   }
   PackStr(pk, "rows");
   pk.pack_int32(r.rows);
@@ -216,7 +289,7 @@ std::string EncodeWorkReply(const WorkReply& r) {
       pk.pack_bin_body(item.data(), static_cast<uint32_t>(item.size()));
     }
   }
-  return std::string(buf.data(), buf.size());
+  return std::move(buf.out);
 }
 
 Result<WorkReply> DecodeWorkReply(std::string_view data) {

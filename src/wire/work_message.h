@@ -80,6 +80,18 @@ struct WorkHeaders {
 };
 
 std::string EncodeWorkBody(const WorkBody& body);
+
+// An encoded message in pieces: their bytes, in order, are the message.
+struct EncodedMessage {
+  std::vector<std::string> pieces;
+  size_t size() const;
+  // One string: the only piece moved out, or the pieces copied together.
+  std::string Join() &&;
+};
+// EncodeWorkBody's bytes, with every item of at least `move_bytes` moved
+// out of `body` into a piece of its own instead of copied: a large image is
+// never held twice while its message is built. Consumes `body`'s items.
+EncodedMessage EncodeWorkBodyPieces(WorkBody&& body, size_t move_bytes);
 Result<WorkBody> DecodeWorkBody(std::string_view data);
 
 // One reply per chunk, to the gateway's inbox.

@@ -75,6 +75,37 @@ TEST(WorkBody, RoundTripsBinaryItems) {
   EXPECT_EQ(d->size(), 2u);
 }
 
+TEST(WorkBody, PiecesAreTheSameBytesAndMoveLargeItems) {
+  WorkBody b;
+  b.task = "ocr";
+  b.model = "ocr-eng";
+  b.items = {std::string(100, 'a'), std::string(70000, 'b'), "", std::string(65536, 'c'), std::string(3, 'd')};
+  const std::string whole = EncodeWorkBody(b);
+  const char* big_b = b.items[1].data();
+  const char* big_c = b.items[3].data();
+  EncodedMessage m = EncodeWorkBodyPieces(WorkBody(b), 65536);  // a copy: b stays for comparison
+  EncodedMessage moved = EncodeWorkBodyPieces(std::move(b), 65536);
+  // header+a, b, bin header, c, d+params
+  ASSERT_EQ(moved.pieces.size(), 5u);
+  // The large items are the pieces themselves, not copies.
+  EXPECT_EQ(moved.pieces[1].data(), big_b);
+  EXPECT_EQ(moved.pieces[3].data(), big_c);
+  EXPECT_EQ(moved.size(), whole.size());
+  EXPECT_EQ(std::move(moved).Join(), whole);
+  EXPECT_EQ(std::move(m).Join(), whole);
+
+  // Nothing over the limit: one piece, the same bytes.
+  WorkBody small;
+  small.model = "m";
+  small.texts = {"x", "y"};
+  EncodedMessage one = EncodeWorkBodyPieces(WorkBody(small), 1);
+  ASSERT_EQ(one.pieces.size(), 1u);
+  EXPECT_EQ(one.pieces[0], EncodeWorkBody(small));
+  auto d = DecodeWorkBody(std::move(one).Join());
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->texts, small.texts);
+}
+
 TEST(WorkBody, RejectsItemsMixedWithText) {
   auto body = [](std::string inputs) { return std::string("\x82\xa5model\xa1m\xa6inputs") + inputs; };
   const std::string bin = std::string("\xc4\x01", 2) + "x", text = "\xa1" "a";
