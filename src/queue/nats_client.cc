@@ -314,6 +314,12 @@ Status Delivery::Nak(int64_t delay_ms) {
   if (delay_ms > 0) return FromNats(natsMsg_NakWithDelay(msg_.get(), delay_ms, nullptr), "nak");
   return FromNats(natsMsg_Nak(msg_.get(), nullptr), "nak");
 }
+std::string Delivery::AckSubject() const {
+  if (core_ || !msg_) return {};
+  const char* reply = natsMsg_GetReply(msg_.get());
+  return reply ? std::string(reply) : std::string();
+}
+
 Status Delivery::InProgress() {
   if (core_) return Status::Ok();
   return FromNats(natsMsg_InProgress(msg_.get(), nullptr), "in-progress");
@@ -388,6 +394,12 @@ Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait
   }
   natsMsgList_Destroy(&list);
   return out;
+}
+
+int PullConsumer::Undelivered() {
+  int msgs = 0, bytes = 0;
+  if (!sub_ || natsSubscription_GetPending(sub_.get(), &msgs, &bytes) != NATS_OK) return 0;
+  return msgs;
 }
 
 Result<uint64_t> PullConsumer::NumPending() {

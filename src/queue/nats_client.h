@@ -161,6 +161,9 @@ class Delivery {
   Status Term();         // done for good; never redeliver (bad input)
   Status Nak(int64_t delay_ms = 0);  // redeliver (after delay)
   Status InProgress();   // extend the ack deadline
+  // Where acks of this message go (empty for a Core() message); see
+  // ProgressKeeper, which notes progress there from another thread.
+  std::string AckSubject() const;
  private:
   NatsMsgPtr msg_;
   bool core_ = false;
@@ -189,6 +192,11 @@ class PullConsumer {
   Result<std::vector<Delivery>> Fetch(int max_msgs, int64_t max_wait_ms);
   // Messages waiting for this consumer (not yet delivered), from the server.
   Result<uint64_t> NumPending();
+  // Messages already delivered to this subscription but not yet returned by
+  // a Fetch: a pull that timed out on the client can still be answered by
+  // the server a moment later, and what it delivers waits here (unacked,
+  // its AckWait running) until the next Fetch takes it.
+  int Undelivered();
   // Ends the subscription (the durable consumer stays): a Fetch blocked in
   // another thread returns at once, and every later Fetch fails. For
   // shutting a fetcher down without waiting out its long poll.

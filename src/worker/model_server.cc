@@ -359,7 +359,10 @@ void ModelServer::FetchLoop() {
         std::lock_guard<std::mutex> lock(mu_);
         waiting = claim_held_;
       }
-      if (!waiting && !d_.pull_gate->WaitForRoom(100, &stop_)) continue;
+      // Work delivered late to an earlier pull is ours already: take it at
+      // once (waiting for room would leave it unacked, and unseen by the
+      // device scheduler, for as long as the device is behind).
+      if (!waiting && d_.consumer->Undelivered() == 0 && !d_.pull_gate->WaitForRoom(20, &stop_)) continue;
       poll_ms = std::min(poll_ms, gated_poll_ms_);
     }
     auto fetched = d_.consumer->Fetch(want, poll_ms);
@@ -505,6 +508,11 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
     live.push_back(std::move(w));
   }
   if (live.empty()) return;
+  std::vector<std::string> ack_subjects;
+  if (d_.progress != nullptr)
+    for (const auto& w : live) ack_subjects.push_back(w->delivery.AckSubject());
+  // Until the batch is answered (RunItemBatch and the passes below).
+  ProgressKeeper::Watch keep = d_.progress ? d_.progress->Start(std::move(ack_subjects)) : ProgressKeeper::Watch();
   if (d_.runtime->TakesItems()) {
     RunItemBatch(std::move(live));
     return;
@@ -524,11 +532,7 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
   Status failure;
   int dim = 0;
   auto passes = PlanForwardPasses(live, c.batching.max_batch_tokens, c.batching.max_batch_size);
-  const int64_t batch_start_us = d_.clock->NowMonoUs();
   for (const auto& pass : passes) {
-    // Long batches: keep the messages ours past AckWait.
-    if (d_.clock->NowMonoUs() - batch_start_us > d_.ack_wait_ms * 1000 / 2)
-      for (auto& w : live) (void)w->delivery.InProgress();
     TokenBatch tb;
     tb.rows = static_cast<int>(pass.size());
     tb.seq_len = pass.back().len;  // sorted ascending

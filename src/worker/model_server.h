@@ -26,6 +26,7 @@
 #include "worker/batcher.h"
 #include "worker/device_scheduler.h"
 #include "worker/model_manager.h"
+#include "worker/progress_keeper.h"
 #include "worker/pull_gate.h"
 
 namespace shoal {
@@ -93,6 +94,9 @@ struct ModelServerDeps {
   // `idle_poll_ms` (an open pull cannot be withdrawn when the device falls
   // behind).
   PullGate* pull_gate = nullptr;
+  // Notes progress on running work so a pass longer than AckWait is not
+  // redelivered mid-run (may be null: nothing keeps long work ours).
+  ProgressKeeper* progress = nullptr;
   int64_t idle_poll_ms = 20;
 };
 

@@ -141,6 +141,8 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   w->scheduler_ = std::make_unique<DeviceScheduler>(so, clock);
   w->held_rows_ = std::make_unique<HeldRows>(options.max_held_rows);
   w->pull_gate_ = std::make_unique<PullGate>(options.pull_ahead);
+  // Three notes per AckWait: one lost note does not cost the message.
+  w->progress_ = std::make_unique<ProgressKeeper>(client, std::max<int64_t>(1, options.consumer.ack_wait_ms / 3));
 
   ModelManagerOptions mo;
   mo.memory_budget_bytes = options.memory_budget_bytes;
@@ -307,6 +309,7 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   deps.busy_us = &busy_us_;
   deps.held_rows = held_rows_.get();
   deps.pull_gate = pull_gate_.get();
+  deps.progress = progress_.get();
   deps.idle_poll_ms = options_.pull_idle_poll_ms;
   auto server = std::make_unique<ModelServer>(std::move(deps));
   server->Start();

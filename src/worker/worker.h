@@ -101,6 +101,7 @@ class ModelManager;
 class DeviceScheduler;
 class HeldRows;
 class PullGate;
+class ProgressKeeper;
 
 class Worker {
  public:
@@ -181,6 +182,7 @@ class Worker {
   std::atomic<int64_t> busy_us_{0};           // see busy_seconds()
   std::unique_ptr<HeldRows> held_rows_;       // rows in batchers or running
   std::unique_ptr<PullGate> pull_gate_;       // passes claimed ahead of the device
+  std::unique_ptr<ProgressKeeper> progress_;  // keeps long batches ours past AckWait
   std::unique_ptr<DeviceScheduler> scheduler_;
   std::unique_ptr<ModelManager> manager_;
   ModelManager* manager_raw_ = nullptr;  // the same, for threads that outlive manager_'s reset

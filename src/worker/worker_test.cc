@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <future>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -20,15 +21,18 @@ namespace {
 using shoal::testing::ModelsDir;
 using shoal::testing::TestNatsServer;
 
-// Wraps the real runtime; fails any batch that contains token id 999.
+// Wraps the real runtime; fails any batch that contains token id 999 and
+// takes 3.5 s over one that contains 998.
 class FailingRuntime : public Runtime {
  public:
   explicit FailingRuntime(std::unique_ptr<Runtime> inner, std::atomic<int>* runs) : inner_(std::move(inner)), runs_(runs) {}
   Status Load(const ModelConfig& c) override { return inner_->Load(c); }
   Result<Embeddings> Run(const TokenBatch& b) override {
     ++*runs_;
-    for (int64_t id : b.input_ids)
+    for (int64_t id : b.input_ids) {
       if (id == 999) return Internal("injected failure");
+      if (id == 998) std::this_thread::sleep_for(std::chrono::milliseconds(3500));
+    }
     return inner_->Run(b);
   }
   void Unload() override { inner_->Unload(); }
@@ -165,6 +169,23 @@ TEST_F(WorkerTest, RuntimeFailureIsATerminalErrorNotARetryLoop) {
   EXPECT_EQ(GetStreamState(*client_, "SHOAL_WORK")->msgs, 0u);
   // The worker still serves.
   EXPECT_TRUE(Embed({"still alive"}).ok());
+}
+
+// A forward pass 3.5 times longer than AckWait (1 s here) is not
+// redelivered while it runs: the worker notes progress on its messages.
+TEST_F(WorkerTest, PassLongerThanAckWaitIsNotRedelivered) {
+  EmbedJob job;
+  job.model = "tiny-bert";
+  job.token_ids = {{998}};
+  job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 20000;
+  const int before = runs_.load();
+  auto r = Submit(job);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->rows, 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // past AckWait again
+  EXPECT_EQ(runs_.load() - before, 1) << "the message was redelivered and run again";
+  EXPECT_EQ(metrics_.GetCounter("shoal_worker_redelivered_total", "", {{"model", "tiny-bert"}})->Value(), 0);
+  EXPECT_EQ(GetStreamState(*client_, "SHOAL_WORK")->msgs, 0u);
 }
 
 TEST_F(WorkerTest, ExpiredWorkIsDroppedAndAcked) {
