@@ -17,6 +17,7 @@
 #include "wire/work_message.h"
 #include "worker/model_manager.h"
 #include "worker/worker.h"
+#include "worker/worker_member_for_tests.h"
 
 namespace shoal {
 namespace {
@@ -24,20 +25,11 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 using shoal::testing::MakeFleetRepository;
+using shoal::testing::Eventually;
 using shoal::testing::TempDir;
 using shoal::testing::TestNatsServer;
 using namespace std::chrono_literals;
 
-// Polls `pred` up to 20 s; synchronisation only, never a timing assertion.
-template <typename Pred>
-bool Eventually(Pred pred) {
-  const auto until = std::chrono::steady_clock::now() + 20s;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::sleep_for(20ms);
-  }
-  return true;
-}
 
 class FleetTest : public ::testing::Test {
  protected:
@@ -66,27 +58,8 @@ class FleetTest : public ::testing::Test {
   }
 
   // A worker with its own connection and metrics, as another process would have.
-  struct Member {
-    std::unique_ptr<NatsClient> client;
-    std::unique_ptr<MetricsRegistry> metrics;
-    std::unique_ptr<Worker> worker;
-    int64_t Counter(const std::string& name, const Labels& labels) const {
-      return metrics->GetCounter(name, "", labels)->Value();
-    }
-  };
-  Member Start(const WorkerOptions& wo) {
-    Member m;
-    NatsOptions no;
-    no.url = server_.url();
-    auto c = NatsClient::Connect(no);
-    EXPECT_TRUE(c.ok()) << c.status().ToString();
-    m.client = std::move(c).value();
-    m.metrics = std::make_unique<MetricsRegistry>();
-    auto w = Worker::Create(wo, m.client.get(), m.metrics.get());
-    EXPECT_TRUE(w.ok()) << w.status().ToString();
-    if (w.ok()) m.worker = std::move(w).value();
-    return m;
-  }
+  using Member = shoal::testing::WorkerMember;
+  Member Start(const WorkerOptions& wo) { return shoal::testing::StartWorkerMember(server_.url(), wo); }
 
   std::future<Result<EmbedResult>> EmbedAsync(const std::string& model, const std::string& text,
                                               int64_t timeout_ms = 30000) {

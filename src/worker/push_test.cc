@@ -23,25 +23,17 @@
 #include "wire/work_message.h"
 #include "worker/model_server.h"
 #include "worker/worker.h"
+#include "worker/worker_member_for_tests.h"
 
 namespace shoal {
 namespace {
 
 using shoal::testing::MakeFleetRepository;
+using shoal::testing::Eventually;
 using shoal::testing::TempDir;
 using shoal::testing::TestNatsServer;
 using namespace std::chrono_literals;
 
-// Polls `pred` up to 20 s; synchronisation only, never a timing assertion.
-template <typename Pred>
-bool Eventually(Pred pred) {
-  const auto until = std::chrono::steady_clock::now() + 20s;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::sleep_for(10ms);
-  }
-  return true;
-}
 
 // A runtime whose Run blocks until released; says when a run has started.
 class GateRuntime : public Runtime {
@@ -104,27 +96,10 @@ class PushTest : public ::testing::Test {
     return wo;
   }
 
-  struct Member {
-    std::unique_ptr<NatsClient> client;
-    std::unique_ptr<MetricsRegistry> metrics;
-    std::unique_ptr<Worker> worker;
-    int64_t Pushed(const std::string& model) const {
-      return metrics->GetCounter("shoal_worker_pushed_total", "", {{"model", model}})->Value();
-    }
+  struct Member : shoal::testing::WorkerMember {
+    int64_t Pushed(const std::string& model) const { return Counter("shoal_worker_pushed_total", {{"model", model}}); }
   };
-  Member Start(const WorkerOptions& wo) {
-    Member m;
-    NatsOptions no;
-    no.url = server_.url();
-    auto c = NatsClient::Connect(no);
-    EXPECT_TRUE(c.ok()) << c.status().ToString();
-    m.client = std::move(c).value();
-    m.metrics = std::make_unique<MetricsRegistry>();
-    auto w = Worker::Create(wo, m.client.get(), m.metrics.get());
-    EXPECT_TRUE(w.ok()) << w.status().ToString();
-    if (w.ok()) m.worker = std::move(w).value();
-    return m;
-  }
+  Member Start(const WorkerOptions& wo) { return {shoal::testing::StartWorkerMember(server_.url(), wo)}; }
 
   // Waits until the dispatcher's load reports show `n` workers with `model`.
   bool SeesWorkers(const std::string& model, size_t n) {

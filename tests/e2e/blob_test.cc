@@ -36,6 +36,7 @@ namespace shoal::e2e {
 namespace {
 
 using nlohmann::json;
+using shoal::testing::Eventually;
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 
@@ -67,17 +68,6 @@ double Sample(const std::string& text, const std::string& sample) {
 
 double MetricOf(int port, const std::string& sample) { return Sample(HttpGet(port, "/metrics").body, sample); }
 
-// Polls until `pred` holds (false after `timeout`): synchronisation only,
-// never a timing assertion.
-template <typename Pred>
-bool Eventually(Pred pred, std::chrono::milliseconds timeout = 60s) {
-  const auto until = std::chrono::steady_clock::now() + timeout;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::sleep_for(50ms);
-  }
-  return true;
-}
 
 int FreePort() {
   auto p = PickFreePort();
@@ -209,7 +199,7 @@ TEST(E2eBlob, KilledWorkerLeavesNoBlobBehind) {
   // Eventually nothing is left: the orphans swept, every live blob deleted.
   const bool clean = Eventually([&] {
     return BlobEntries(blobs.path()).empty() && MetricOf(gateway.port, "shoal_blob_swept_total") >= kOrphans;
-  });
+  }, 60s);
   EXPECT_TRUE(clean) << "left in " << blobs.path() << ": " << Join(BlobEntries(blobs.path()));
   EXPECT_EQ(MetricOf(gateway.port, "shoal_blob_swept_total"), kOrphans)
       << "the sweep removed more than the planted orphans: a live blob was not deleted after its answer";
@@ -259,7 +249,7 @@ TEST(E2eBlob, LargeRepliesTravelByReference) {
   EXPECT_GE(replies, 1);
   EXPECT_EQ(MetricOf(gateway.port, "shoal_blob_fetched_total"), replies);
   EXPECT_EQ(MetricOf(gateway.port, "shoal_blob_offloaded_total{kind=\"request\"}"), 0);
-  EXPECT_TRUE(Eventually([&] { return BlobEntries(blobs.path()).empty(); }))
+  EXPECT_TRUE(Eventually([&] { return BlobEntries(blobs.path()).empty(); }, 60s))
       << "left in " << blobs.path() << ": " << Join(BlobEntries(blobs.path()));
 }
 
@@ -346,7 +336,7 @@ TEST(E2eBlob, HundredMiBUploadKeepsMemoryBounded) {
     // docs/blob-store.md does not account for.
     EXPECT_LT(gw_growth, u.gateway_copies + 0.5) << "gateway";
     EXPECT_LT(wk_growth, 2.5) << "worker";
-    EXPECT_TRUE(Eventually([&] { return BlobEntries(blobs.path()).empty(); }))
+    EXPECT_TRUE(Eventually([&] { return BlobEntries(blobs.path()).empty(); }, 60s))
         << "left in " << blobs.path() << ": " << Join(BlobEntries(blobs.path()));
   }
 }

@@ -24,6 +24,7 @@ namespace shoal::e2e {
 namespace {
 
 using nlohmann::json;
+using shoal::testing::Eventually;
 using namespace std::chrono_literals;
 
 // Fast registry and redelivery, so failures show within seconds.
@@ -51,16 +52,6 @@ std::string WorkerId(const Shoal& s) {
   return m ? (*m)[1] : "";
 }
 
-// Polls until `pred` holds (false after `timeout`): synchronisation only.
-template <typename Pred>
-bool Eventually(Pred pred, std::chrono::milliseconds timeout = 20s) {
-  const auto until = std::chrono::steady_clock::now() + timeout;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::sleep_for(100ms);
-  }
-  return true;
-}
 
 HttpResult Embed(int port, const std::string& model, const std::string& text, int64_t timeout_ms = 60000) {
   json req = {{"model", model}, {"input", text}};

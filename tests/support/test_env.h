@@ -3,13 +3,28 @@
 // and the paths of the source tree, build tree and generated models.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "queue/nats_server_process.h"
 
 namespace shoal::testing {
+
+// Polls `pred` every `poll` until it holds; false once `timeout` has passed.
+// Synchronisation only, never a timing assertion.
+template <typename Pred>
+bool Eventually(Pred pred, std::chrono::milliseconds timeout = std::chrono::seconds(20),
+                std::chrono::milliseconds poll = std::chrono::milliseconds(20)) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(poll);
+  }
+  return true;
+}
 
 // A fresh empty directory under $TMPDIR, removed by the destructor.
 class TempDir {
