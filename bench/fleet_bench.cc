@@ -19,8 +19,10 @@
 //                 budget; the most popular models that fit are preloaded.
 //
 // Both phases: a private nats-server -js, a Worker and a Gateway in this
-// process (wired like `shoal serve`), --clients closed-loop keep-alive HTTP
-// clients on one thread each, one short sentence per /v1/embeddings request.
+// process (wired like `shoal serve`), one short sentence per /v1/embeddings
+// request, sent by loadgen::RunLoad: --clients closed-loop keep-alive
+// clients, or with --rates an open loop (Poisson arrivals, one window per
+// rate; each side's capacity is the highest rate it kept up with).
 // The client records every request: its model, whether that model was
 // resident when the request was sent, and whether the model was (re)loaded
 // while the request was out. That gives the latency of requests that had to
@@ -91,11 +93,15 @@ struct Flags {
   double zipf_s = 1.1;
   int requests = 20000;      // pre-built draws, sent in turn (wrapping)
   int clients = 16;
+  std::vector<double> rates;  // open loop, one window per rate; empty: closed loop
+  double slo_ms = 1000;       // open loop: p99 bound for requests that did not wait for a load
   double duration_s = 30;
   double warmup_s = 10;
   int threads = 0;           // intra-op threads (0: all cores, as shoal serve)
   int64_t demand_poll_ms = 250;
   int64_t fetch_poll_ms = 500;  // the worker's default long-poll
+  int load_nice = WorkerOptions{}.load_nice;
+  int device_slots = 1;      // forward passes at once
   std::string preload = "top";  // top: most popular models that fit; none
   uint64_t seed = 1;
   std::string json_out;
@@ -225,12 +231,6 @@ double ProcessCpuSeconds() {
          static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
 }
 
-double ThreadCpuSeconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) / 1e9;
-}
-
 double PidCpuSeconds(pid_t pid) {
   std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
   std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -310,20 +310,12 @@ WorkerOptions BaseWorkerOptions(const Flags& f, const Fleet& fleet) {
   wo.intra_op_threads = f.threads;
   wo.demand_poll_ms = f.demand_poll_ms;
   wo.fetch_poll_ms = f.fetch_poll_ms;
+  wo.load_nice = f.load_nice;
+  wo.device_slots = f.device_slots;
   return wo;
 }
 
 // ----- HTTP client: one blocking keep-alive connection per client thread ----------
-
-// Reads "prompt_tokens":N near the end of an OpenAI embeddings response.
-int64_t PromptTokens(const std::string& body) {
-  static constexpr std::string_view kKey = "\"prompt_tokens\":";
-  const size_t at = body.rfind(kKey);
-  if (at == std::string::npos) return 0;
-  int64_t v = 0;
-  std::from_chars(body.data() + at + kKey.size(), body.data() + body.size(), v);
-  return v;
-}
 
 class Connection {
  public:
@@ -366,23 +358,25 @@ struct Outcome {
   int model = 0;              // index into the phase's model list
   bool cold = false;          // its model was not resident when it was sent
   bool reloaded = false;      // resident when sent, but (re)loaded before the answer
-  double latency_ms = 0;
-  int status = 0;
-  int64_t tokens = 0;
+  double latency_ms = 0;      // from when it was due (open loop) or sent (closed loop)
+  int status = 0;             // HTTP status; 0: the connection failed
 };
 
 struct ClientRun {
-  std::vector<Outcome> done;  // answered inside the measured window
-  int64_t late = 0;           // sent before the window's end, answered after it
-  double client_cpu_s = 0;    // client threads, whole run
-  std::string first_error;
+  std::vector<Outcome> done;  // the requests that count in the measured window
+  LoadResult load;            // RunLoad's own counts
 };
 
-// Closed loop: `clients` threads each send the next pre-built request as soon
-// as their previous one is answered, from now until warmup_s + duration_s.
-// `at_window` runs on the calling thread at the window's start and end.
-ClientRun RunClients(int port, const Traffic& traffic, const std::vector<std::string>& models, ModelManager& manager,
-                     MetricsRegistry& metrics, int clients, double warmup_s, double duration_s,
+// Sends the traffic with loadgen::RunLoad. rate 0: closed loop, `clients`
+// keep-alive connections each sending its next request when the previous is
+// answered; counts what is answered in the window. rate > 0: open loop,
+// Poisson arrivals at `rate` per second onto as many connections as needed,
+// latency from the scheduled arrival; counts every request due in the
+// window (all of them are waited for). The requests go out in the order of
+// the draws. `at_window` runs on a client thread at the window's start and
+// end.
+ClientRun RunTraffic(int port, const Traffic& traffic, const std::vector<std::string>& models, ModelManager& manager,
+                     MetricsRegistry& metrics, const Flags& f, double rate,
                      const std::function<void(bool start)>& at_window) {
   std::map<std::string, int> index;
   for (size_t i = 0; i < models.size(); ++i) index[models[i]] = static_cast<int>(i);
@@ -392,58 +386,46 @@ ClientRun RunClients(int port, const Traffic& traffic, const std::vector<std::st
   for (const auto& m : models)
     loads.push_back(metrics.GetCounter("shoal_worker_model_loads_total", "Model loads, by result.",
                                        {{"model", m}, {"result", "ok"}}));
-
-  const auto t0 = Clock::now();
-  const auto window_start = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(warmup_s));
-  const auto window_end =
-      window_start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(duration_s));
-  std::atomic<size_t> next{0};
+  LoadOptions o;
+  o.port = port;
+  o.requests = traffic.requests;
+  o.rate_per_s = rate;
+  o.connections = rate > 0 ? 64 : f.clients;
+  o.max_connections = 8192;
+  o.threads = 2;
+  o.warmup_s = f.warmup_s;
+  o.duration_s = f.duration_s;
+  o.seed = f.seed;
+  o.fail_when_all_failed = false;
+  o.on_window_start = [&] { at_window(true); };
+  o.on_window_end = [&] { at_window(false); };
+  // What the client knew when it sent a request: whether its model was
+  // resident (bit 0) and the model's load count (the rest).
+  o.on_request_sent = [&](size_t k) -> uint64_t {
+    const int m = model_of[k];
+    const bool cold = !manager.IsLoaded(models[m]);
+    return (static_cast<uint64_t>(loads[m]->Value()) << 1) | (cold ? 1 : 0);
+  };
   std::mutex mu;
   ClientRun run;
-  auto client = [&] {
-    Connection conn(port);
-    std::vector<Outcome> mine;
-    int64_t late = 0;
-    std::string error, body;
-    const double cpu0 = ThreadCpuSeconds();
-    while (Clock::now() < window_end) {
-      const size_t k = next.fetch_add(1) % traffic.requests.size();
-      Outcome o;
-      o.model = model_of[k];
-      const std::string& name = models[o.model];
-      o.cold = !manager.IsLoaded(name);
-      const int64_t loads_before = loads[o.model]->Value();
-      const auto sent = Clock::now();
-      o.status = conn.Post(traffic.requests[k], &body);
-      const auto answered = Clock::now();
-      o.reloaded = !o.cold && loads[o.model]->Value() != loads_before;
-      if (answered < window_start) continue;
-      if (answered >= window_end) {
-        ++late;
-        continue;
-      }
-      o.latency_ms = std::chrono::duration<double, std::milli>(answered - sent).count();
-      if (o.status == 200) {
-        o.tokens = PromptTokens(body);
-      } else if (error.empty()) {
-        error = "HTTP " + std::to_string(o.status) + ": " + body.substr(0, 200);
-      }
-      mine.push_back(o);
-    }
-    const double cpu = ThreadCpuSeconds() - cpu0;
+  o.on_request_done = [&](size_t k, uint64_t sent, int status, double latency_ms, bool in_window) {
+    if (!in_window) return;
+    Outcome out;
+    out.model = model_of[k];
+    out.cold = (sent & 1) != 0;
+    out.reloaded = !out.cold && static_cast<uint64_t>(loads[out.model]->Value()) != (sent >> 1);
+    out.latency_ms = latency_ms;
+    out.status = status;
     std::lock_guard<std::mutex> lock(mu);
-    run.done.insert(run.done.end(), mine.begin(), mine.end());
-    run.late += late;
-    run.client_cpu_s += cpu;
-    if (run.first_error.empty()) run.first_error = error;
+    run.done.push_back(out);
   };
-  std::vector<std::thread> threads;
-  for (int i = 0; i < clients; ++i) threads.emplace_back(client);
-  std::this_thread::sleep_until(window_start);
-  at_window(true);
-  std::this_thread::sleep_until(window_end);
-  at_window(false);
-  for (auto& t : threads) t.join();
+  auto r = RunLoad(o);
+  if (!r.ok()) {
+    run.load.first_error = r.status().ToString();
+    return run;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  run.load = std::move(*r);
   return run;
 }
 
@@ -540,8 +522,10 @@ json PercentilesJson(const Percentiles& p) {
 }
 
 struct PhaseReport {
+  double rate = 0;              // offered requests/s; 0: closed loop
   double window_s = 0;
-  int64_t ok = 0, errors = 0, late = 0, tokens = 0;
+  int64_t ok = 0, errors = 0, tokens = 0;
+  int64_t due = 0, dropped = 0;  // open loop: arrivals in the window; with no connection
   std::string first_error;
   Percentiles all, cold, warm;  // cold: had to wait for a load (cold or reloaded)
   int64_t cold_sent = 0, reloaded = 0;
@@ -563,6 +547,11 @@ struct PhaseReport {
 
   double Rps() const { return ok / window_s; }
   double Tps() const { return static_cast<double>(tokens) / window_s; }
+  // Open loop: answered (200) at least `share` of what was due, and the
+  // requests that did not wait for a load stayed within `slo_ms` at p99.
+  bool KeptUp(double share, double slo_ms) const {
+    return due > 0 && static_cast<double>(ok) >= share * static_cast<double>(due) && warm.p99_ms <= slo_ms;
+  }
 };
 
 // Resident and loading models and accounted memory, sampled every 200 ms
@@ -634,7 +623,7 @@ class ResidentSampler {
 // `top[i]`: models[i] is one of the --budget-models most popular (may be
 // empty).
 PhaseReport RunPhase(Stack& stack, const Traffic& traffic, const std::vector<std::string>& models,
-                     const std::vector<bool>& large, const std::vector<bool>& top, const Flags& f) {
+                     const std::vector<bool>& large, const std::vector<bool>& top, const Flags& f, double rate) {
   FleetSample a, b;
   ResidentSampler resident(stack.worker().manager(), models, large);
   auto at_window = [&](bool start) {
@@ -646,9 +635,10 @@ PhaseReport RunPhase(Stack& stack, const Traffic& traffic, const std::vector<std
       resident.Stop();
     }
   };
-  ClientRun run = RunClients(stack.port(), traffic, models, stack.worker().manager(), stack.metrics(), f.clients,
-                             f.warmup_s, f.duration_s, at_window);
+  ClientRun run =
+      RunTraffic(stack.port(), traffic, models, stack.worker().manager(), stack.metrics(), f, rate, at_window);
   PhaseReport p;
+  p.rate = rate;
   const double t = p.window_s = f.duration_s;
   int64_t large_ok = 0;
   for (const Outcome& o : run.done) {
@@ -657,7 +647,6 @@ PhaseReport RunPhase(Stack& stack, const Traffic& traffic, const std::vector<std
       continue;
     }
     ++p.ok;
-    p.tokens += o.tokens;
     p.cold_sent += o.cold;
     p.reloaded += o.reloaded;
     large_ok += large[o.model];
@@ -667,13 +656,15 @@ PhaseReport RunPhase(Stack& stack, const Traffic& traffic, const std::vector<std
     }
   }
   p.large_share = p.ok ? static_cast<double>(large_ok) / static_cast<double>(p.ok) : 0;
-  p.late = run.late;
-  p.first_error = run.first_error;
+  p.tokens = run.load.prompt_tokens;
+  p.due = run.load.due;
+  p.dropped = run.load.dropped;
+  p.first_error = run.load.first_error;
   p.all = LatencyOf(run.done, [](const Outcome&) { return true; });
   p.cold = LatencyOf(run.done, [](const Outcome& o) { return o.cold || o.reloaded; });
   p.warm = LatencyOf(run.done, [](const Outcome& o) { return !o.cold && !o.reloaded; });
   p.proc_cores = (b.proc_cpu - a.proc_cpu) / t;
-  p.client_cores = run.client_cpu_s / (f.warmup_s + f.duration_s);
+  p.client_cores = run.load.client_cpu_s / t;
   p.nats_cores = (b.nats_cpu - a.nats_cpu) / t;
   p.other_cores = std::max(0.0, (b.machine_busy - a.machine_busy) / t - p.proc_cores - p.nats_cores);
   p.model_busy = (b.forward_s - a.forward_s) / t;
@@ -693,9 +684,18 @@ PhaseReport RunPhase(Stack& stack, const Traffic& traffic, const std::vector<std
 }
 
 void PrintPhase(const char* name, const PhaseReport& p) {
-  std::printf("  %-9s %8.1f req/s %8.0f tokens/s   p50 %7.1f ms  p99 %8.1f ms  (%lld ok, %lld errors, %lld late)\n",
-              name, p.Rps(), p.Tps(), p.all.p50_ms, p.all.p99_ms, static_cast<long long>(p.ok),
-              static_cast<long long>(p.errors), static_cast<long long>(p.late));
+  if (p.rate > 0) {
+    std::printf("  %-9s offered %.0f/s: %lld due, %lld ok, %lld errors, %lld dropped (no connection)\n", name, p.rate,
+                static_cast<long long>(p.due), static_cast<long long>(p.ok), static_cast<long long>(p.errors),
+                static_cast<long long>(p.dropped));
+  }
+  std::printf("  %-9s %8.1f req/s %8.0f tokens/s   p50 %7.1f ms  p99 %8.1f ms  (%lld ok, %lld errors)\n", name,
+              p.Rps(), p.Tps(), p.all.p50_ms, p.all.p99_ms, static_cast<long long>(p.ok),
+              static_cast<long long>(p.errors));
+  if (p.cold.n > 0) {
+    std::printf("            waited for a load: %lld, p50 %.1f ms p99 %.1f ms; the rest p50 %.1f ms p99 %.1f ms\n",
+                static_cast<long long>(p.cold.n), p.cold.p50_ms, p.cold.p99_ms, p.warm.p50_ms, p.warm.p99_ms);
+  }
   std::printf("            large-model requests %.0f%%; resident models %.1f (%d..%d), loading %.1f, %.0f MiB accounted\n",
               100 * p.large_share, p.resident_mean, p.resident_min, p.resident_max, p.loading_mean,
               p.memory_used_mean_mb);
@@ -712,10 +712,12 @@ void PrintPhase(const char* name, const PhaseReport& p) {
 }
 
 json PhaseJson(const PhaseReport& p) {
-  return {{"window_s", p.window_s},
+  return {{"offered_per_s", p.rate},
+          {"window_s", p.window_s},
           {"requests_ok", p.ok},
           {"errors", p.errors},
-          {"answered_after_window", p.late},
+          {"due", p.due},
+          {"dropped", p.dropped},
           {"requests_per_s", p.Rps()},
           {"tokens_per_s", p.Tps()},
           {"large_model_share", p.large_share},
@@ -748,6 +750,23 @@ json PhaseJson(const PhaseReport& p) {
           {"cpu_cores_client", p.client_cores},
           {"cpu_cores_nats_server", p.nats_cores},
           {"cpu_cores_other_processes", p.other_cores}};
+}
+
+// One closed-loop window, or one open-loop window per --rates entry on the
+// same stack (each with its own warm-up); `out` gets one JSON object per window.
+std::vector<PhaseReport> RunRates(Stack& stack, const Traffic& traffic, const std::vector<std::string>& models,
+                                  const std::vector<bool>& large, const std::vector<bool>& top, const Flags& f,
+                                  const char* name, json* out) {
+  std::vector<PhaseReport> reports;
+  *out = json::array();
+  const std::vector<double> rates = f.rates.empty() ? std::vector<double>{0} : f.rates;
+  for (const double rate : rates) {
+    reports.push_back(RunPhase(stack, traffic, models, large, top, f, rate));
+    PrintPhase(name, reports.back());
+    out->push_back(PhaseJson(reports.back()));
+    out->back()["models"] = models.size() <= 4 ? json(models) : json(models.size());
+  }
+  return reports;
 }
 
 // ----- Footprints -------------------------------------------------------------
@@ -826,7 +845,7 @@ Result<Budget> ChooseBudget(const Flags& f, const Fleet& fleet, const fs::path& 
 }
 
 // Phase 1: every draw to the resident model of its size.
-Result<PhaseReport> RunReference(const Flags& f, const Fleet& fleet, const std::vector<int>& draws,
+Result<std::vector<PhaseReport>> RunReference(const Flags& f, const Fleet& fleet, const std::vector<int>& draws,
                                  const std::vector<std::string>& sentences, const fs::path& dir, json* out) {
   const std::string small = fleet.names[fleet.FirstOfSize(false)];
   const std::string large = fleet.names[fleet.FirstOfSize(true)];
@@ -839,15 +858,11 @@ Result<PhaseReport> RunReference(const Flags& f, const Fleet& fleet, const std::
   wo.models = {small, large};
   ASSIGN_OR_RETURN(auto stack, Stack::Start(wo, dir));
   RETURN_IF_ERROR(WaitReady(stack->port(), traffic.requests[0]));
-  PhaseReport p = RunPhase(*stack, traffic, wo.models, {false, true}, {}, f);
-  PrintPhase("reference", p);
-  *out = PhaseJson(p);
-  (*out)["models"] = wo.models;
-  return p;
+  return RunRates(*stack, traffic, wo.models, {false, true}, {}, f, "reference", out);
 }
 
 // Phase 2: every draw to its own model, within the budget.
-Result<PhaseReport> RunFleet(const Flags& f, const Fleet& fleet, const std::vector<int>& draws,
+Result<std::vector<PhaseReport>> RunFleet(const Flags& f, const Fleet& fleet, const std::vector<int>& draws,
                              const std::vector<std::string>& sentences, int64_t budget, const fs::path& dir,
                              json* out) {
   const Traffic traffic = MakeTraffic(draws, fleet.names, sentences);
@@ -863,10 +878,7 @@ Result<PhaseReport> RunFleet(const Flags& f, const Fleet& fleet, const std::vect
   RETURN_IF_ERROR(WaitReady(stack->port(), traffic.requests[0]));
   std::vector<bool> top(f.models, false);
   std::fill_n(top.begin(), std::min(f.budget_models, f.models), true);
-  PhaseReport p = RunPhase(*stack, traffic, fleet.names, fleet.large, top, f);
-  PrintPhase("fleet", p);
-  *out = PhaseJson(p);
-  return p;
+  return RunRates(*stack, traffic, fleet.names, fleet.large, top, f, "fleet", out);
 }
 
 double Share(int64_t part, int64_t whole) { return whole > 0 ? 100.0 * static_cast<double>(part) / whole : 0.0; }
@@ -894,6 +906,39 @@ void PrintSummary(const PhaseReport& ref, const PhaseReport& fl, int budget_top)
               fl.warm.p99_ms, fl.all.p50_ms, fl.all.p99_ms);
 }
 
+// Open loop: the highest offered rate each side kept up with (KeptUp), and
+// one line per rate.
+json PrintRateSummary(const std::vector<PhaseReport>& ref, const std::vector<PhaseReport>& fl, const Flags& f) {
+  constexpr double kShare = 0.99;
+  std::printf("\nsummary (open loop; kept up = >= %.0f%% of the due requests answered 200 and p99 of the requests "
+              "that did not wait for a load <= %.0f ms)\n",
+              100 * kShare, f.slo_ms);
+  std::printf("  %8s | %9s %9s %5s | %9s %9s %5s | %6s | %8s %8s %8s | %7s %9s\n", "offered", "ref ok/s", "ref p99",
+              "kept", "fleet/s", "no-load99", "kept", "ratio", "waited", "w-p50", "w-p99", "loads/m", "evict/m");
+  double ref_cap = 0, fleet_cap = 0;
+  json rows = json::array();
+  for (size_t i = 0; i < ref.size() && i < fl.size(); ++i) {
+    const PhaseReport &r = ref[i], &q = fl[i];
+    const bool rk = r.KeptUp(kShare, f.slo_ms), qk = q.KeptUp(kShare, f.slo_ms);
+    if (rk) ref_cap = std::max(ref_cap, r.rate);
+    if (qk) fleet_cap = std::max(fleet_cap, q.rate);
+    const double ratio = r.Rps() > 0 ? q.Rps() / r.Rps() : 0;
+    std::printf("  %8.0f | %9.1f %9.1f %5s | %9.1f %9.1f %5s | %6.3f | %7.1f%% %8.0f %8.0f | %7.0f %9.0f\n", r.rate,
+                r.Rps(), r.warm.p99_ms, rk ? "yes" : "no", q.Rps(), q.warm.p99_ms, qk ? "yes" : "no", ratio,
+                Share(q.cold.n, q.ok), q.cold.p50_ms, q.cold.p99_ms, q.loads * 60 / q.window_s,
+                q.evictions * 60 / q.window_s);
+    rows.push_back({{"offered_per_s", r.rate}, {"reference_kept_up", rk}, {"fleet_kept_up", qk},
+                    {"fleet_over_reference", ratio}});
+  }
+  const double cap_ratio = ref_cap > 0 ? fleet_cap / ref_cap : 0;
+  std::printf("  highest rate kept up: reference %.0f/s, fleet %.0f/s: fleet / reference %.3f  goal >= 0.8: %s\n",
+              ref_cap, fleet_cap, cap_ratio, cap_ratio >= 0.8 ? "met" : "NOT met");
+  return {{"rates", rows},
+          {"reference_capacity_per_s", ref_cap},
+          {"fleet_capacity_per_s", fleet_cap},
+          {"fleet_over_reference_capacity", cap_ratio}};
+}
+
 json SettingsJson(const Flags& f) {
   return {{"models", f.models},
           {"large_every", f.large_every},
@@ -901,11 +946,15 @@ json SettingsJson(const Flags& f) {
           {"zipf_s", f.zipf_s},
           {"requests", f.requests},
           {"clients", f.clients},
+          {"rates", f.rates},
+          {"slo_ms", f.slo_ms},
           {"duration_s", f.duration_s},
           {"warmup_s", f.warmup_s},
           {"threads", f.threads},
           {"demand_poll_ms", f.demand_poll_ms},
           {"fetch_poll_ms", f.fetch_poll_ms},
+          {"load_nice", f.load_nice},
+          {"device_slots", f.device_slots},
           {"preload", f.preload},
           {"seed", f.seed},
           {"small_model", f.small_model},
@@ -927,11 +976,20 @@ int Main(int argc, char** argv) {
   app.add_option("--requests", f.requests, "Pre-built requests (seeded draws), sent in turn")
       ->check(CLI::Range(1, 10'000'000))->capture_default_str();
   app.add_option("--clients", f.clients, "Closed-loop HTTP clients")->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--rates", f.rates,
+                 "Open loop instead: Poisson arrivals at each of these rates (requests/s), one window each")
+      ->delimiter(',')->check(CLI::PositiveNumber);
+  app.add_option("--slo-ms", f.slo_ms, "Open loop: p99 bound of requests that did not wait for a load")
+      ->capture_default_str();
   app.add_option("--duration-s", f.duration_s, "Measured seconds of each phase")->capture_default_str();
   app.add_option("--warmup-s", f.warmup_s, "Unmeasured seconds before each phase")->capture_default_str();
   app.add_option("--threads", f.threads, "Intra-op threads per model (0: all cores)")->capture_default_str();
   app.add_option("--demand-poll-ms", f.demand_poll_ms, "Worker's backlog poll interval")->capture_default_str();
   app.add_option("--fetch-poll-ms", f.fetch_poll_ms, "Worker's fetch long-poll per model")->capture_default_str();
+  app.add_option("--device-slots", f.device_slots, "Worker's forward passes at once")
+      ->check(CLI::Range(1, 64))->capture_default_str();
+  app.add_option("--load-nice", f.load_nice, "Worker's nice value of model loads (0: serving's priority)")
+      ->check(CLI::Range(0, 19))->capture_default_str();
   app.add_option("--preload", f.preload, "Fleet phase: top (most popular that fit) or none")
       ->check(CLI::IsMember({"top", "none"}))->capture_default_str();
   app.add_option("--seed", f.seed, "Seed of the draws and of the size assignment")->capture_default_str();
@@ -953,8 +1011,9 @@ int Main(int argc, char** argv) {
   json results;
   results["machine"] = {{"nproc", std::thread::hardware_concurrency()}, {"loadavg_at_start", LoadAverage()}};
   results["settings"] = SettingsJson(f);
-  std::printf("shoal_bench_fleet: %d models (1 in %d large), Zipf(%.2f), budget of %d models, %d clients\n", f.models,
-              f.large_every, f.zipf_s, f.budget_models, f.clients);
+  std::printf("shoal_bench_fleet: %d models (1 in %d large), Zipf(%.2f), budget of %d models, %s\n", f.models,
+              f.large_every, f.zipf_s, f.budget_models,
+              f.rates.empty() ? (std::to_string(f.clients) + " closed-loop clients").c_str() : "open loop");
   std::printf("  %u cores, load average at start %s\n", std::thread::hardware_concurrency(), LoadAverage().c_str());
 
   char tmpl[] = "/tmp/shoal-bench-fleet-XXXXXX";
@@ -994,10 +1053,14 @@ int Main(int argc, char** argv) {
   if (!ref.ok()) return fail(ref.status());
   auto fl = RunFleet(f, *fleet, draws, sentences, budget->bytes, tmp / "fleet", &results["fleet"]);
   if (!fl.ok()) return fail(fl.status());
-  PrintSummary(*ref, *fl, budget_top);
-
-  results["fleet_over_reference"] = ref->Rps() > 0 ? fl->Rps() / ref->Rps() : 0;
-  results["fleet_over_reference_tokens"] = ref->Tps() > 0 ? fl->Tps() / ref->Tps() : 0;
+  if (f.rates.empty()) {
+    const PhaseReport &r = ref->front(), &q = fl->front();
+    PrintSummary(r, q, budget_top);
+    results["fleet_over_reference"] = r.Rps() > 0 ? q.Rps() / r.Rps() : 0;
+    results["fleet_over_reference_tokens"] = r.Tps() > 0 ? q.Tps() / r.Tps() : 0;
+  } else {
+    results["summary"] = PrintRateSummary(*ref, *fl, f);
+  }
   const double total_s = Seconds(Clock::now() - t_start);
   std::printf("\ndone in %.0f s; load average %s\n", total_s, LoadAverage().c_str());
   results["machine"]["loadavg_at_end"] = LoadAverage();

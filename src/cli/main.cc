@@ -147,6 +147,8 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
   Opt(app, "--memory-budget", w.memory_budget, "SHOAL_MEMORY_BUDGET",
       "Memory for resident models on this device, e.g. 2GiB, 512MiB, 3000000000 (0: unlimited)");
   Opt(app, "--max-models", w.options.max_models, "SHOAL_MAX_MODELS", "Most models resident at once (0: unlimited)");
+  Opt(app, "--load-nice", w.options.load_nice, "SHOAL_LOAD_NICE",
+      "Nice value (0..19) of model loads, so a load uses the CPU that serving leaves idle (0: serving's priority)");
   Opt(app, "--pin", w.pin_csv, "SHOAL_PIN", "Comma-separated models loaded at start and never evicted");
   Opt(app, "--preload", w.preload_csv, "SHOAL_PRELOAD",
       "Models loaded at start while they fit without evicting: all, none, or comma-separated names");

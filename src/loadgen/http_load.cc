@@ -141,7 +141,9 @@ class Conn : public std::enable_shared_from_this<Conn> {
     request_ = ts_->NextRequest();
     const std::string& req = ts_->shared->options->requests[request_];
     in_flight_ = true;
-    if (LoadProgress* p = ts_->shared->options->progress) p->OnSent();
+    const LoadOptions& o = *ts_->shared->options;
+    if (o.progress) o.progress->OnSent();
+    if (o.on_request_sent) sent_value_ = o.on_request_sent(request_);
     asio::async_write(sock_, asio::buffer(req), [self = shared_from_this()](beast::error_code ec, size_t) {
       if (ec) return self->Fail("write: " + ec.message());
       self->parser_.emplace();
@@ -163,8 +165,10 @@ class Conn : public std::enable_shared_from_this<Conn> {
     const Time key = sh.open_loop ? start_ : end;
     const bool in_window = key >= sh.window_start && key < sh.window_end;
     const bool ok = res.result() == http::status::ok;
-    if (LoadProgress* p = sh.options->progress) {
-      p->OnDone(ok, std::chrono::duration<double, std::milli>(end - start_).count());
+    const double latency_ms = std::chrono::duration<double, std::milli>(end - start_).count();
+    if (LoadProgress* p = sh.options->progress) p->OnDone(ok, latency_ms);
+    if (sh.options->on_request_done) {
+      sh.options->on_request_done(request_, sent_value_, res.result_int(), latency_ms, in_window);
     }
     if (!ok) {
       if (in_window) {
@@ -174,7 +178,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
     } else if (in_window) {
       ts_->Ok(request_);
       ts_->prompt_tokens += PromptTokens(res.body());
-      ts_->latencies_ms.push_back(std::chrono::duration<double, std::milli>(end - start_).count());
+      ts_->latencies_ms.push_back(latency_ms);
     }
     const bool keep = res.keep_alive();
     parser_.reset();
@@ -209,6 +213,10 @@ class Conn : public std::enable_shared_from_this<Conn> {
       count = due >= sh.window_start && due < sh.window_end;
     }
     if (count) ts_->Error(what, 0, had_request ? request_ : kNoRequest);
+    if (had_request && sh.options->on_request_done) {
+      const double latency_ms = std::chrono::duration<double, std::milli>(Clock::now() - start_).count();
+      sh.options->on_request_done(request_, sent_value_, 0, latency_ms, count);
+    }
     Close();
     // Open loop too: a broken connection must not hold a place in the pool.
     Reconnect(std::chrono::milliseconds(10));
@@ -243,6 +251,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
   std::optional<Time> pending_;
   Time start_{};
   size_t request_ = 0;      // index of the request in flight
+  uint64_t sent_value_ = 0;  // what on_request_sent returned for it
   bool in_flight_ = false;  // a request was sent and has no answer yet
 };
 

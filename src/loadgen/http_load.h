@@ -74,6 +74,16 @@ struct LoadOptions {
   bool fail_when_all_failed = true;
   // Optional live counters; must outlive RunLoad.
   LoadProgress* progress = nullptr;
+  // Optional per-request observers, called on a client thread (they must
+  // not block for long): `on_request_sent` when request `i` (an index into
+  // `requests`) is sent, returning any value; `on_request_done` with that
+  // value when the request ends: its HTTP status (0: the connection
+  // failed), its latency, and whether it counts in the measured window (the
+  // same rule as `completed` and `errors`). Every request that was sent ends
+  // once, except those still in flight when RunLoad gives up on them.
+  std::function<uint64_t(size_t request)> on_request_sent;
+  std::function<void(size_t request, uint64_t sent_value, int status, double latency_ms, bool in_window)>
+      on_request_done;
 };
 
 // What the requests with one tag got, in the measured window.

@@ -3,6 +3,7 @@
 #include "loadgen/http_load.h"
 
 #include <map>
+#include <mutex>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -91,6 +92,49 @@ TEST(HttpLoad, OpenLoopAccountsForEveryArrival) {
   ExpectConsistent(*r);
   EXPECT_EQ(r->dropped, 0);
   EXPECT_EQ(r->completed + r->errors, r->due);
+}
+
+// The per-request observers see every request once, with the value their
+// send returned, its status, and the same window rule as the counts.
+TEST(HttpLoad, ObserversSeeEveryRequestWithItsStatus) {
+  for (const double rate : {0.0, 400.0}) {
+    SCOPED_TRACE(rate);
+    FakeOpenAiServer server(Answer);
+    LoadOptions o = Options(server.port());
+    o.rate_per_s = rate;
+    o.connections = 2;
+    std::mutex mu;
+    uint64_t sent = 0;
+    std::map<uint64_t, size_t> open;  // sent value -> request
+    int64_t done = 0, ok_in_window = 0, errors_in_window = 0, mismatched = 0;
+    std::map<int, int64_t> status_of_tag;  // tag -> last status
+    o.on_request_sent = [&](size_t request) {
+      std::lock_guard<std::mutex> lock(mu);
+      open[++sent] = request;
+      return sent;
+    };
+    o.on_request_done = [&](size_t request, uint64_t value, int status, double latency_ms, bool in_window) {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = open.find(value);
+      if (it == open.end() || it->second != request || latency_ms < 0) ++mismatched;
+      if (it != open.end()) open.erase(it);
+      ++done;
+      status_of_tag[o.request_tags[request]] = status;
+      if (in_window) ++(status == 200 ? ok_in_window : errors_in_window);
+    };
+    auto r = RunLoad(o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(mismatched, 0);
+    EXPECT_TRUE(open.empty()) << open.size() << " requests never ended";
+    EXPECT_EQ(done, static_cast<int64_t>(sent));
+    EXPECT_EQ(static_cast<int64_t>(server.requests().size()), done);
+    EXPECT_EQ(ok_in_window, r->completed);
+    EXPECT_EQ(errors_in_window, r->errors);
+    EXPECT_EQ(status_of_tag[0], 200);
+    EXPECT_EQ(status_of_tag[1], 429);
+    EXPECT_EQ(status_of_tag[2], 500);
+  }
 }
 
 // Several gateways of one cluster: connections are opened on each in turn,

@@ -402,15 +402,7 @@ Result<ModelManager::Step> ModelManager::BeginLoadLocked(Entry& e) {
   int count = CountLocked();
   std::vector<Entry*> chosen;
   if (!fits(used, count)) {
-    std::vector<Entry*> candidates;
-    for (auto& [name, c] : entries_) {
-      if (c->state == ModelState::kLoaded && !c->pinned && c->leases == 0) {
-        candidates.push_back(c.get());
-      }
-    }
-    std::sort(candidates.begin(), candidates.end(),
-              [](const Entry* a, const Entry* b) { return a->last_use_seq < b->last_use_seq; });
-    for (Entry* c : candidates) {
+    for (Entry* c : EvictableLocked(&e)) {
       if (fits(used, count)) break;
       chosen.push_back(c);
       used -= c->measured_bytes;
@@ -443,6 +435,17 @@ Result<ModelManager::Step> ModelManager::BeginLoadLocked(Entry& e) {
   jobs_.push_back(std::move(job));
   cv_.notify_all();
   return Step::kReady;
+}
+
+std::vector<ModelManager::Entry*> ModelManager::EvictableLocked(const Entry* except) const {
+  std::vector<Entry*> out;
+  for (const auto& [name, c] : entries_) {
+    if (c.get() == except || c->state != ModelState::kLoaded || c->pinned || c->leases > 0) continue;
+    if (c->model && c->model->attachment && c->model->attachment->HoldsWork()) continue;
+    out.push_back(c.get());
+  }
+  std::sort(out.begin(), out.end(), [](const Entry* a, const Entry* b) { return a->last_use_seq < b->last_use_seq; });
+  return out;
 }
 
 int64_t ModelManager::EvictLocked(Entry& e, std::vector<std::unique_ptr<LoadedModel>>* victims,
@@ -593,16 +596,8 @@ void ModelManager::LoaderLoop() {
       // The estimate was low: give back the excess from idle models.
       const int64_t budget = options_.memory_budget_bytes;
       if (budget > 0 && UsedLocked() > budget) {
-        std::vector<Entry*> candidates;
-        for (auto& [name, c] : entries_) {
-          if (c.get() != &e && c->state == ModelState::kLoaded && !c->pinned && c->leases == 0) {
-            candidates.push_back(c.get());
-          }
-        }
-        std::sort(candidates.begin(), candidates.end(),
-                  [](const Entry* a, const Entry* b) { return a->last_use_seq < b->last_use_seq; });
         int64_t used = UsedLocked();
-        for (Entry* c : candidates) {
+        for (Entry* c : EvictableLocked(&e)) {
           if (used <= budget) break;
           const int64_t bytes = EvictLocked(*c, &over_budget, /*automatic=*/true);
           used -= bytes;

@@ -13,8 +13,9 @@
 //   estimate. If the measured footprint turns out larger than the estimate
 //   and the total exceeds the budget, idle unpinned models are evicted
 //   (least recently used first) until it fits again, or none is left.
-// - Eviction takes only loaded, unpinned models with no live lease, least
-//   recently used first, and only as many as the new model needs. If that
+// - Eviction takes only loaded, unpinned models with no live lease whose
+//   attachment holds no work (ModelAttachment::HoldsWork), least recently
+//   used first, and only as many as the new model needs. If that
 //   cannot make room, the request fails with ResourceExhausted
 //   "no_room_for_model" without evicting anything; it never blocks on a
 //   lease. It waits only for memory that an eviction already in progress is
@@ -70,6 +71,12 @@ struct ModelManagerOptions {
 class ModelAttachment {
  public:
   virtual ~ModelAttachment() = default;
+  // True while work already taken for this model waits to run (pulled from
+  // the queue, not yet on the device). Eviction passes over such a model:
+  // unloading it would hand that work back, and work handed back often
+  // enough reaches the queue's delivery limit and fails. Called under the
+  // manager's lock: must be cheap and must not call the manager.
+  virtual bool HoldsWork() const { return false; }
 };
 
 // Everything a worker keeps for one resident model (runtime, and whatever
@@ -225,6 +232,9 @@ class ModelManager {
   // Moves the model out of `e` onto `victims`; returns its footprint. The
   // caller accounts it (unloading_bytes_ or a reservation).
   int64_t EvictLocked(Entry& e, std::vector<std::unique_ptr<LoadedModel>>* victims, bool automatic);
+  // Models automatic eviction may take (see the class comment), least
+  // recently used first; never `except`.
+  std::vector<Entry*> EvictableLocked(const Entry* except) const;
   // Loops until `e` is loaded (OK, lock held), its load failed, or the
   // deadline passes. `retry_failed`: a kFailed model is loaded again.
   Status WaitLoadedLocked(std::unique_lock<std::mutex>& lock, Entry& e, int64_t deadline_mono_us,

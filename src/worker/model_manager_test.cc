@@ -799,6 +799,54 @@ TEST_F(ModelManagerTest, AttachmentGoesBeforeUnloadTouchOrdersLruAndChangesAreRe
   EXPECT_EQ(log, std::vector<std::string>{"detach b after 0 unloads"});
 }
 
+// Says whether its model holds pulled work, as a test sets it.
+class WorkAttachment final : public ModelAttachment {
+ public:
+  explicit WorkAttachment(const std::atomic<bool>* holds) : holds_(holds) {}
+  bool HoldsWork() const override { return holds_->load(); }
+
+ private:
+  const std::atomic<bool>* holds_;
+};
+
+TEST_F(ModelManagerTest, ModelHoldingPulledWorkIsNotEvicted) {
+  std::vector<ModelConfig> catalog = {Model("a", 100), Model("b", 100), Model("c", 100)};
+  std::map<std::string, std::atomic<bool>> holds;
+  for (const auto& c : catalog) holds[c.name] = false;
+  ModelLoader inner = loader_.AsLoader();
+  ModelLoader loader = [&](const ModelConfig& c) -> Result<std::unique_ptr<LoadedModel>> {
+    ASSIGN_OR_RETURN(auto m, inner(c));
+    m->attachment = std::make_unique<WorkAttachment>(&holds.at(c.name));
+    return m;
+  };
+  ModelManager mm(Options(200), catalog, loader, &clock_, &metrics_);
+  ASSERT_TRUE(mm.Start().ok());
+  Use(mm, "a");
+  Use(mm, "b");
+  // "a" is the least recently used, but work for it waits: "b" goes.
+  holds["a"] = true;
+  Use(mm, "c");
+  EXPECT_TRUE(mm.IsLoaded("a"));
+  EXPECT_EQ(StateOf(mm, "b"), ModelState::kNotLoaded);
+  EXPECT_EQ(Evictions("a"), 0);
+
+  // Every resident model holds work: no room, nothing evicted, no load.
+  holds["c"] = true;
+  Result<ModelLease> lease_b = mm.Acquire("b", Far());
+  EXPECT_EQ(lease_b.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(lease_b.status().reason(), "no_room_for_model");
+  EXPECT_EQ(loader_.loads("b"), 1);
+  EXPECT_TRUE(mm.IsLoaded("a"));
+  EXPECT_TRUE(mm.IsLoaded("c"));
+
+  // Once "a" has run its work it is the least recently used again.
+  holds["a"] = false;
+  Use(mm, "b");
+  EXPECT_EQ(StateOf(mm, "a"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm.IsLoaded("c"));
+  EXPECT_EQ(Evictions("a"), 1);
+}
+
 TEST_F(ModelManagerTest, FitsWithoutEvictionCountsModels) {
   ModelManager mm(Options(0, {}, 1), {Model("a", 10), Model("b", 10)}, loader_.AsLoader(), &clock_,
                   &metrics_);

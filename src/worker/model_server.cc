@@ -112,6 +112,7 @@ void ModelServer::Stop() {
     std::lock_guard<std::mutex> lock(mu_);
     while (batcher_.size() > 0)
       for (auto& w : batcher_.Take()) left.push_back(std::move(w));
+    held_msgs_ = 0;
   }
   if (d_.held_rows) {
     int64_t rows = 0;
@@ -310,6 +311,7 @@ void ModelServer::Push(Delivery delivery) {
     if (!stop_) {
       if (d_.held_rows) d_.held_rows->Add(rows);
       batcher_.Add(std::move(work).value());
+      held_msgs_ = batcher_.size();
       lock.unlock();
       work_cv_.notify_one();
       return;
@@ -423,6 +425,7 @@ void ModelServer::FetchLoop() {
         if (d_.held_rows) d_.held_rows->Add(w->row_count());
         batcher_.Add(std::move(w));
       }
+      held_msgs_ = batcher_.size();
       if (!ready.empty() && !claim_held_ && d_.pull_gate != nullptr && d_.pull_gate->bounded()) {
         d_.pull_gate->Take();  // this model's work now waits for the device
         claim_held_ = true;
@@ -474,6 +477,7 @@ void ModelServer::ExecLoop() {
         if (stop_) break;
       }
       batch = batcher_.Take();
+      held_msgs_ = batcher_.size();
       // The batch is the device's now: its claim can go to the next pass.
       MaybeReleaseClaimLocked();
     }

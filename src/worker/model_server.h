@@ -110,6 +110,8 @@ class ModelServer final : public ModelAttachment {
   void Stop();
   const ModelConfig& config() const { return d_.config; }
   int64_t memory_bytes() const { return d_.runtime->MemoryBytes(); }
+  // Pulled or pushed work waits in the batcher (see ModelAttachment).
+  bool HoldsWork() const override { return held_msgs_.load(std::memory_order_relaxed) > 0; }
 
   // Decodes and tokenizes one message body into work (without its
   // delivery), or the error its caller gets. Called on the fetcher thread.
@@ -160,6 +162,7 @@ class ModelServer final : public ModelAttachment {
   Batcher batcher_;
   const std::string activation_;      // applied to every output row
   std::atomic<bool> stop_{false};
+  std::atomic<size_t> held_msgs_{0};  // batcher_.size(), set under mu_ after every change
   bool claim_held_ = false;           // guarded by mu_: waiting work holds a PullGate claim
   double avg_tokens_per_msg_ = 32;    // fetcher thread only
   int64_t gated_poll_ms_ = 20;        // fetcher thread only: pull length under a PullGate

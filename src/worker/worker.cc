@@ -1,11 +1,15 @@
 #include "worker/worker.h"
 
 #include <nats/nats.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <thread>
@@ -40,6 +44,7 @@ Status WorkerOptions::Validate() const {
   if (max_held_rows < 0) return InvalidArgument("worker: max_held_rows must be >= 0");
   if (pull_ahead < 0) return InvalidArgument("worker: pull_ahead must be >= 0");
   if (pull_idle_poll_ms < 1) return InvalidArgument("worker: pull_idle_poll_ms must be >= 1");
+  if (load_nice < 0 || load_nice > 19) return InvalidArgument("worker: load_nice must be in 0..19");
   if (load_report_interval_ms != 0 && load_report_interval_ms < 5)
     return InvalidArgument("worker: load_report_interval_ms must be 0 (off) or >= 5");
   RETURN_IF_ERROR(consumer.Validate());
@@ -247,6 +252,12 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   // other (docs/BENCHMARKS.md, "What limits the ratio").
   Status loaded;
   std::thread([&] {
+    // Linux: a nice value is per thread and inherited by the threads this one
+    // starts (libtorch's OpenMP team for the warm-up passes).
+    if (options_.load_nice > 0 &&
+        setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), options_.load_nice) != 0) {
+      LOG_WARN("worker", "cannot lower the priority of the loader thread: " << std::strerror(errno));
+    }
     try {
       loaded = runtime->Load(config);
     } catch (const std::exception& e) {  // an exception here would end the process
@@ -256,6 +267,7 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
     }
   }).join();
   if (!loaded.ok()) return Status(loaded.code(), "loading model '" + config.name + "': " + loaded.message());
+  const int64_t t_runtime = clock_->NowMonoUs();
   // The real footprint: what the load added to the process, but never less
   // than the runtime's own count (memory reused from an evicted model does
   // not show in the resident set).
@@ -275,8 +287,10 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
     to.tokenize_chinese_chars = c.tokenizer.tokenize_chinese_chars;
     ASSIGN_OR_RETURN(tokenizer, WordPieceTokenizer::FromFile(c.VocabPath(), to));
   }
+  const int64_t t_tokenizer = clock_->NowMonoUs();
   ASSIGN_OR_RETURN(auto consumer, PullConsumer::Create(*client_, options_.stream.name, wire::WorkSubject(c.name),
                                                        wire::ConsumerName(c.name), options_.consumer));
+  const int64_t t_consumer = clock_->NowMonoUs();
   auto m = std::make_unique<LoadedModel>();
   m->config = c;
   m->memory_bytes = measured;
@@ -314,8 +328,12 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   auto server = std::make_unique<ModelServer>(std::move(deps));
   server->Start();
   m->attachment = std::move(server);
+  const int64_t t_end = clock_->NowMonoUs();
   LOG_INFO("worker", "loaded " << c.name << " (" << c.runtime << ", dim " << c.dim << ", " << measured / (1 << 20)
-                               << " MiB measured) in " << (clock_->NowMonoUs() - t0) / 1000 << " ms");
+                               << " MiB measured) in " << (t_end - t0) / 1000 << " ms (runtime "
+                               << (t_runtime - t0) / 1000 << ", tokenizer " << (t_tokenizer - t_runtime) / 1000
+                               << ", consumer " << (t_consumer - t_tokenizer) / 1000 << ", server "
+                               << (t_end - t_consumer) / 1000 << ")");
   return m;
 }
 
