@@ -102,6 +102,7 @@ struct Flags {
   int64_t fetch_poll_ms = 500;  // the worker's default long-poll
   int load_nice = WorkerOptions{}.load_nice;
   int device_slots = 1;      // forward passes at once
+  std::string eviction = "lru";
   std::string preload = "top";  // top: most popular models that fit; none
   uint64_t seed = 1;
   std::string json_out;
@@ -312,6 +313,7 @@ WorkerOptions BaseWorkerOptions(const Flags& f, const Fleet& fleet) {
   wo.fetch_poll_ms = f.fetch_poll_ms;
   wo.load_nice = f.load_nice;
   wo.device_slots = f.device_slots;
+  wo.eviction = f.eviction;
   return wo;
 }
 
@@ -955,6 +957,7 @@ json SettingsJson(const Flags& f) {
           {"fetch_poll_ms", f.fetch_poll_ms},
           {"load_nice", f.load_nice},
           {"device_slots", f.device_slots},
+          {"eviction", f.eviction},
           {"preload", f.preload},
           {"seed", f.seed},
           {"small_model", f.small_model},
@@ -986,6 +989,8 @@ int Main(int argc, char** argv) {
   app.add_option("--threads", f.threads, "Intra-op threads per model (0: all cores)")->capture_default_str();
   app.add_option("--demand-poll-ms", f.demand_poll_ms, "Worker's backlog poll interval")->capture_default_str();
   app.add_option("--fetch-poll-ms", f.fetch_poll_ms, "Worker's fetch long-poll per model")->capture_default_str();
+  app.add_option("--eviction", f.eviction, "Worker's eviction policy")
+      ->check(CLI::IsMember({"lru", "gdsf"}))->capture_default_str();
   app.add_option("--device-slots", f.device_slots, "Worker's forward passes at once")
       ->check(CLI::Range(1, 64))->capture_default_str();
   app.add_option("--load-nice", f.load_nice, "Worker's nice value of model loads (0: serving's priority)")

@@ -147,6 +147,9 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
   Opt(app, "--memory-budget", w.memory_budget, "SHOAL_MEMORY_BUDGET",
       "Memory for resident models on this device, e.g. 2GiB, 512MiB, 3000000000 (0: unlimited)");
   Opt(app, "--max-models", w.options.max_models, "SHOAL_MAX_MODELS", "Most models resident at once (0: unlimited)");
+  Opt(app, "--eviction", w.options.eviction, "SHOAL_EVICTION",
+      "Which idle model goes first when a load needs room: lru (least recently used) or gdsf (uses x load time / "
+      "footprint, lowest first)");
   Opt(app, "--load-nice", w.options.load_nice, "SHOAL_LOAD_NICE",
       "Nice value (0..19) of model loads, so a load uses the CPU that serving leaves idle (0: serving's priority)");
   Opt(app, "--pin", w.pin_csv, "SHOAL_PIN", "Comma-separated models loaded at start and never evicted");

@@ -31,6 +31,14 @@ std::string_view ModelStateName(ModelState state) {
   return "unknown";
 }
 
+std::string_view EvictionPolicyName(EvictionPolicy p) { return p == EvictionPolicy::kGdsf ? "gdsf" : "lru"; }
+
+Result<EvictionPolicy> ParseEvictionPolicy(std::string_view name) {
+  if (name == "lru") return EvictionPolicy::kLru;
+  if (name == "gdsf") return EvictionPolicy::kGdsf;
+  return InvalidArgument("eviction policy must be 'lru' or 'gdsf', not '" + std::string(name) + "'");
+}
+
 Status ModelManagerOptions::Validate() const {
   if (memory_budget_bytes < 0) return InvalidArgument("memory_budget_bytes must be >= 0");
   if (max_models < 0) return InvalidArgument("max_models must be >= 0");
@@ -66,6 +74,11 @@ struct ModelManager::Entry {
   int64_t reserved_bytes = 0;          // while kLoading
   uint64_t last_use_seq = 0;
   int64_t last_used_unix_ms = 0;
+  // EvictionPolicy::kGdsf: uses since the last load, that load's seconds,
+  // and the priority set at the last use.
+  double uses = 0;
+  double load_seconds_last = 0;
+  double gdsf_priority = 0;
   int leases = 0;
   Status error;                        // while kFailed
   int64_t failed_mono_us = 0;
@@ -444,13 +457,21 @@ std::vector<ModelManager::Entry*> ModelManager::EvictableLocked(const Entry* exc
     if (c->model && c->model->attachment && c->model->attachment->HoldsWork()) continue;
     out.push_back(c.get());
   }
-  std::sort(out.begin(), out.end(), [](const Entry* a, const Entry* b) { return a->last_use_seq < b->last_use_seq; });
+  if (options_.eviction == EvictionPolicy::kGdsf) {
+    std::sort(out.begin(), out.end(), [](const Entry* a, const Entry* b) {
+      if (a->gdsf_priority != b->gdsf_priority) return a->gdsf_priority < b->gdsf_priority;
+      return a->last_use_seq < b->last_use_seq;
+    });
+  } else {
+    std::sort(out.begin(), out.end(), [](const Entry* a, const Entry* b) { return a->last_use_seq < b->last_use_seq; });
+  }
   return out;
 }
 
 int64_t ModelManager::EvictLocked(Entry& e, std::vector<std::unique_ptr<LoadedModel>>* victims,
                                   bool automatic) {
   victims->push_back(std::move(e.model));
+  if (automatic) gdsf_inflation_ = std::max(gdsf_inflation_, e.gdsf_priority);
   e.state = ModelState::kNotLoaded;
   e.memory->Set(0);
   if (automatic) e.evictions->Inc();
@@ -515,6 +536,9 @@ Status ModelManager::WaitLoadedLocked(std::unique_lock<std::mutex>& lock, Entry&
 void ModelManager::TouchLocked(Entry& e) {
   e.last_use_seq = ++use_seq_;
   e.last_used_unix_ms = clock_->NowUnixMs();
+  e.uses += 1;
+  const double cost = std::max(e.load_seconds_last, 1e-3);
+  e.gdsf_priority = gdsf_inflation_ + e.uses * cost / static_cast<double>(std::max<int64_t>(e.measured_bytes, 1));
 }
 
 void ModelManager::ReleaseLease(void* entry) {
@@ -588,6 +612,8 @@ void ModelManager::LoaderLoop() {
       e.model = std::move(m);
       e.state = ModelState::kLoaded;
       e.error = Status::Ok();
+      e.uses = 0;
+      e.load_seconds_last = seconds;
       TouchLocked(e);
       e.memory->Set(static_cast<double>(e.measured_bytes));
       e.loads_ok->Inc();

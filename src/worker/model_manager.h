@@ -14,8 +14,9 @@
 //   and the total exceeds the budget, idle unpinned models are evicted
 //   (least recently used first) until it fits again, or none is left.
 // - Eviction takes only loaded, unpinned models with no live lease whose
-//   attachment holds no work (ModelAttachment::HoldsWork), least recently
-//   used first, and only as many as the new model needs. If that
+//   attachment holds no work (ModelAttachment::HoldsWork), in the order of
+//   the eviction policy (least recently used first by default), and only
+//   as many as the new model needs. If that
 //   cannot make room, the request fails with ResourceExhausted
 //   "no_room_for_model" without evicting anything; it never blocks on a
 //   lease. It waits only for memory that an eviction already in progress is
@@ -51,8 +52,26 @@
 
 namespace shoal {
 
+// Which idle models go first when a load needs room.
+enum class EvictionPolicy {
+  // Least recently used first.
+  kLru,
+  // Greedy-Dual-Size-Frequency: lowest priority first, where a model's
+  // priority, set at each use, is L + uses x load_seconds / footprint_bytes
+  // (uses: since it was loaded; load_seconds: its last load, at least 1 ms;
+  // L: the priority of the last model this policy evicted, so models not
+  // used for a while age out). Keeps models that are used often, cheap in
+  // memory or slow to load; a large model no longer evicts many small busy
+  // ones at once just because they were used less recently.
+  kGdsf,
+};
+std::string_view EvictionPolicyName(EvictionPolicy p);  // "lru", "gdsf"
+// "lru" or "gdsf"; InvalidArgument otherwise.
+Result<EvictionPolicy> ParseEvictionPolicy(std::string_view name);
+
 struct ModelManagerOptions {
   int64_t memory_budget_bytes = 0;  // 0: unlimited
+  EvictionPolicy eviction = EvictionPolicy::kLru;
   std::vector<std::string> pinned;  // loaded by Start(), never evicted
   int max_models = 0;               // resident (or loading) models; 0: unlimited
   // Estimate for a model that has never loaded: model file size x this.
@@ -264,6 +283,7 @@ class ModelManager {
   int64_t unloading_bytes_ = 0;                            // guarded by mu_
   int unloading_count_ = 0;                                // guarded by mu_
   uint64_t use_seq_ = 0;                                   // guarded by mu_; LRU order
+  double gdsf_inflation_ = 0;                              // guarded by mu_; L of EvictionPolicy::kGdsf
   bool stopping_ = false;                                  // guarded by mu_
   std::vector<std::thread> loader_threads_;
 };

@@ -290,6 +290,58 @@ TEST_F(ModelManagerTest, BudgetForTwoWithTrafficForThreeEvictsLeastRecentlyUsedN
   EXPECT_EQ(mm->memory_used_bytes(), 300);
 }
 
+TEST(EvictionPolicy, ParsesItsNames) {
+  EXPECT_EQ(*ParseEvictionPolicy("lru"), EvictionPolicy::kLru);
+  EXPECT_EQ(*ParseEvictionPolicy("gdsf"), EvictionPolicy::kGdsf);
+  EXPECT_EQ(EvictionPolicyName(EvictionPolicy::kGdsf), "gdsf");
+  EXPECT_EQ(ParseEvictionPolicy("LFU").status().code(), StatusCode::kInvalidArgument);
+}
+
+// GDSF keeps what is used often and small: the large model goes although a
+// small one was used less recently, and a model used often survives one
+// used once since.
+TEST_F(ModelManagerTest, GdsfEvictsTheLargeRarelyUsedModelBeforeSmallBusyOnes) {
+  ModelManagerOptions o = Options(400);
+  o.eviction = EvictionPolicy::kGdsf;
+  auto mm = Make(o, {Model("a", 100), Model("b", 100), Model("big", 200), Model("c", 100)});
+  ASSERT_TRUE(mm->Start().ok());
+  Use(*mm, "a");  // a: least recently used from here on
+  Use(*mm, "big");
+  Use(*mm, "b");
+  Use(*mm, "b");
+  Use(*mm, "big");
+  Use(*mm, "b");
+  // Used as often per byte as nothing else: a (3 uses / 100) and b (7 / 100)
+  // beat big (5 / 200). LRU would evict a.
+  Use(*mm, "c");
+  EXPECT_EQ(StateOf(*mm, "big"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("a"));
+  EXPECT_TRUE(mm->IsLoaded("b"));
+  EXPECT_TRUE(mm->IsLoaded("c"));
+  EXPECT_EQ(Evictions("big"), 1);
+  EXPECT_EQ(mm->memory_used_bytes(), 300);
+
+  // The same traffic under LRU evicts a (and only a: room for big stays).
+  auto lru = Make(Options(400), {Model("a2", 100), Model("b2", 100), Model("big2", 200), Model("c2", 100)});
+  ASSERT_TRUE(lru->Start().ok());
+  for (const char* m : {"a2", "big2", "b2", "b2", "big2", "b2", "c2"}) Use(*lru, m);
+  EXPECT_EQ(StateOf(*lru, "a2"), ModelState::kNotLoaded);
+  EXPECT_TRUE(lru->IsLoaded("big2"));
+}
+
+TEST_F(ModelManagerTest, GdsfAgesOutModelsNoLongerUsed) {
+  ModelManagerOptions o = Options(200);
+  o.eviction = EvictionPolicy::kGdsf;
+  auto mm = Make(o, {Model("old", 100), Model("x", 100), Model("y", 100), Model("z", 100)});
+  ASSERT_TRUE(mm->Start().ok());
+  for (int i = 0; i < 3; ++i) Use(*mm, "old");  // popular once: 7 uses
+  // A stream of other models: each eviction raises L, so the new models'
+  // priorities pass old's stale one and old goes, though it was used most.
+  for (const char* m : {"x", "y", "z", "x", "y", "z", "x", "y", "z"}) Use(*mm, m);
+  EXPECT_EQ(StateOf(*mm, "old"), ModelState::kNotLoaded);
+  EXPECT_EQ(Evictions("old"), 1);
+}
+
 TEST_F(ModelManagerTest, EvictsOnlyAsManyAsNeeded) {
   auto mm = Make(Options(300), {Model("a", 100), Model("b", 100), Model("c", 100),
                                 Model("big", 200)});

@@ -45,6 +45,7 @@ Status WorkerOptions::Validate() const {
   if (pull_ahead < 0) return InvalidArgument("worker: pull_ahead must be >= 0");
   if (pull_idle_poll_ms < 1) return InvalidArgument("worker: pull_idle_poll_ms must be >= 1");
   if (load_nice < 0 || load_nice > 19) return InvalidArgument("worker: load_nice must be in 0..19");
+  if (auto e = ParseEvictionPolicy(eviction); !e.ok()) return InvalidArgument("worker: " + e.status().message());
   if (load_report_interval_ms != 0 && load_report_interval_ms < 5)
     return InvalidArgument("worker: load_report_interval_ms must be 0 (off) or >= 5");
   RETURN_IF_ERROR(consumer.Validate());
@@ -153,6 +154,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   mo.memory_budget_bytes = options.memory_budget_bytes;
   mo.pinned = options.pinned;
   mo.max_models = options.max_models;
+  ASSIGN_OR_RETURN(mo.eviction, ParseEvictionPolicy(options.eviction));
   mo.retry_failed_after_us = options.retry_failed_after_ms * 1000;
   Worker* self = w.get();
   w->manager_ = std::make_unique<ModelManager>(

@@ -57,6 +57,7 @@ struct WorkerOptions {
   // The fleet on this device.
   int64_t memory_budget_bytes = 0;   // 0: unlimited
   int max_models = 0;                // resident models; 0: unlimited
+  std::string eviction = "lru";      // which idle model goes first: "lru" or "gdsf" (see EvictionPolicy)
   std::vector<std::string> pinned;   // loaded at start, never evicted
   // Loaded at start, in order, while they fit without evicting; evictable.
   // {"all"}: every catalog model (the default); empty: none.
