@@ -3,6 +3,12 @@
 // lazy loading through the queue, LRU eviction around pinned models, one
 // load for many cold requests across two workers, a load failure answered
 // to every waiting caller once, and operator control.
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -237,6 +243,59 @@ class SlowRuntime final : public Runtime {
  private:
   std::unique_ptr<Runtime> inner_;
 };
+
+// Records the nice value of the thread that loads it and of the threads
+// that run its batches.
+class NiceProbeRuntime final : public Runtime {
+ public:
+  NiceProbeRuntime(std::unique_ptr<Runtime> inner, std::atomic<int>* load_nice, std::atomic<int>* run_nice)
+      : inner_(std::move(inner)), load_nice_(load_nice), run_nice_(run_nice) {}
+  Status Load(const ModelConfig& c) override {
+    *load_nice_ = ThreadNice();
+    return inner_->Load(c);
+  }
+  Result<Embeddings> Run(const TokenBatch& b) override {
+    *run_nice_ = ThreadNice();
+    return inner_->Run(b);
+  }
+  void Unload() override { inner_->Unload(); }
+  int64_t MemoryBytes() const override { return inner_->MemoryBytes(); }
+  int Dim() const override { return inner_->Dim(); }
+  static int ThreadNice() {
+    errno = 0;
+    return getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
+  }
+
+ private:
+  std::unique_ptr<Runtime> inner_;
+  std::atomic<int>* load_nice_;
+  std::atomic<int>* run_nice_;
+};
+
+TEST_F(FleetTest, LoadsRunAtTheLoadNiceValueServingDoesNot) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"});
+  const int base = NiceProbeRuntime::ThreadNice();
+  std::atomic<int> load_nice{-100}, run_nice{-100};
+  WorkerOptions wo = Options();
+  wo.load_nice = 7;
+  wo.runtime_factory = [&](const ModelConfig& c) -> Result<std::unique_ptr<Runtime>> {
+    ASSIGN_OR_RETURN(auto inner, CreateRuntime(c.runtime));
+    return std::unique_ptr<Runtime>(new NiceProbeRuntime(std::move(inner), &load_nice, &run_nice));
+  };
+  Member w = Start(wo);
+  ASSERT_NE(w.worker, nullptr);
+  ASSERT_TRUE(Embed("tiny-a", "lazy load").ok());
+  // An unprivileged process can only raise its nice value.
+  EXPECT_EQ(load_nice.load(), std::max(base, 7));
+  EXPECT_EQ(run_nice.load(), base);
+
+  WorkerOptions bad = Options();
+  bad.load_nice = 20;
+  EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
+  bad.load_nice = 0;
+  bad.eviction = "mru";
+  EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
+}
 
 TEST_F(FleetTest, ABacklogOverTheThresholdAddsASecondReplica) {
   MakeFleetRepository(repo_.path(), {"tiny-a"});
