@@ -426,7 +426,7 @@ Result<ModelManager::Step> ModelManager::BeginLoadLocked(Entry& e) {
       // than fail, and evict nothing now.
       if (fits(used - unloading_bytes_, count - unloading_count_)) return Step::kWait;
       return NoRoom("no room for model '" + e.config.name + "' (needs about " +
-                    std::to_string(need) + " bytes): every resident model is pinned or in use");
+                    std::to_string(need) + " bytes): every resident model is pinned, in use or holding work");
     }
   }
   auto job = std::make_unique<Job>();
