@@ -288,6 +288,16 @@ TEST_F(FleetTest, LoadsRunAtTheLoadNiceValueServingDoesNot) {
   // An unprivileged process can only raise its nice value.
   EXPECT_EQ(load_nice.load(), std::max(base, 7));
   EXPECT_EQ(run_nice.load(), base);
+  w.worker.reset();  // stops it; the next worker loads tiny-a on demand
+
+  // Other runtimes load at serving's priority: what their load starts (a
+  // runtime process, its supervisor thread) goes on serving.
+  load_nice = -100;
+  wo.runtime_override = "null";
+  Member other = Start(wo);
+  ASSERT_NE(other.worker, nullptr);
+  ASSERT_TRUE(Embed("tiny-a", "lazy load, null runtime").ok());
+  EXPECT_EQ(load_nice.load(), base);
 
   WorkerOptions bad = Options();
   bad.load_nice = 20;

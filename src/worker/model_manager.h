@@ -12,7 +12,7 @@
 //   last measured footprint is the estimate. A loading model reserves its
 //   estimate. If the measured footprint turns out larger than the estimate
 //   and the total exceeds the budget, idle unpinned models are evicted
-//   (least recently used first) until it fits again, or none is left.
+//   (in eviction order) until it fits again, or none is left.
 // - Eviction takes only loaded, unpinned models with no live lease whose
 //   attachment holds no work (ModelAttachment::HoldsWork), in the order of
 //   the eviction policy (least recently used first by default), and only
@@ -58,7 +58,10 @@ enum class EvictionPolicy {
   kLru,
   // Greedy-Dual-Size-Frequency: lowest priority first, where a model's
   // priority, set at each use, is L + uses x load_seconds / footprint_bytes
-  // (uses: since it was loaded; load_seconds: its last load, at least 1 ms;
+  // (uses: touches since it was loaded, i.e. batches run, leases taken and
+  // returned, and demand polls that found its work waiting, so a model that
+  // batches many requests into one pass counts as fewer uses;
+  // load_seconds: its last load, at least 1 ms;
   // L: the priority of the last model this policy evicted, so models not
   // used for a while age out). Keeps models that are used often, cheap in
   // memory or slow to load; a large model no longer evicts many small busy
@@ -251,8 +254,8 @@ class ModelManager {
   // Moves the model out of `e` onto `victims`; returns its footprint. The
   // caller accounts it (unloading_bytes_ or a reservation).
   int64_t EvictLocked(Entry& e, std::vector<std::unique_ptr<LoadedModel>>* victims, bool automatic);
-  // Models automatic eviction may take (see the class comment), least
-  // recently used first; never `except`.
+  // Models automatic eviction may take (see the class comment), in the
+  // order of options_.eviction; never `except`.
   std::vector<Entry*> EvictableLocked(const Entry* except) const;
   // Loops until `e` is loaded (OK, lock held), its load failed, or the
   // deadline passes. `retry_failed`: a kFailed model is loaded again.

@@ -255,8 +255,12 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   Status loaded;
   std::thread([&] {
     // Linux: a nice value is per thread and inherited by the threads this one
-    // starts (libtorch's OpenMP team for the warm-up passes).
-    if (options_.load_nice > 0 &&
+    // starts (libtorch's OpenMP team for the warm-up passes, which ends with
+    // this thread). Only for TorchScript: other runtimes start threads or
+    // processes here that serve for as long as the model is resident (the
+    // process runtime's supervisor and its child), and an unprivileged
+    // process cannot give them their priority back.
+    if (options_.load_nice > 0 && config.runtime == "torchscript" &&
         setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), options_.load_nice) != 0) {
       LOG_WARN("worker", "cannot lower the priority of the loader thread: " << std::strerror(errno));
     }

@@ -70,10 +70,11 @@ struct WorkerOptions {
   int64_t scale_out_backlog = 0;
   // A model that failed to load is tried again on demand after this long.
   int64_t retry_failed_after_ms = 30000;
-  // Nice value (0..19) of the thread that loads a model (and of the threads
-  // it starts): a load uses only CPU that serving leaves idle, so resident
-  // models keep their latency while another one loads. 0: the priority of
-  // serving.
+  // Nice value (0..19) of the thread that loads a TorchScript model (and of
+  // the threads it starts, which end with the load): a load uses only CPU
+  // that serving leaves idle, so resident models keep their latency while
+  // another one loads. Other runtimes load at serving's priority (their
+  // loads start threads or processes that go on serving). 0: off.
   int load_nice = 10;
 
   // Makes the runtime for a model; default CreateRuntime(config.runtime).
