@@ -386,6 +386,7 @@ int main(int argc, char** argv) {
     NatsServerOptions ns;
     ns.port = nats_port;
     ns.data_dir = std::filesystem::absolute(data_dir).string() + "/jetstream";
+    ns.die_with_parent = true;  // started on the main thread: a killed shoal serve takes it along
     auto server = NatsServerProcess::Start(ns);
     if (!server.ok()) return Fail(server.status());
     LOG_INFO("serve", "nats-server -js on " << (*server)->url() << ", data in " << ns.data_dir);

@@ -5,10 +5,12 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -54,6 +56,75 @@ bool PortAcceptsConnections(const std::string& host, int port) {
   return ok;
 }
 
+namespace {
+
+// Both spawns: stdin from /dev/null, stdout and stderr to `log`, and its own
+// process group (a Ctrl-C aimed at us is forwarded by us, in order).
+// Return 0 or the errno of the failed start.
+int SpawnPlain(std::vector<char*>& argv, const std::string& log, pid_t* pid) {
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  posix_spawn_file_actions_addopen(&fa, STDERR_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&attr, 0);
+  int rc = posix_spawnp(pid, argv[0], &fa, &attr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  posix_spawnattr_destroy(&attr);
+  return rc;
+}
+
+// posix_spawn cannot set PR_SET_PDEATHSIG: fork and exec, with a
+// close-on-exec pipe that carries the errno of a failed exec back.
+int SpawnDyingWithParent(std::vector<char*>& argv, const std::string& log, pid_t* pid) {
+  int pipefd[2];
+  if (::pipe2(pipefd, O_CLOEXEC) != 0) return errno;
+  const pid_t parent = ::getpid();
+  const pid_t child = ::fork();
+  if (child < 0) {
+    const int e = errno;
+    ::close(pipefd[0]);
+    ::close(pipefd[1]);
+    return e;
+  }
+  if (child == 0) {
+    // Only async-signal-safe calls from here on.
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    int e = 0;
+    if (::getppid() != parent) ::_exit(127);  // the parent died already
+    const int in = ::open("/dev/null", O_RDONLY);
+    const int out = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (in < 0 || out < 0 || ::dup2(in, STDIN_FILENO) < 0 || ::dup2(out, STDOUT_FILENO) < 0 ||
+        ::dup2(out, STDERR_FILENO) < 0) {
+      e = errno;
+    } else {
+      ::execvp(argv[0], argv.data());
+      e = errno;
+    }
+    (void)!::write(pipefd[1], &e, sizeof e);
+    ::_exit(127);
+  }
+  ::close(pipefd[1]);
+  int e = 0;
+  ssize_t n;
+  do {
+    n = ::read(pipefd[0], &e, sizeof e);
+  } while (n < 0 && errno == EINTR);
+  ::close(pipefd[0]);
+  if (n == static_cast<ssize_t>(sizeof e)) {  // exec failed: reap the child
+    ::waitpid(child, nullptr, 0);
+    return e != 0 ? e : ENOEXEC;
+  }
+  *pid = child;
+  return 0;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<NatsServerProcess>> NatsServerProcess::Start(const NatsServerOptions& o) {
   RETURN_IF_ERROR(o.Validate());
   std::error_code ec;
@@ -73,20 +144,8 @@ Result<std::unique_ptr<NatsServerProcess>> NatsServerProcess::Start(const NatsSe
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
 
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  posix_spawn_file_actions_addopen(&fa, STDERR_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  // Its own process group: a Ctrl-C aimed at us is forwarded by us, in order.
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
-  posix_spawnattr_setpgroup(&attr, 0);
   pid_t pid = -1;
-  int rc = posix_spawnp(&pid, o.binary.c_str(), &fa, &attr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  posix_spawnattr_destroy(&attr);
+  int rc = o.die_with_parent ? SpawnDyingWithParent(argv, log, &pid) : SpawnPlain(argv, log, &pid);
   if (rc != 0) {
     return Unavailable("cannot start " + o.binary + " (is the nats-server package installed? "
                        "run scripts/install-deps.sh): " + std::strerror(rc));

@@ -19,6 +19,12 @@ struct NatsServerOptions {
   std::string data_dir;         // JetStream store; required
   std::string log_file;         // empty: <data_dir>/nats-server.log
   int64_t ready_timeout_ms = 10000;
+  // The server gets SIGTERM when the thread that called Start() ends (Linux
+  // PR_SET_PDEATHSIG; in practice: when this process dies, even by
+  // SIGKILL), so a killed `shoal serve` leaves no nats-server behind. Only
+  // for a Start() on a thread that lives as long as the server should
+  // (the main thread).
+  bool die_with_parent = false;
   Status Validate() const;
 };
 

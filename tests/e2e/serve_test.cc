@@ -8,6 +8,7 @@
 #include <future>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -502,6 +503,33 @@ TEST(E2eServeShutdown, SigtermExitsZeroAndStopsNatsServer) {
   // shoal serve reaps its nats-server before it exits.
   EXPECT_FALSE(ProcessAlive(nats)) << "nats-server " << nats << " outlived shoal serve";
   EXPECT_NE(HttpGet(serve.port, "/healthz", 1s).status, 200);
+}
+
+// A `shoal serve` killed outright (SIGKILL, the OOM killer) cannot stop its
+// nats-server itself: the kernel sends it SIGTERM when its parent dies.
+TEST(E2eServeShutdown, SigkillLeavesNoNatsServerBehind) {
+  shoal::testing::TempDir dir;
+  Shoal serve = StartServe(dir.path(), {"--models", kModel, "--threads", "1"});
+  ASSERT_EQ(WaitForReadyz(serve.port, 200, 60s), 200);
+  pid_t nats = -1;
+  for (pid_t child : Descendants(serve.process->pid())) {
+    std::ifstream comm("/proc/" + std::to_string(child) + "/comm");
+    std::string name;
+    std::getline(comm, name);
+    if (name == "nats-server") nats = child;
+  }
+  ASSERT_GT(nats, 0) << "no nats-server child of shoal serve";
+  serve.process->Signal(SIGKILL);
+  auto status = serve.process->Wait(15s);
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(WIFSIGNALED(*status) && WTERMSIG(*status) == SIGKILL) << DescribeWaitStatus(*status);
+  bool gone = false;
+  for (int i = 0; i < 500 && !gone; ++i) {  // 10 s: it flushes its file store first
+    gone = !ProcessAlive(nats);
+    if (!gone) std::this_thread::sleep_for(20ms);
+  }
+  if (!gone) ::kill(nats, SIGKILL);  // do not leave it running either way
+  EXPECT_TRUE(gone) << "nats-server " << nats << " outlived a SIGKILLed shoal serve";
 }
 
 }  // namespace
