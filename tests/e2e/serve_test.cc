@@ -478,6 +478,17 @@ TEST_F(E2eServe, EveryBadInputHasItsStatusAndCode) {
   EXPECT_EQ(EmbedOne("still fine").size(), static_cast<size_t>(kDim));
 }
 
+// The nats-server that `shoal serve` (pid) started, or -1.
+pid_t NatsServerChildOf(pid_t pid) {
+  for (pid_t child : Descendants(pid)) {
+    std::ifstream comm("/proc/" + std::to_string(child) + "/comm");
+    std::string name;
+    std::getline(comm, name);
+    if (name == "nats-server") return child;
+  }
+  return -1;
+}
+
 // SIGTERM stops everything `shoal serve` started, promptly and cleanly.
 TEST(E2eServeShutdown, SigtermExitsZeroAndStopsNatsServer) {
   shoal::testing::TempDir dir;
@@ -486,13 +497,7 @@ TEST(E2eServeShutdown, SigtermExitsZeroAndStopsNatsServer) {
   // Work has gone through the queue, so the file store has something to flush.
   EmbedOrThrow(serve.port, kModel, {"one request before the signal"});
 
-  pid_t nats = -1;
-  for (pid_t child : Descendants(serve.process->pid())) {
-    std::ifstream comm("/proc/" + std::to_string(child) + "/comm");
-    std::string name;
-    std::getline(comm, name);
-    if (name == "nats-server") nats = child;
-  }
+  const pid_t nats = NatsServerChildOf(serve.process->pid());
   ASSERT_GT(nats, 0) << "no nats-server child of shoal serve";
   ASSERT_TRUE(ProcessAlive(nats));
 
@@ -511,13 +516,7 @@ TEST(E2eServeShutdown, SigkillLeavesNoNatsServerBehind) {
   shoal::testing::TempDir dir;
   Shoal serve = StartServe(dir.path(), {"--models", kModel, "--threads", "1"});
   ASSERT_EQ(WaitForReadyz(serve.port, 200, 60s), 200);
-  pid_t nats = -1;
-  for (pid_t child : Descendants(serve.process->pid())) {
-    std::ifstream comm("/proc/" + std::to_string(child) + "/comm");
-    std::string name;
-    std::getline(comm, name);
-    if (name == "nats-server") nats = child;
-  }
+  const pid_t nats = NatsServerChildOf(serve.process->pid());
   ASSERT_GT(nats, 0) << "no nats-server child of shoal serve";
   serve.process->Signal(SIGKILL);
   auto status = serve.process->Wait(15s);
