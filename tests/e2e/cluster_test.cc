@@ -191,8 +191,11 @@ TEST(E2eCluster, FullQueueGives429WithRetryAfter) {
 
 // SIGKILL one of two workers while both are busy: its unacked work is
 // redelivered to the other one after AckWait, and every request still gets
-// exactly one complete, correct answer.
-TEST(E2eCluster, WorkerKilledMidBatchLosesNothing) {
+// exactly one complete, correct answer. Once in a while the kill lands
+// between two of the victim's batches, when it holds nothing: then nothing
+// is redelivered and the run did not test the point, so it is run again, on
+// fresh processes, up to three times. Every run must lose nothing.
+void RunWorkerKilledMidBatch(double* redelivered, std::string* what) {
   shoal::testing::TestNatsServer nats;
   Shoal gateway = StartGateway(nats.url());
   Shoal victim = StartWorker(nats.url(), kCrashWorkerFlags);
@@ -237,8 +240,20 @@ TEST(E2eCluster, WorkerKilledMidBatchLosesNothing) {
   EXPECT_EQ(WaitForQueueDepth(gateway.port, 0, 20s), 0);
   // The survivor really ran work the victim had taken and not acked.
   const std::string survivor_metrics = HttpGet(*metrics_port, "/metrics").body;
-  EXPECT_GT(MetricValue(survivor_metrics, "shoal_worker_redelivered_total"), 0)
-      << "killed after " << completed_at_kill << " requests; nothing was redelivered:\n" << survivor_metrics;
+  *redelivered = MetricValue(survivor_metrics, "shoal_worker_redelivered_total");
+  *what = "killed after " + std::to_string(completed_at_kill) + " requests; nothing was redelivered:\n" +
+          survivor_metrics;
+}
+
+TEST(E2eCluster, WorkerKilledMidBatchLosesNothing) {
+  double redelivered = 0;
+  std::string what;
+  for (int attempt = 1; attempt <= 3 && redelivered == 0; ++attempt) {
+    SCOPED_TRACE("attempt " + std::to_string(attempt));
+    RunWorkerKilledMidBatch(&redelivered, &what);
+    if (::testing::Test::HasFailure()) return;  // lost or wrong answers: no retry
+  }
+  EXPECT_GT(redelivered, 0) << what;
 }
 
 // Work sent while no worker runs waits in the queue; a worker started later
