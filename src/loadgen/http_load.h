@@ -79,7 +79,8 @@ struct LoadOptions {
   // `requests`) is sent, returning any value; `on_request_done` with that
   // value when the request ends: its HTTP status (0: the connection
   // failed), its latency, and whether it counts in the measured window (the
-  // same rule as `completed` and `errors`). Every request that was sent ends
+  // rule of `completed`; `errors` also counts failed connects that carried
+  // no request, which no observer sees). Every request that was sent ends
   // once, except those still in flight when RunLoad gives up on them.
   std::function<uint64_t(size_t request)> on_request_sent;
   std::function<void(size_t request, uint64_t sent_value, int status, double latency_ms, bool in_window)>
