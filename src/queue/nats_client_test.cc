@@ -1,5 +1,6 @@
 // Integration tests against a real nats-server -js on a free loopback port.
 #include "queue/nats_client.h"
+#include "queue/nats_server_process.h"
 
 #include <nats/nats.h>
 
@@ -35,6 +36,21 @@ TEST(NatsClient, ConnectFailsCleanlyWithoutServer) {
   o.connect_timeout_ms = 300;
   auto c = NatsClient::Connect(o);
   EXPECT_EQ(c.status().code(), StatusCode::kUnavailable) << c.status().ToString();
+}
+
+// A nats-server that cannot be started says why, with either spawn.
+TEST(NatsServerProcess, MissingBinaryIsUnavailableWithTheReason) {
+  shoal::testing::TempDir dir;
+  for (const bool die_with_parent : {false, true}) {
+    NatsServerOptions o;
+    o.binary = "/nonexistent/nats-server";
+    o.data_dir = dir.path() + "/js";
+    o.die_with_parent = die_with_parent;
+    auto s = NatsServerProcess::Start(o);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.status().code(), StatusCode::kUnavailable);
+    EXPECT_NE(s.status().message().find("No such file or directory"), std::string::npos) << s.status().ToString();
+  }
 }
 
 TEST_F(NatsClientTest, OwnerCreatesStreamOthersVerify) {

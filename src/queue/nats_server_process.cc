@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -16,8 +15,6 @@
 #include <filesystem>
 #include <thread>
 #include <vector>
-
-extern char** environ;
 
 namespace shoal {
 
@@ -58,28 +55,12 @@ bool PortAcceptsConnections(const std::string& host, int port) {
 
 namespace {
 
-// Both spawns: stdin from /dev/null, stdout and stderr to `log`, and its own
-// process group (a Ctrl-C aimed at us is forwarded by us, in order).
-// Return 0 or the errno of the failed start.
-int SpawnPlain(std::vector<char*>& argv, const std::string& log, pid_t* pid) {
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  posix_spawn_file_actions_addopen(&fa, STDERR_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
-  posix_spawnattr_setpgroup(&attr, 0);
-  int rc = posix_spawnp(pid, argv[0], &fa, &attr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  posix_spawnattr_destroy(&attr);
-  return rc;
-}
-
-// posix_spawn cannot set PR_SET_PDEATHSIG: fork and exec, with a
-// close-on-exec pipe that carries the errno of a failed exec back.
-int SpawnDyingWithParent(std::vector<char*>& argv, const std::string& log, pid_t* pid) {
+// Starts argv with stdin from /dev/null, stdout and stderr to `log`, in its
+// own process group (a Ctrl-C aimed at us is forwarded by us, in order) and,
+// with `die_with_parent`, PR_SET_PDEATHSIG (which posix_spawn cannot set).
+// Fork and exec, with a close-on-exec pipe that carries the errno of a
+// failed exec back. Returns 0 or that errno.
+int Spawn(std::vector<char*>& argv, const std::string& log, bool die_with_parent, pid_t* pid) {
   int pipefd[2];
   if (::pipe2(pipefd, O_CLOEXEC) != 0) return errno;
   const pid_t parent = ::getpid();
@@ -93,9 +74,11 @@ int SpawnDyingWithParent(std::vector<char*>& argv, const std::string& log, pid_t
   if (child == 0) {
     // Only async-signal-safe calls from here on.
     ::setpgid(0, 0);
-    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
     int e = 0;
-    if (::getppid() != parent) ::_exit(127);  // the parent died already
+    if (die_with_parent) {
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != parent) ::_exit(127);  // the parent died already
+    }
     const int in = ::open("/dev/null", O_RDONLY);
     const int out = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     if (in < 0 || out < 0 || ::dup2(in, STDIN_FILENO) < 0 || ::dup2(out, STDOUT_FILENO) < 0 ||
@@ -145,7 +128,7 @@ Result<std::unique_ptr<NatsServerProcess>> NatsServerProcess::Start(const NatsSe
   argv.push_back(nullptr);
 
   pid_t pid = -1;
-  int rc = o.die_with_parent ? SpawnDyingWithParent(argv, log, &pid) : SpawnPlain(argv, log, &pid);
+  int rc = Spawn(argv, log, o.die_with_parent, &pid);
   if (rc != 0) {
     return Unavailable("cannot start " + o.binary + " (is the nats-server package installed? "
                        "run scripts/install-deps.sh): " + std::strerror(rc));

@@ -536,6 +536,7 @@ Status ModelManager::WaitLoadedLocked(std::unique_lock<std::mutex>& lock, Entry&
 void ModelManager::TouchLocked(Entry& e) {
   e.last_use_seq = ++use_seq_;
   e.last_used_unix_ms = clock_->NowUnixMs();
+  if (options_.eviction != EvictionPolicy::kGdsf) return;
   e.uses += 1;
   const double cost = std::max(e.load_seconds_last, 1e-3);
   e.gdsf_priority = gdsf_inflation_ + e.uses * cost / static_cast<double>(std::max<int64_t>(e.measured_bytes, 1));
