@@ -101,7 +101,7 @@ struct Flags {
   int64_t demand_poll_ms = 250;
   int64_t fetch_poll_ms = 500;  // the worker's default long-poll
   int load_nice = WorkerOptions{}.load_nice;
-  int device_slots = 1;      // forward passes at once
+  int device_slots = WorkerOptions{}.device_slots;  // 0: auto (one per core, passes widen)
   std::string eviction = "lru";
   std::string preload = "top";  // top: most popular models that fit; none
   uint64_t seed = 1;
@@ -533,7 +533,7 @@ struct PhaseReport {
   int64_t cold_sent = 0, reloaded = 0;
   int64_t top_ok = 0, top_waited = 0;  // requests to the --budget-models most popular models
   double proc_cores = 0, client_cores = 0, nats_cores = 0, other_cores = 0;
-  double model_busy = 0;        // forward seconds / window
+  double model_busy = 0;        // forward seconds / window (passes at once add up)
   int64_t passes = 0;           // forward passes
   double rows_per_pass = 0;
   double forward_ms_per_request = 0;
@@ -703,7 +703,8 @@ void PrintPhase(const char* name, const PhaseReport& p) {
               p.memory_used_mean_mb);
   std::printf("            accounted footprint of a resident model: small %.1f MiB, large %.1f MiB\n", p.small_mb,
               p.large_mb);
-  std::printf("            model busy %.0f%%: %lld forward passes, %.1f rows each, %.2f ms of forward time per request\n",
+  std::printf("            forward passes busy %.0f%% (summed over passes running at once): %lld passes, %.1f rows each, "
+              "%.2f ms of forward time per request\n",
               100 * p.model_busy, static_cast<long long>(p.passes), p.rows_per_pass, p.forward_ms_per_request);
   std::printf("            loader busy %.0f%%; loads %lld, evictions %lld (%.0f/min)\n", 100 * p.loader_busy,
               static_cast<long long>(p.loads), static_cast<long long>(p.evictions), p.evictions * 60 / p.window_s);
@@ -991,8 +992,8 @@ int Main(int argc, char** argv) {
   app.add_option("--fetch-poll-ms", f.fetch_poll_ms, "Worker's fetch long-poll per model")->capture_default_str();
   app.add_option("--eviction", f.eviction, "Worker's eviction policy")
       ->check(CLI::IsMember({"lru", "gdsf"}))->capture_default_str();
-  app.add_option("--device-slots", f.device_slots, "Worker's forward passes at once")
-      ->check(CLI::Range(1, 64))->capture_default_str();
+  app.add_option("--device-slots", f.device_slots, "Worker's forward passes at once (0: auto, as shoal serve)")
+      ->check(CLI::Range(0, 64))->capture_default_str();
   app.add_option("--load-nice", f.load_nice, "Worker's nice value of model loads (0: serving's priority)")
       ->check(CLI::Range(0, 19))->capture_default_str();
   app.add_option("--preload", f.preload, "Fleet phase: top (most popular that fit) or none")

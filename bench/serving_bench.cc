@@ -79,6 +79,7 @@ struct Flags {
   int clients = 64;
   int client_threads = 1;
   int threads = 0;          // intra-op threads (0: all cores)
+  int device_slots = WorkerOptions{}.device_slots;  // the worker's (0: auto)
   int http_threads = 2;
   int chunk_size = 32;
   int64_t max_wait_us = -1;      // -1: the model's shoal.json
@@ -386,6 +387,7 @@ class Stack {
     WorkerOptions wo;
     wo.model_repository = repo;
     wo.intra_op_threads = f.threads;
+    wo.device_slots = f.device_slots;
     wo.runtime_override = runtime_override;
     wo.stream.file_storage = !f.queue_memory;
     ASSIGN_OR_RETURN(s->worker_, Worker::Create(wo, wk_client, &s->metrics_));
@@ -556,6 +558,8 @@ int Main(int argc, char** argv) {
   app.add_option("--clients", f.clients, "Concurrent closed-loop HTTP clients")->capture_default_str();
   app.add_option("--client-threads", f.client_threads, "Threads of the HTTP client")->capture_default_str();
   app.add_option("--threads", f.threads, "Intra-op threads, raw and worker (0: all cores)")->capture_default_str();
+  app.add_option("--device-slots", f.device_slots, "Worker's device slots (0: auto, as shoal serve)")
+      ->check(CLI::Range(0, 64))->capture_default_str();
   app.add_option("--http-threads", f.http_threads, "Gateway HTTP io threads")->capture_default_str();
   app.add_option("--chunk-size", f.chunk_size, "Gateway inputs per queue message")->capture_default_str();
   app.add_option("--max-wait-us", f.max_wait_us, "Batching window (-1: the model's shoal.json)")->capture_default_str();

@@ -26,6 +26,9 @@ struct TokenBatch {
   std::vector<int64_t> attention_mask; // rows * seq_len, 1 = real token
   // rows * seq_len, 1 = second text of a pair; empty: all 0 (single texts).
   std::vector<int64_t> token_type_ids;
+  // Intra-op threads for this pass; 0: the model's configured count. Only
+  // runtimes whose TakesThreadCount() is true honour it.
+  int threads = 0;
 };
 
 // Row-major float32 output, one row per input row: an embedding (task
@@ -71,6 +74,10 @@ class Runtime {
   // (a long generation upstream must not stall the models computing here)
   // and do not count as device busy time.
   virtual bool UsesDevice() const { return true; }
+  // Whether Run() computes on this host's CPU cores and honours
+  // TokenBatch::threads, so a pass can run on fewer cores while other
+  // models' passes use the rest. False: a pass takes the whole device.
+  virtual bool TakesThreadCount() const { return false; }
   // Releases the model. Safe to call twice.
   virtual void Unload() = 0;
   // Resident memory attributed to this model, measured at load time.

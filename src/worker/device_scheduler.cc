@@ -22,18 +22,19 @@ Status DeviceSchedulerOptions::Validate() const {
 }
 
 DeviceScheduler::Turn::Turn(Turn&& other) noexcept
-    : scheduler_(std::exchange(other.scheduler_, nullptr)) {}
+    : scheduler_(std::exchange(other.scheduler_, nullptr)), width_(other.width_) {}
 
 DeviceScheduler::Turn& DeviceScheduler::Turn::operator=(Turn&& other) noexcept {
   if (this != &other) {
     Release();
     scheduler_ = std::exchange(other.scheduler_, nullptr);
+    width_ = other.width_;
   }
   return *this;
 }
 
 void DeviceScheduler::Turn::Release() {
-  if (DeviceScheduler* s = std::exchange(scheduler_, nullptr)) s->ReleaseSlot();
+  if (DeviceScheduler* s = std::exchange(scheduler_, nullptr)) s->ReleaseSlots(width_);
 }
 
 DeviceScheduler::DeviceScheduler(DeviceSchedulerOptions options, const Clock* clock)
@@ -44,24 +45,29 @@ DeviceScheduler::DeviceScheduler(DeviceSchedulerOptions options, const Clock* cl
 Result<DeviceScheduler::Turn> DeviceScheduler::Acquire(const std::string& model,
                                                        int64_t oldest_enqueued_mono_us,
                                                        int64_t backlog,
-                                                       const std::atomic<bool>* cancel) {
+                                                       const std::atomic<bool>* cancel,
+                                                       PassWidth width) {
   auto cancelled = [cancel] { return cancel != nullptr && cancel->load(); };
-  auto grant = [&]() -> Turn {
+  const int min_width = std::clamp(width.min, 1, slots_);
+  const int max_width = std::clamp(width.max, min_width, slots_);
+  auto grant = [&](int w) -> Turn {
     auto it = turns_granted_.find(model);
     if (it == turns_granted_.end()) it = turns_granted_.emplace(model, 0).first;
     ++it->second;
-    return Turn(this);
+    return Turn(this, w);
   };
 
   std::unique_lock<std::mutex> lock(mu_);
   if (shutdown_) return Unavailable("device scheduler is shutting down", "shutting_down");
   if (cancelled()) return Unavailable("cancelled while waiting for the device", "cancelled");
-  if (running_ < slots_ && waiters_.empty()) {
-    ++running_;
-    return grant();
+  if (waiters_.empty() && running_ + min_width <= slots_) {
+    const int w = running_ == 0 ? max_width : min_width;
+    running_ += w;
+    return grant(w);
   }
 
   Waiter self;
+  self.width = min_width;
   self.weight =
       1.0 + backlog_weight_ * std::log2(1.0 + static_cast<double>(std::max<int64_t>(0, backlog)));
   self.oldest_enqueued_mono_us = oldest_enqueued_mono_us;
@@ -76,14 +82,14 @@ Result<DeviceScheduler::Turn> DeviceScheduler::Acquire(const std::string& model,
         // Granted while we were being cancelled: the slot is ours to give
         // back, or it would leak.
         ++handed_back_;
-        ReleaseSlotLocked();
+        ReleaseSlotsLocked(self.width);
       } else {
         waiters_.erase(std::find(waiters_.begin(), waiters_.end(), &self));
       }
       if (shutdown_) return Unavailable("device scheduler is shutting down", "shutting_down");
       return Unavailable("cancelled while waiting for the device", "cancelled");
     }
-    if (self.granted) return grant();
+    if (self.granted) return grant(self.width);
     if (cancel != nullptr) {
       self.cv.wait_for(lock, kCancelPoll);
     } else {
@@ -114,13 +120,13 @@ uint64_t DeviceScheduler::turns_granted(const std::string& model) const {
   return it == turns_granted_.end() ? 0 : it->second;
 }
 
-void DeviceScheduler::ReleaseSlot() {
+void DeviceScheduler::ReleaseSlots(int width) {
   std::lock_guard<std::mutex> lock(mu_);
-  ReleaseSlotLocked();
+  ReleaseSlotsLocked(width);
 }
 
-void DeviceScheduler::ReleaseSlotLocked() {
-  --running_;
+void DeviceScheduler::ReleaseSlotsLocked(int width) {
+  running_ -= width;
   GrantLocked();
 }
 
@@ -144,9 +150,12 @@ void DeviceScheduler::GrantLocked() {
       }
     }
     Waiter* w = waiters_[best];
+    // The best waiter waits for room rather than being overtaken by
+    // narrower ones behind it.
+    if (running_ + w->width > slots_) return;
     waiters_.erase(waiters_.begin() + static_cast<std::ptrdiff_t>(best));
     w->granted = true;
-    ++running_;
+    running_ += w->width;
     w->cv.notify_one();
   }
 }

@@ -29,7 +29,7 @@ class DeviceSchedulerTestPeer {
   static void CancelThenFreeSlot(DeviceScheduler& s, std::atomic<bool>& cancel) {
     std::lock_guard<std::mutex> lock(s.mu_);
     cancel = true;
-    s.ReleaseSlotLocked();
+    s.ReleaseSlotsLocked(1);
   }
   static uint64_t HandedBack(const DeviceScheduler& s) {
     std::lock_guard<std::mutex> lock(s.mu_);
@@ -318,6 +318,95 @@ TEST(DeviceScheduler, TwoSlotsRunTwoAtOnceAndAThirdWaits) {
   EXPECT_EQ(s.turns_granted("c"), 1u);
   EXPECT_EQ(s.running(), 1);  // a still runs; c has released
   a->Release();
+  EXPECT_EQ(s.running(), 0);
+}
+
+TEST(DeviceScheduler, PassAloneOnTheDeviceTakesItsMaxWidth) {
+  FakeClock clock;
+  DeviceScheduler s(Options(4), &clock);
+  auto lone = s.Acquire("a", 0, 0, nullptr, {1, 4});
+  ASSERT_TRUE(lone.ok());
+  EXPECT_EQ(lone->width(), 4);
+  EXPECT_EQ(s.running(), 4);
+  lone->Release();
+  // A max above the slots is clamped to them; a max below min counts as min.
+  auto wide = s.Acquire("a", 0, 0, nullptr, {1, 9});
+  ASSERT_TRUE(wide.ok());
+  EXPECT_EQ(wide->width(), 4);
+  wide->Release();
+  auto odd = s.Acquire("a", 0, 0, nullptr, {3, 2});
+  ASSERT_TRUE(odd.ok());
+  EXPECT_EQ(odd->width(), 3);
+  odd->Release();
+  EXPECT_EQ(s.running(), 0);
+  EXPECT_EQ(Turn().width(), 0);
+}
+
+TEST(DeviceScheduler, PassThatFindsOthersRunningTakesItsMinWidth) {
+  FakeClock clock;
+  DeviceScheduler s(Options(2), &clock);
+  auto a = s.Acquire("a", 0, 0, nullptr, {1, 2});
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->width(), 2);
+  // b waits for a's two slots, and once granted runs on one: it met
+  // competition, so the models now share the device side by side.
+  std::atomic<int> b_width{-1};
+  std::thread tb([&] {
+    auto b = s.Acquire("b", 0, 0, nullptr, {1, 2});
+    ASSERT_TRUE(b.ok());
+    b_width = b->width();
+    ASSERT_TRUE(WaitUntil([&] { return s.turns_granted("a") == 2; }));
+  });
+  ASSERT_TRUE(WaitUntil([&] { return s.waiting() == 1; }));
+  a->Release();
+  ASSERT_TRUE(WaitUntil([&] { return b_width.load() >= 0; }));
+  EXPECT_EQ(b_width.load(), 1);
+  // a comes back while b runs: one slot is free and nobody waits, so it
+  // starts at once on that one slot.
+  auto again = s.Acquire("a", 0, 0, nullptr, {1, 2});
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->width(), 1);
+  EXPECT_EQ(s.running(), 2);
+  tb.join();
+  again->Release();
+  EXPECT_EQ(s.running(), 0);
+}
+
+TEST(DeviceScheduler, WideWaiterIsNotOvertakenByNarrowerOnes) {
+  FakeClock clock;
+  DeviceScheduler s(Options(2), &clock);
+  auto a = s.Acquire("a", 0, 0);
+  auto b = s.Acquire("b", 0, 0);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(b.ok());
+  std::mutex mu;
+  std::vector<std::string> order;  // guarded by mu
+  // "whole" needs both slots and has the oldest work; "narrow" arrives later
+  // with younger work and needs one.
+  std::thread whole([&] {
+    auto t = s.Acquire("whole", -1'000, 0, nullptr, {2, 2});
+    ASSERT_TRUE(t.ok());
+    EXPECT_EQ(t->width(), 2);
+    std::lock_guard<std::mutex> lock(mu);
+    order.push_back("whole");
+  });
+  ASSERT_TRUE(WaitUntil([&] { return s.waiting() == 1; }));
+  std::thread narrow([&] {
+    auto t = s.Acquire("narrow", 0, 0, nullptr, {1, 1});
+    ASSERT_TRUE(t.ok());
+    std::lock_guard<std::mutex> lock(mu);
+    order.push_back("narrow");
+  });
+  ASSERT_TRUE(WaitUntil([&] { return s.waiting() == 2; }));
+  // One slot frees: "narrow" would fit but "whole" is first in line.
+  a->Release();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(s.waiting(), 2);
+  EXPECT_EQ(s.running(), 1);
+  b->Release();
+  whole.join();
+  narrow.join();
+  EXPECT_EQ(order, (std::vector<std::string>{"whole", "narrow"}));
   EXPECT_EQ(s.running(), 0);
 }
 

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <map>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -304,6 +305,83 @@ TEST_F(FleetTest, LoadsRunAtTheLoadNiceValueServingDoesNot) {
   EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
   bad.load_nice = 0;
   bad.eviction = "mru";
+  EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
+}
+
+// Records the thread count each pass was given and what libtorch ran it
+// on; `hold` (when set) makes a pass wait that long, after saying it runs.
+class WidthProbeRuntime final : public Runtime {
+ public:
+  struct Seen {
+    std::atomic<int> batch_threads{-1};  // TokenBatch::threads of the last pass
+    std::atomic<bool> running{false};
+    std::atomic<int> hold_ms{0};
+  };
+  WidthProbeRuntime(std::unique_ptr<Runtime> inner, Seen* seen) : inner_(std::move(inner)), seen_(seen) {}
+  Status Load(const ModelConfig& c) override { return inner_->Load(c); }
+  Result<Embeddings> Run(const TokenBatch& b) override {
+    seen_->batch_threads = b.threads;
+    seen_->running = true;
+    if (const int ms = seen_->hold_ms.exchange(0); ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return inner_->Run(b);
+  }
+  bool TakesThreadCount() const override { return inner_->TakesThreadCount(); }
+  void Unload() override { inner_->Unload(); }
+  int64_t MemoryBytes() const override { return inner_->MemoryBytes(); }
+  int Dim() const override { return inner_->Dim(); }
+
+ private:
+  std::unique_ptr<Runtime> inner_;
+  Seen* seen_;
+};
+
+TEST_F(FleetTest, AutoSlotsGiveALoneModelEveryCoreAndCompetingModelsOneEach) {
+  MakeFleetRepository(repo_.path(), {"tiny-a", "tiny-b"});
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  std::map<std::string, WidthProbeRuntime::Seen> seen;
+  seen["tiny-a"];
+  seen["tiny-b"];
+  WorkerOptions wo = Options();
+  wo.intra_op_threads = 0;  // the models' own: 0, every core
+  wo.preload = {"all"};
+  ASSERT_EQ(wo.device_slots, 0);  // the default: auto
+  wo.runtime_factory = [&](const ModelConfig& c) -> Result<std::unique_ptr<Runtime>> {
+    ASSIGN_OR_RETURN(auto inner, CreateRuntime(c.runtime));
+    return std::unique_ptr<Runtime>(new WidthProbeRuntime(std::move(inner), &seen.at(c.name)));
+  };
+  Member w = Start(wo);
+  ASSERT_NE(w.worker, nullptr);
+  ASSERT_TRUE(Eventually([&] { return w.worker->LoadedModels().size() == 2; }));
+
+  // Alone on the device: every core.
+  ASSERT_TRUE(Embed("tiny-a", "alone").ok());
+  EXPECT_EQ(seen["tiny-a"].batch_threads.load(), cores);
+
+  // tiny-b's work arrives while tiny-a's pass holds the device: it waits,
+  // and once it runs, it runs on one core.
+  seen["tiny-a"].running = false;
+  seen["tiny-a"].hold_ms = 1000;
+  auto a = EmbedAsync("tiny-a", "holds the device");
+  ASSERT_TRUE(Eventually([&] { return seen["tiny-a"].running.load(); }));
+  auto b = EmbedAsync("tiny-b", "arrives while it runs");
+  ASSERT_TRUE(a.get().ok());
+  ASSERT_TRUE(b.get().ok());
+  EXPECT_EQ(seen["tiny-b"].batch_threads.load(), 1);
+
+  // Alone again: every core.
+  ASSERT_TRUE(Embed("tiny-b", "alone again").ok());
+  EXPECT_EQ(seen["tiny-b"].batch_threads.load(), cores);
+  w.worker.reset();
+
+  // An explicit slot count: one slot a pass, on the model's own threads.
+  wo.device_slots = 1;
+  Member fixed = Start(wo);
+  ASSERT_NE(fixed.worker, nullptr);
+  ASSERT_TRUE(Embed("tiny-a", "fixed slots").ok());
+  EXPECT_EQ(seen["tiny-a"].batch_threads.load(), 0);
+
+  WorkerOptions bad = Options();
+  bad.device_slots = -1;
   EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
 }
 

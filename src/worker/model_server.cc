@@ -468,10 +468,11 @@ void ModelServer::ExecLoop() {
         lock.unlock();
         if (d_.backlog) backlog = std::max(backlog, d_.backlog());
         const int64_t t0 = d_.clock->NowMonoUs();
-        auto acquired = d_.scheduler->Acquire(d_.config.name, oldest, backlog, &stop_);
+        auto acquired = d_.scheduler->Acquire(d_.config.name, oldest, backlog, &stop_, WantedWidth());
         // Stopping: what is held goes back (Stop() releases the batcher).
         if (!acquired.ok()) break;
         turn = std::move(acquired).value();
+        turn_width_ = turn.width();
         turn_wait_seconds_->Observe(static_cast<double>(d_.clock->NowMonoUs() - t0) / 1e6);
         lock.lock();
         if (stop_) break;
@@ -495,6 +496,16 @@ void ModelServer::ExecLoop() {
     turn.Release();
     if (d_.on_batch) d_.on_batch();
   }
+}
+
+PassWidth ModelServer::WantedWidth() const {
+  if (!d_.slots_are_cores || d_.scheduler == nullptr) return {1, 1};
+  const int slots = d_.scheduler->slots();
+  // A runtime that cannot run on fewer cores (a socket runtime, OCR, the
+  // simulated accelerator) has the device to itself, as with one slot.
+  if (!d_.runtime->TakesThreadCount()) return {slots, slots};
+  const int cap = d_.config.intra_op_threads > 0 ? std::min(d_.config.intra_op_threads, slots) : slots;
+  return {1, cap};
 }
 
 void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
@@ -554,10 +565,11 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
         std::fill(tb.token_type_ids.begin() + at + second, tb.token_type_ids.begin() + at + ids.size(), 1);
       }
     }
+    if (d_.slots_are_cores && d_.runtime->TakesThreadCount()) tb.threads = turn_width_;
     const int64_t t0 = d_.clock->NowMonoUs();
     auto out = d_.runtime->Run(tb);
     const int64_t run_us = d_.clock->NowMonoUs() - t0;
-    if (d_.busy_us) d_.busy_us->fetch_add(run_us);
+    if (d_.busy_us) d_.busy_us->fetch_add(run_us * turn_width_);
     run_seconds_->Observe(static_cast<double>(run_us) / 1e6);
     batches_->Inc();
     batch_rows_->Observe(tb.rows);
@@ -652,7 +664,7 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
   const int64_t t0 = d_.clock->NowMonoUs();
   auto out = d_.runtime->RunItems(inputs, partial);
   const int64_t run_us = d_.clock->NowMonoUs() - t0;
-  if (d_.busy_us && d_.runtime->UsesDevice()) d_.busy_us->fetch_add(run_us);
+  if (d_.busy_us && d_.runtime->UsesDevice()) d_.busy_us->fetch_add(run_us * turn_width_);
   run_seconds_->Observe(static_cast<double>(run_us) / 1e6);
   batches_->Inc();
   batch_rows_->Observe(static_cast<double>(inputs.size()));

@@ -78,6 +78,12 @@ struct ModelServerDeps {
   int64_t ack_wait_ms = 30000;
   int max_deliver = 5;
   DeviceScheduler* scheduler = nullptr;           // null: run without turns
+  // The scheduler's slots are this host's CPU cores: a pass of a runtime
+  // that TakesThreadCount() asks for 1..intra_op_threads of them (see
+  // PassWidth) and runs on as many threads as it got; any other runtime's
+  // pass takes every slot. False: every pass takes one
+  // slot and runs on the model's configured threads.
+  bool slots_are_cores = false;
   // Fetches payloads of work messages that carry a reference and offloads
   // large replies; null: a referenced payload is answered blob_store_missing.
   BlobOffload* blob = nullptr;
@@ -137,6 +143,8 @@ class ModelServer final : public ModelAttachment {
   // the device. Requires mu_.
   void MaybeReleaseClaimLocked();
   void ExecLoop();
+  // What this model's passes ask the scheduler for (see slots_are_cores).
+  PassWidth WantedWidth() const;
   void RunBatch(std::vector<std::unique_ptr<PendingWork>> batch);
   // Item work (TakesItems runtimes): whole inputs, no tokenizer.
   Result<std::unique_ptr<PendingWork>> PrepareItems(wire::WorkBody body) const;
@@ -166,6 +174,10 @@ class ModelServer final : public ModelAttachment {
   bool claim_held_ = false;           // guarded by mu_: waiting work holds a PullGate claim
   double avg_tokens_per_msg_ = 32;    // fetcher thread only
   int64_t gated_poll_ms_ = 20;        // fetcher thread only: pull length under a PullGate
+  // Executor thread only: slots held by the current turn (1 without a
+  // scheduler); the pass's threads when slots_are_cores, and the weight of
+  // its run time in busy_us.
+  int turn_width_ = 1;
   std::thread fetcher_;
   std::thread executor_;
 

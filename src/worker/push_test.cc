@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <future>
 #include <mutex>
+#include <algorithm>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -240,13 +241,15 @@ TEST_F(PushTest, BusySecondsGrowWithWorkAndReachTheHeartbeat) {
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(EmbedAsync("sim-a", {"busy " + std::to_string(i)}).get().ok());
   const double after = a.worker->busy_seconds();
   EXPECT_GT(after, 0.0);
-  // The registry entry a gateway's /v1/workers reads carries it too.
+  // The registry entry a gateway's /v1/workers reads carries it too, with
+  // the slots the default (auto) resolved to: one per core.
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   auto kv = KvBucket::Bind(*client_, wire::kWorkersBucket);
   ASSERT_TRUE(kv.ok());
   ASSERT_TRUE(Eventually([&] {
     auto v = (*kv)->Get("push-busy");
     WorkerInfo info;
-    return v.ok() && ParseWorkerHeartbeat(*v, &info) && info.busy_seconds >= after && info.device_slots == 1;
+    return v.ok() && ParseWorkerHeartbeat(*v, &info) && info.busy_seconds >= after && info.device_slots == cores;
   }));
   // The load report has the same counter and the loaded models.
   auto report = nlohmann::json::parse(a.worker->LoadReportJson());

@@ -36,7 +36,7 @@ Status WorkerOptions::Validate() const {
     return InvalidArgument("worker: heartbeat_ttl_ms must exceed heartbeat_interval_ms");
   if (memory_budget_bytes < 0) return InvalidArgument("worker: memory_budget_bytes must be >= 0");
   if (max_models < 0) return InvalidArgument("worker: max_models must be >= 0");
-  if (device_slots < 1) return InvalidArgument("worker: device_slots must be >= 1");
+  if (device_slots < 0) return InvalidArgument("worker: device_slots must be >= 0");
   if (demand_poll_ms < 10) return InvalidArgument("worker: demand_poll_ms must be >= 10");
   if (claim_ttl_ms < 1000) return InvalidArgument("worker: claim_ttl_ms must be >= 1000");
   if (scale_out_backlog < 0) return InvalidArgument("worker: scale_out_backlog must be >= 0");
@@ -142,7 +142,11 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
                                     "Waiting work answered with a model's load error.");
 
   DeviceSchedulerOptions so;
-  so.slots = options.device_slots;
+  // 0: one slot per core, and a pass takes as many as it finds free (see
+  // ModelServerDeps::slots_are_cores).
+  w->slots_are_cores_ = options.device_slots == 0;
+  so.slots = w->slots_are_cores_ ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))
+                                 : options.device_slots;
   RETURN_IF_ERROR(so.Validate());
   w->scheduler_ = std::make_unique<DeviceScheduler>(so, clock);
   w->held_rows_ = std::make_unique<HeldRows>(options.max_held_rows);
@@ -315,6 +319,7 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   deps.ack_wait_ms = options_.consumer.ack_wait_ms;
   deps.max_deliver = options_.consumer.max_deliver;
   deps.scheduler = scheduler_.get();
+  deps.slots_are_cores = slots_are_cores_;
   deps.blob = blob_.get();
   const std::string name = c.name;
   // The manager itself, not manager_: Stop() resets manager_ (null) while
@@ -387,7 +392,7 @@ std::string Worker::HeartbeatJson() const {
             {"memory_used_bytes", manager_->memory_used_bytes()},
             {"memory_budget_bytes", options_.memory_budget_bytes},
             {"max_models", options_.max_models},
-            {"device_slots", options_.device_slots},
+            {"device_slots", scheduler_->slots()},
             {"busy_seconds", busy_seconds()},
             {"models", models}};
   return j.dump();
@@ -398,7 +403,7 @@ std::string Worker::LoadReportJson() const {
             {"unix_ms", SystemClock::Get()->NowUnixMs()},
             {"outstanding_rows", held_rows_->count()},
             {"busy_seconds", busy_seconds()},
-            {"device_slots", options_.device_slots},
+            {"device_slots", scheduler_->slots()},
             {"interval_ms", options_.load_report_interval_ms},
             {"models", LoadedModels()}};
   return j.dump();

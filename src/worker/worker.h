@@ -62,7 +62,10 @@ struct WorkerOptions {
   // Loaded at start, in order, while they fit without evicting; evictable.
   // {"all"}: every catalog model (the default); empty: none.
   std::vector<std::string> preload = {"all"};
-  int device_slots = 1;              // forward passes at once on this device
+  // Forward passes at once on this device, each on the model's threads.
+  // 0 (auto): one slot per core; a TorchScript pass runs on every core when
+  // it has the device to itself and on one core beside other models' passes.
+  int device_slots = 0;
   int64_t demand_poll_ms = 250;      // how often the stream's backlog per model is read
   int64_t claim_ttl_ms = 15000;      // life of a placement claim
   // Add a replica when a loaded model's backlog per replica exceeds this
@@ -191,6 +194,7 @@ class Worker {
   std::unique_ptr<PullGate> pull_gate_;       // passes claimed ahead of the device
   std::unique_ptr<ProgressKeeper> progress_;  // keeps long batches ours past AckWait
   std::unique_ptr<DeviceScheduler> scheduler_;
+  bool slots_are_cores_ = false;  // device_slots was 0 (auto)
   std::unique_ptr<ModelManager> manager_;
   ModelManager* manager_raw_ = nullptr;  // the same, for threads that outlive manager_'s reset
   NatsSubscriptionPtr control_sub_;

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <torch/script.h>
 
 #include "common/process_memory.h"
@@ -79,6 +80,15 @@ struct TorchScriptRuntime::Impl {
     if (threads_applied_on == std::this_thread::get_id()) return;
     at::set_num_threads(threads);
     threads_applied_on = std::this_thread::get_id();
+  }
+
+  // This pass's thread count, for the calling thread only. at::get_num_threads
+  // first runs libtorch's once-per-thread set-up (which would otherwise reset
+  // the count at the thread's first parallel op); omp_set_num_threads then
+  // changes only this thread's count, where at::set_num_threads would also
+  // rebuild libtorch's process-wide thread pool whenever the count changes.
+  static void ThreadsForPass(int n) {
+    if (at::get_num_threads() != n) omp_set_num_threads(n);
   }
 
   // Returns the pooled [rows, H] float tensor. Throws (caller converts).
@@ -197,7 +207,11 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
 
   // Warm-up: the profiling graph executor records shapes on the first call
   // and optimises on the second, so run twice before serving. The output also
-  // gives the width when shoal.json omits it.
+  // gives the width when shoal.json omits it. On one thread: a load often
+  // runs beside serving at a lower priority (the worker's --load-nice), and
+  // a team of threads would wait at every op for its slowest member, which
+  // gets the CPU last. The graph does not depend on the thread count.
+  Impl::ThreadsForPass(1);
   TokenBatch warm;
   warm.rows = 2;
   warm.seq_len = std::min(16, config.max_seq_len > 0 ? config.max_seq_len : 16);
@@ -256,6 +270,7 @@ Result<Embeddings> TorchScriptRuntime::Run(const TokenBatch& batch) {
   }
   try {
     s.ApplyThreads();
+    Impl::ThreadsForPass(batch.threads > 0 ? batch.threads : s.threads);
     ASSIGN_OR_RETURN(at::Tensor pooled, s.Forward(batch));
     Embeddings out;
     out.rows = batch.rows;

@@ -5,8 +5,10 @@
 // L2 normalisation follow the ModelConfig. libtorch headers stay inside the
 // .cc; this header is safe to include anywhere.
 //
-// Threads: at::set_num_threads is process-global in libtorch; the last
-// loaded model's intra_op_threads wins for every model in the process.
+// Threads: a pass runs on TokenBatch::threads intra-op threads when it is
+// set, else on the model's intra_op_threads (one per hardware thread when
+// 0). The count is set per calling thread (OpenMP), so executors of
+// different models can run passes of different widths at once.
 // Not thread-safe: one caller at a time (see Runtime).
 #pragma once
 
@@ -31,6 +33,7 @@ class TorchScriptRuntime final : public Runtime {
   // shapes, seq_len over max_seq_len or token ids the model rejects;
   // kUnavailable before Load(); kInternal for other libtorch failures.
   Result<Embeddings> Run(const TokenBatch& batch) override;
+  bool TakesThreadCount() const override { return true; }
   void Unload() override;
   // Growth of process RSS across load and warm-up, at least the size of the
   // model's parameters and buffers. Activations of large batches are not

@@ -297,6 +297,36 @@ TEST_F(TinyBert, AppliesThreadCountOnTheCallingThread) {
   EXPECT_EQ(seen, 2);
 }
 
+TEST_F(TinyBert, PassRunsOnTheBatchsThreadCountOnItsOwnThreadOnly) {
+  ModelConfig config = config_;
+  config.intra_op_threads = 2;
+  auto rt = Load(config);
+  ASSERT_NE(rt, nullptr);
+  EXPECT_TRUE(rt->TakesThreadCount());
+  auto two = rt->Run(Batch({{101, 2000, 102}}));
+  ASSERT_TRUE(two.ok()) << two.status().ToString();
+  int narrow = 0;
+  int wide = 0;
+  std::vector<float> narrow_row;
+  std::thread executor([&] {
+    TokenBatch one = Batch({{101, 2000, 102}});
+    one.threads = 1;
+    auto out = rt->Run(one);
+    ASSERT_TRUE(out.ok()) << out.status().ToString();
+    narrow = at::get_num_threads();
+    narrow_row = Row(*out, 0);
+    ASSERT_TRUE(rt->Run(Batch({{101, 2000, 102}})).ok());  // 0: the model's own
+    wide = at::get_num_threads();
+  });
+  executor.join();
+  EXPECT_EQ(narrow, 1);
+  EXPECT_EQ(wide, 2);
+  // The count is the executor thread's: this thread keeps the model's.
+  EXPECT_EQ(at::get_num_threads(), 2);
+  // Fewer threads, same numbers.
+  EXPECT_LT(MaxAbsDiff(narrow_row, Row(*two, 0)), 1e-5);
+}
+
 // ---- Error handling and output forms, with small fixtures built here.
 
 class TorchScriptFixtures : public ::testing::Test {
