@@ -73,7 +73,8 @@ Result<DeviceScheduler::Turn> DeviceScheduler::Acquire(const std::string& model,
   self.oldest_enqueued_mono_us = oldest_enqueued_mono_us;
   waiters_.push_back(&self);
   // Normally a no-op (slots are handed over at release), but keeps the
-  // invariant "free slot implies no ungranted waiter" whatever happened before.
+  // invariant "free slots are held back only for a best waiter that does not
+  // fit in them" whatever happened before.
   GrantLocked();
 
   while (true) {
@@ -85,6 +86,9 @@ Result<DeviceScheduler::Turn> DeviceScheduler::Acquire(const std::string& model,
         ReleaseSlotsLocked(self.width);
       } else {
         waiters_.erase(std::find(waiters_.begin(), waiters_.end(), &self));
+        // A wide waiter at the head may have held back narrower ones that
+        // fit in the free slots.
+        GrantLocked();
       }
       if (shutdown_) return Unavailable("device scheduler is shutting down", "shutting_down");
       return Unavailable("cancelled while waiting for the device", "cancelled");

@@ -17,7 +17,10 @@
 // `min` otherwise, including every pass that had to wait. On a CPU with one
 // slot per core, a model that runs alone can use every core, while models
 // that compete run side by side on one core each instead of taking turns on
-// all of them.
+// all of them. A waiter gets `min` even when it ends up alone: granting it
+// `max` would make the model it waited for wait in turn, and two busy models
+// would alternate wide passes (one at a time on every core) instead of
+// settling side by side.
 #pragma once
 
 #include <atomic>

@@ -351,11 +351,12 @@ TEST(DeviceScheduler, PassThatFindsOthersRunningTakesItsMinWidth) {
   // b waits for a's two slots, and once granted runs on one: it met
   // competition, so the models now share the device side by side.
   std::atomic<int> b_width{-1};
+  std::atomic<bool> release_b{false};
   std::thread tb([&] {
     auto b = s.Acquire("b", 0, 0, nullptr, {1, 2});
     ASSERT_TRUE(b.ok());
     b_width = b->width();
-    ASSERT_TRUE(WaitUntil([&] { return s.turns_granted("a") == 2; }));
+    ASSERT_TRUE(WaitUntil([&] { return release_b.load(); }));
   });
   ASSERT_TRUE(WaitUntil([&] { return s.waiting() == 1; }));
   a->Release();
@@ -367,8 +368,41 @@ TEST(DeviceScheduler, PassThatFindsOthersRunningTakesItsMinWidth) {
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->width(), 1);
   EXPECT_EQ(s.running(), 2);
+  release_b = true;
   tb.join();
   again->Release();
+  EXPECT_EQ(s.running(), 0);
+}
+
+TEST(DeviceScheduler, CancelledWideWaiterLetsTheNarrowOnesBehindItIn) {
+  FakeClock clock;
+  DeviceScheduler s(Options(2), &clock);
+  auto running = s.Acquire("running", 0, 0);  // one slot of two
+  ASSERT_TRUE(running.ok());
+  std::atomic<bool> cancel_whole{false};
+  std::atomic<bool> whole_done{false};
+  std::thread whole([&] {
+    auto t = s.Acquire("whole", -1'000, 0, &cancel_whole, {2, 2});
+    EXPECT_EQ(t.status().reason(), "cancelled");
+    whole_done = true;
+  });
+  ASSERT_TRUE(WaitUntil([&] { return s.waiting() == 1; }));
+  std::atomic<bool> narrow_got{false};
+  std::thread narrow([&] {
+    auto t = s.Acquire("narrow", 0, 0, nullptr, {1, 1});
+    ASSERT_TRUE(t.ok());
+    narrow_got = true;
+  });
+  ASSERT_TRUE(WaitUntil([&] { return s.waiting() == 2; }));
+  EXPECT_FALSE(narrow_got.load());  // held back behind "whole"
+  cancel_whole = true;
+  ASSERT_TRUE(WaitUntil([&] { return whole_done.load(); }));
+  // The free slot goes to "narrow" now, while "running" still holds its own.
+  ASSERT_TRUE(WaitUntil([&] { return narrow_got.load(); }));
+  EXPECT_EQ(s.turns_granted("narrow"), 1u);
+  whole.join();
+  narrow.join();
+  running->Release();
   EXPECT_EQ(s.running(), 0);
 }
 

@@ -337,7 +337,7 @@ class WidthProbeRuntime final : public Runtime {
 
 TEST_F(FleetTest, AutoSlotsGiveALoneModelEveryCoreAndCompetingModelsOneEach) {
   MakeFleetRepository(repo_.path(), {"tiny-a", "tiny-b"});
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = UsableCpus();
   std::map<std::string, WidthProbeRuntime::Seen> seen;
   seen["tiny-a"];
   seen["tiny-b"];

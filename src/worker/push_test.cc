@@ -243,7 +243,7 @@ TEST_F(PushTest, BusySecondsGrowWithWorkAndReachTheHeartbeat) {
   EXPECT_GT(after, 0.0);
   // The registry entry a gateway's /v1/workers reads carries it too, with
   // the slots the default (auto) resolved to: one per core.
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = UsableCpus();
   auto kv = KvBucket::Bind(*client_, wire::kWorkersBucket);
   ASSERT_TRUE(kv.ok());
   ASSERT_TRUE(Eventually([&] {

@@ -1,6 +1,7 @@
 #include "worker/worker.h"
 
 #include <nats/nats.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -26,6 +27,16 @@
 #include "worker/model_server.h"
 
 namespace shoal {
+
+int UsableCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
 
 Status WorkerOptions::Validate() const {
   if (model_repository.empty()) return InvalidArgument("worker: model repository is required");
@@ -124,7 +135,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
     if (options.max_wait_us >= 0) config.batching.max_wait_us = options.max_wait_us;
     RETURN_IF_ERROR(config.Validate());
     if (config.intra_op_threads == 0)
-      config.intra_op_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+      config.intra_op_threads = UsableCpus();
     Backlog& b = w->backlog_[config.name];
     b.msgs_gauge = metrics->GetGauge("shoal_worker_model_backlog",
                                      "Messages held in the work stream for a model (waiting or in flight).",
@@ -145,7 +156,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   // 0: one slot per core, and a pass takes as many as it finds free (see
   // ModelServerDeps::slots_are_cores).
   w->slots_are_cores_ = options.device_slots == 0;
-  so.slots = w->slots_are_cores_ ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))
+  so.slots = w->slots_are_cores_ ? UsableCpus()
                                  : options.device_slots;
   RETURN_IF_ERROR(so.Validate());
   w->scheduler_ = std::make_unique<DeviceScheduler>(so, clock);

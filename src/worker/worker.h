@@ -43,6 +43,11 @@
 
 namespace shoal {
 
+// CPUs this process may run on (its affinity mask: taskset, a cpuset), else
+// the machine's hardware threads; at least 1. A CPU quota (cgroup cpu.max)
+// is not read. What device_slots 0 and intra_op_threads 0 resolve to.
+int UsableCpus();
+
 struct WorkerOptions {
   std::string worker_id;             // empty: hostname-pid-random
   std::string model_repository;      // directory of model directories

@@ -321,8 +321,12 @@ TEST_F(TinyBert, PassRunsOnTheBatchsThreadCountOnItsOwnThreadOnly) {
   executor.join();
   EXPECT_EQ(narrow, 1);
   EXPECT_EQ(wide, 2);
-  // The count is the executor thread's: this thread keeps the model's.
+  // The count is the executor thread's: this thread keeps the model's, and
+  // so does the process-wide default a new thread starts from.
   EXPECT_EQ(at::get_num_threads(), 2);
+  int fresh = 0;
+  std::thread([&] { fresh = at::get_num_threads(); }).join();
+  EXPECT_EQ(fresh, 2);
   // Fewer threads, same numbers.
   EXPECT_LT(MaxAbsDiff(narrow_row, Row(*two, 0)), 1e-5);
 }
