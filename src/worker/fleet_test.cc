@@ -20,6 +20,7 @@
 
 #include "gateway/dispatcher.h"
 #include "runtime/runtime.h"
+#include "support/forwarding_runtime.h"
 #include "support/test_env.h"
 #include "wire/work_message.h"
 #include "worker/model_manager.h"
@@ -229,46 +230,35 @@ TEST_F(FleetTest, HeartbeatReportsEveryCatalogModelWithStateAndMemory) {
 namespace shoal {
 namespace {
 
-class SlowRuntime final : public Runtime {
+class SlowRuntime final : public shoal::testing::ForwardingRuntime {
  public:
-  explicit SlowRuntime(std::unique_ptr<Runtime> inner) : inner_(std::move(inner)) {}
-  Status Load(const ModelConfig& c) override { return inner_->Load(c); }
+  using ForwardingRuntime::ForwardingRuntime;
   Result<Embeddings> Run(const TokenBatch& b) override {
     std::this_thread::sleep_for(5ms);
-    return inner_->Run(b);
+    return inner().Run(b);
   }
-  void Unload() override { inner_->Unload(); }
-  int64_t MemoryBytes() const override { return inner_->MemoryBytes(); }
-  int Dim() const override { return inner_->Dim(); }
-
- private:
-  std::unique_ptr<Runtime> inner_;
 };
 
 // Records the nice value of the thread that loads it and of the threads
 // that run its batches.
-class NiceProbeRuntime final : public Runtime {
+class NiceProbeRuntime final : public shoal::testing::ForwardingRuntime {
  public:
   NiceProbeRuntime(std::unique_ptr<Runtime> inner, std::atomic<int>* load_nice, std::atomic<int>* run_nice)
-      : inner_(std::move(inner)), load_nice_(load_nice), run_nice_(run_nice) {}
+      : ForwardingRuntime(std::move(inner)), load_nice_(load_nice), run_nice_(run_nice) {}
   Status Load(const ModelConfig& c) override {
     *load_nice_ = ThreadNice();
-    return inner_->Load(c);
+    return inner().Load(c);
   }
   Result<Embeddings> Run(const TokenBatch& b) override {
     *run_nice_ = ThreadNice();
-    return inner_->Run(b);
+    return inner().Run(b);
   }
-  void Unload() override { inner_->Unload(); }
-  int64_t MemoryBytes() const override { return inner_->MemoryBytes(); }
-  int Dim() const override { return inner_->Dim(); }
   static int ThreadNice() {
     errno = 0;
     return getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
   }
 
  private:
-  std::unique_ptr<Runtime> inner_;
   std::atomic<int>* load_nice_;
   std::atomic<int>* run_nice_;
 };
@@ -308,30 +298,24 @@ TEST_F(FleetTest, LoadsRunAtTheLoadNiceValueServingDoesNot) {
   EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
 }
 
-// Records the thread count each pass was given and what libtorch ran it
-// on; `hold` (when set) makes a pass wait that long, after saying it runs.
-class WidthProbeRuntime final : public Runtime {
+// Records the thread count each pass was given; `hold_ms` (when set) makes
+// the next pass wait that long, after saying it runs.
+class WidthProbeRuntime final : public shoal::testing::ForwardingRuntime {
  public:
   struct Seen {
     std::atomic<int> batch_threads{-1};  // TokenBatch::threads of the last pass
     std::atomic<bool> running{false};
     std::atomic<int> hold_ms{0};
   };
-  WidthProbeRuntime(std::unique_ptr<Runtime> inner, Seen* seen) : inner_(std::move(inner)), seen_(seen) {}
-  Status Load(const ModelConfig& c) override { return inner_->Load(c); }
+  WidthProbeRuntime(std::unique_ptr<Runtime> inner, Seen* seen) : ForwardingRuntime(std::move(inner)), seen_(seen) {}
   Result<Embeddings> Run(const TokenBatch& b) override {
     seen_->batch_threads = b.threads;
     seen_->running = true;
     if (const int ms = seen_->hold_ms.exchange(0); ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-    return inner_->Run(b);
+    return inner().Run(b);
   }
-  bool TakesThreadCount() const override { return inner_->TakesThreadCount(); }
-  void Unload() override { inner_->Unload(); }
-  int64_t MemoryBytes() const override { return inner_->MemoryBytes(); }
-  int Dim() const override { return inner_->Dim(); }
 
  private:
-  std::unique_ptr<Runtime> inner_;
   Seen* seen_;
 };
 

@@ -20,6 +20,7 @@
 #include "gateway/dispatcher.h"
 #include "gateway/fleet_view.h"
 #include "runtime/runtime.h"
+#include "support/forwarding_runtime.h"
 #include "support/test_env.h"
 #include "wire/work_message.h"
 #include "worker/model_server.h"
@@ -37,7 +38,7 @@ using namespace std::chrono_literals;
 
 
 // A runtime whose Run blocks until released; says when a run has started.
-class GateRuntime : public Runtime {
+class GateRuntime : public shoal::testing::ForwardingRuntime {
  public:
   struct Gate {
     std::mutex mu;
@@ -45,20 +46,15 @@ class GateRuntime : public Runtime {
     bool open = false;
     std::atomic<int> entered{0};
   };
-  GateRuntime(std::unique_ptr<Runtime> inner, Gate* gate) : inner_(std::move(inner)), gate_(gate) {}
-  Status Load(const ModelConfig& c) override { return inner_->Load(c); }
+  GateRuntime(std::unique_ptr<Runtime> inner, Gate* gate) : ForwardingRuntime(std::move(inner)), gate_(gate) {}
   Result<Embeddings> Run(const TokenBatch& b) override {
     ++gate_->entered;
     std::unique_lock<std::mutex> lock(gate_->mu);
     gate_->cv.wait(lock, [&] { return gate_->open; });
-    return inner_->Run(b);
+    return inner().Run(b);
   }
-  void Unload() override { inner_->Unload(); }
-  int64_t MemoryBytes() const override { return inner_->MemoryBytes(); }
-  int Dim() const override { return inner_->Dim(); }
 
  private:
-  std::unique_ptr<Runtime> inner_;
   Gate* gate_;
 };
 

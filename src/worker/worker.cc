@@ -118,6 +118,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   ASSIGN_OR_RETURN(w->placement_kv_, KvBucket::Open(*client, wire::kPlacementBucket, options.claim_ttl_ms));
 
   ASSIGN_OR_RETURN(auto configs, LoadModelRepository(options.model_repository));
+  const int cpus = UsableCpus();
   std::vector<ModelConfig> selected;
   for (const auto& name : options.models) {
     auto it = std::find_if(configs.begin(), configs.end(), [&](const ModelConfig& c) { return c.name == name; });
@@ -135,7 +136,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
     if (options.max_wait_us >= 0) config.batching.max_wait_us = options.max_wait_us;
     RETURN_IF_ERROR(config.Validate());
     if (config.intra_op_threads == 0)
-      config.intra_op_threads = UsableCpus();
+      config.intra_op_threads = cpus;
     Backlog& b = w->backlog_[config.name];
     b.msgs_gauge = metrics->GetGauge("shoal_worker_model_backlog",
                                      "Messages held in the work stream for a model (waiting or in flight).",
@@ -156,8 +157,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   // 0: one slot per core, and a pass takes as many as it finds free (see
   // ModelServerDeps::slots_are_cores).
   w->slots_are_cores_ = options.device_slots == 0;
-  so.slots = w->slots_are_cores_ ? UsableCpus()
-                                 : options.device_slots;
+  so.slots = w->slots_are_cores_ ? cpus : options.device_slots;
   RETURN_IF_ERROR(so.Validate());
   w->scheduler_ = std::make_unique<DeviceScheduler>(so, clock);
   w->held_rows_ = std::make_unique<HeldRows>(options.max_held_rows);

@@ -12,6 +12,7 @@
 
 #include "gateway/dispatcher.h"
 #include "runtime/runtime.h"
+#include "support/forwarding_runtime.h"
 #include "support/test_env.h"
 #include "wire/work_message.h"
 
@@ -23,24 +24,19 @@ using shoal::testing::TestNatsServer;
 
 // Wraps the real runtime; fails any batch that contains token id 999 and
 // takes 3.5 s over one that contains 998.
-class FailingRuntime : public Runtime {
+class FailingRuntime : public shoal::testing::ForwardingRuntime {
  public:
-  explicit FailingRuntime(std::unique_ptr<Runtime> inner, std::atomic<int>* runs) : inner_(std::move(inner)), runs_(runs) {}
-  Status Load(const ModelConfig& c) override { return inner_->Load(c); }
+  FailingRuntime(std::unique_ptr<Runtime> inner, std::atomic<int>* runs) : ForwardingRuntime(std::move(inner)), runs_(runs) {}
   Result<Embeddings> Run(const TokenBatch& b) override {
     ++*runs_;
     for (int64_t id : b.input_ids) {
       if (id == 999) return Internal("injected failure");
       if (id == 998) std::this_thread::sleep_for(std::chrono::milliseconds(3500));
     }
-    return inner_->Run(b);
+    return inner().Run(b);
   }
-  void Unload() override { inner_->Unload(); }
-  int64_t MemoryBytes() const override { return inner_->MemoryBytes(); }
-  int Dim() const override { return inner_->Dim(); }
 
  private:
-  std::unique_ptr<Runtime> inner_;
   std::atomic<int>* runs_;
 };
 
