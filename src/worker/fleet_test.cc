@@ -108,6 +108,15 @@ TEST_F(FleetTest, ColdModelIsLoadedOnDemandAndServed) {
   EXPECT_EQ(m.worker->LoadedModels(), std::vector<std::string>{"tiny-b"});
   EXPECT_EQ(m.Counter("shoal_worker_model_loads_total", {{"model", "tiny-b"}, {"result", "ok"}}), 1);
   EXPECT_EQ(m.Counter("shoal_worker_load_waits_total", {{"model", "tiny-b"}}), 1);
+  // The request that waited for the load counts as a load wait, not as
+  // time in the queue; the next one finds the model resident.
+  const Labels b = {{"model", "tiny-b"}};
+  EXPECT_EQ(m.Observed("shoal_worker_load_wait_seconds", b), 1);
+  EXPECT_EQ(m.Observed("shoal_worker_queue_wait_seconds", b), 0);
+  ASSERT_TRUE(Embed("tiny-b", "again").ok());
+  EXPECT_EQ(m.Observed("shoal_worker_load_wait_seconds", b), 1);
+  EXPECT_EQ(m.Observed("shoal_worker_queue_wait_seconds", b), 1);
+  EXPECT_EQ(m.Counter("shoal_worker_load_waits_total", b), 1);
 }
 
 TEST_F(FleetTest, BudgetForTwoEvictsLeastRecentlyUsedAndNeverThePinnedModel) {
@@ -172,6 +181,26 @@ TEST_F(FleetTest, LoadFailureReachesEveryWaitingCallerOnceAsATerminalError) {
   // Nothing is left to be redelivered, and healthy models still serve.
   EXPECT_TRUE(Eventually([&] { return GetStreamState(*client_, "SHOAL_WORK")->msgs == 0; }));
   EXPECT_TRUE(Embed("tiny-a", "fine").ok());
+}
+
+// An unloaded model's last pull may still be open at the server when new
+// work for it arrives: that work must not be delivered to the closed
+// subscription (and wait for AckWait), but reach the model once it loads
+// again.
+TEST_F(FleetTest, WorkArrivingAsAModelIsUnloadedIsServedWithoutWaitingForAckWait) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"});
+  WorkerOptions wo = Options();
+  wo.fetch_poll_ms = 5000;  // the last pull stays open this long at the server
+  wo.consumer.ack_wait_ms = 30000;
+  Member m = Start(wo);
+  ASSERT_NE(m.worker, nullptr);
+  ASSERT_TRUE(Embed("tiny-a", "load it").ok());
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_TRUE(m.worker->manager().Unload("tiny-a").ok());
+    auto r = EmbedAsync("tiny-a", "again " + std::to_string(i), 10000).get();
+    ASSERT_TRUE(r.ok()) << "round " << i << ": " << r.status().ToString();
+  }
+  EXPECT_EQ(m.Counter("shoal_worker_model_loads_total", {{"model", "tiny-a"}, {"result", "ok"}}), 6);
 }
 
 TEST_F(FleetTest, ControlLoadsUnloadsPinsAndUnpins) {

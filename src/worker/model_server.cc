@@ -71,7 +71,12 @@ ModelServer::ModelServer(ModelServerDeps deps)
   batch_tokens_ = m->GetHistogram("shoal_worker_batch_padded_tokens",
                                   "Padded tokens (rows x longest) per forward pass.", l, token_buckets);
   run_seconds_ = m->GetHistogram("shoal_worker_forward_seconds", "Forward pass time.", l, LatencyBuckets());
-  queue_wait_seconds_ = m->GetHistogram("shoal_worker_batch_wait_seconds",
+  pulled_wait_seconds_ = m->GetHistogram(
+      "shoal_worker_queue_wait_seconds",
+      "Time work waited in the shared queue before this worker pulled it (work queued before the model was loaded "
+      "here is counted in shoal_worker_load_wait_seconds instead).",
+      l, LatencyBuckets());
+  batch_wait_seconds_ = m->GetHistogram("shoal_worker_batch_wait_seconds",
                                         "Time pulled work waited for its batch.", l, LatencyBuckets());
   tokens_total_ = m->GetCounter("shoal_worker_tokens_total", "Real (unpadded) tokens embedded.", l);
   expired_ = m->GetCounter("shoal_worker_expired_total", "Work dropped because its deadline passed.", l);
@@ -410,6 +415,8 @@ void ModelServer::FetchLoop() {
         // Queued before this model was loaded here: it waited for the load.
         load_waits_->Inc();
         load_wait_seconds_->Observe(static_cast<double>(d_.loaded_unix_ms - published_ms) / 1e3);
+      } else if (published_ms > 0 && info.num_delivered == 1) {
+        pulled_wait_seconds_->Observe(static_cast<double>(std::max<int64_t>(0, now_ms - published_ms)) / 1e3);
       }
       (*work)->headers = std::move(*headers);
       (*work)->delivery = std::move(delivery);
@@ -514,7 +521,7 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
   // Expired while waiting: answer and drop before spending compute on it.
   std::vector<std::unique_ptr<PendingWork>> live;
   for (auto& w : batch) {
-    queue_wait_seconds_->Observe(static_cast<double>(now_us - w->enqueued_mono_us) / 1e6);
+    batch_wait_seconds_->Observe(static_cast<double>(now_us - w->enqueued_mono_us) / 1e6);
     if (w->headers.deadline_unix_ms > 0 && now_ms > w->headers.deadline_unix_ms) {
       expired_->Inc();
       Fail(w->delivery, w->headers, DeadlineExceeded("deadline passed before the work was run"));

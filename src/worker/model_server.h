@@ -185,7 +185,8 @@ class ModelServer final : public ModelAttachment {
   Histogram* batch_rows_ = nullptr;
   Histogram* batch_tokens_ = nullptr;
   Histogram* run_seconds_ = nullptr;
-  Histogram* queue_wait_seconds_ = nullptr;
+  Histogram* pulled_wait_seconds_ = nullptr;  // shoal_worker_queue_wait_seconds
+  Histogram* batch_wait_seconds_ = nullptr;
   Counter* tokens_total_ = nullptr;
   Counter* expired_ = nullptr;
   Counter* redelivered_ = nullptr;

@@ -21,6 +21,10 @@ struct WorkerMember {
   int64_t Counter(const std::string& name, const Labels& labels) const {
     return metrics->GetCounter(name, "", labels)->Value();
   }
+  // Observations of a histogram with LatencyBuckets().
+  int64_t Observed(const std::string& name, const Labels& labels) const {
+    return metrics->GetHistogram(name, "", labels, LatencyBuckets())->Count();
+  }
 };
 
 // Connects to `nats_url` and starts a Worker with `options`.
