@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/cpu_quota.h"
 #include "common/log.h"
 #include "common/process_memory.h"
 #include "runtime/runtime.h"
@@ -29,13 +30,13 @@
 namespace shoal {
 
 int UsableCpus() {
+  int n = 0;
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-    const int n = CPU_COUNT(&set);
-    if (n > 0) return n;
-  }
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) n = CPU_COUNT(&set);
+  if (n <= 0) n = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int quota = CgroupCpuLimit();
+  return quota > 0 ? std::min(n, quota) : n;
 }
 
 Status WorkerOptions::Validate() const {

@@ -43,9 +43,10 @@
 
 namespace shoal {
 
-// CPUs this process may run on (its affinity mask: taskset, a cpuset), else
-// the machine's hardware threads; at least 1. A CPU quota (cgroup cpu.max)
-// is not read. What device_slots 0 and intra_op_threads 0 resolve to.
+// CPUs this process may run on: its affinity mask (taskset, a cpuset), else
+// the machine's hardware threads, and no more than its cgroup CPU quota
+// rounded up (a container's CPU limit, CgroupCpuLimit); at least 1. What
+// device_slots 0 and intra_op_threads 0 resolve to.
 int UsableCpus();
 
 struct WorkerOptions {
