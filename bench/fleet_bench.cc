@@ -22,7 +22,8 @@
 // process (wired like `shoal serve`), one short sentence per /v1/embeddings
 // request, sent by loadgen::RunLoad: --clients closed-loop keep-alive
 // clients, or with --rates an open loop (Poisson arrivals, one window per
-// rate; each side's capacity is the highest rate it kept up with).
+// rate, lowest first; each side's capacity is the highest rate it kept up
+// with, and with every lower one).
 // The client records every request: its model, whether that model was
 // resident when the request was sent, and whether the model was (re)loaded
 // while the request was out, or queued behind work that had waited for the
@@ -396,7 +397,8 @@ ClientRun RunTraffic(int port, const Traffic& traffic, const std::vector<std::st
   for (const auto& m : models) {
     loads.push_back(metrics.GetCounter("shoal_worker_model_loads_total", "Model loads, by result.",
                                        {{"model", m}, {"result", "ok"}}));
-    load_waits.push_back(metrics.GetCounter("shoal_worker_load_waits_total", "", {{"model", m}}));
+    load_waits.push_back(metrics.GetCounter("shoal_worker_load_waits_total", "Requests that waited for a model to load.",
+                                            {{"model", m}}));
   }
   LoadOptions o;
   o.port = port;
@@ -470,21 +472,28 @@ struct FleetSample {
   std::vector<std::vector<int64_t>> stage_buckets;
 };
 
-// The stages of a request that did not wait for a load, in order: the
-// gateway's whole HTTP request, then the worker's shared-queue wait (published
-// -> pulled), batch wait (pulled -> batch cut, device turn included), the turn
-// wait alone, and the forward pass (per pass, not per request).
+// The stages of a request, in order: the gateway's whole HTTP request, then
+// the worker's shared-queue wait (published -> pulled; the only stage that
+// leaves out work that waited for a load), batch wait (pulled -> batch cut,
+// device turn included), the turn wait alone, and the forward pass (per
+// pass, not per request).
 struct Stage {
   const char* metric;
+  const char* help;   // as the gateway and worker register it
   const char* label;  // printed
   bool per_model;
 };
 constexpr Stage kStages[] = {
-    {"shoal_http_request_seconds", "gateway HTTP", false},
-    {"shoal_worker_queue_wait_seconds", "queue (published->pulled)", true},
-    {"shoal_worker_batch_wait_seconds", "batch (pulled->cut)", true},
-    {"shoal_worker_device_wait_seconds", "device turn", true},
-    {"shoal_worker_forward_seconds", "forward pass", true},
+    {"shoal_http_request_seconds", "HTTP request latency by route.", "gateway HTTP", false},
+    {"shoal_worker_queue_wait_seconds",
+     "Time work waited in the shared queue before this worker pulled it, first deliveries only (work queued before "
+     "the model was loaded here is counted in shoal_worker_load_wait_seconds instead).",
+     "queue (published->pulled)", true},
+    {"shoal_worker_batch_wait_seconds",
+     "Time pulled work waited until its batch was cut, the wait for a device turn included.", "batch (pulled->cut)",
+     true},
+    {"shoal_worker_device_wait_seconds", "Time a formed batch waited for its turn on the device.", "device turn", true},
+    {"shoal_worker_forward_seconds", "Forward pass time.", "forward pass", true},
 };
 
 FleetSample SampleFleet(MetricsRegistry& m, const std::vector<std::string>& models, pid_t nats) {
@@ -501,7 +510,7 @@ FleetSample SampleFleet(MetricsRegistry& m, const std::vector<std::string>& mode
                        ->Value();
     s.load_waits += m.GetCounter("shoal_worker_load_waits_total", "Requests that waited for a model to load.", l)
                         ->Value();
-    s.redelivered += m.GetCounter("shoal_worker_redelivered_total", "", l)->Value();
+    s.redelivered += m.GetCounter("shoal_worker_redelivered_total", "Work delivered more than once.", l)->Value();
     s.load_s += m.GetHistogram("shoal_worker_model_load_seconds", "Time to load a model.", l, LatencyBuckets())->Sum();
     Histogram* fwd = m.GetHistogram("shoal_worker_forward_seconds", "Forward pass time.", l, LatencyBuckets());
     s.forward_s += fwd->Sum();
@@ -514,7 +523,7 @@ FleetSample SampleFleet(MetricsRegistry& m, const std::vector<std::string>& mode
   for (const Stage& stage : kStages) {
     std::vector<int64_t> sum(LatencyBuckets().size() + 1, 0);
     auto add = [&](const Labels& l) {
-      Histogram* h = m.GetHistogram(stage.metric, "", l, LatencyBuckets());
+      Histogram* h = m.GetHistogram(stage.metric, stage.help, l, LatencyBuckets());
       for (size_t i = 0; i < sum.size(); ++i) sum[i] += h->BucketCount(i);
     };
     if (stage.per_model) {
@@ -1029,7 +1038,7 @@ json PrintRateSummary(const std::vector<PhaseReport>& ref, const std::vector<Pha
     step(q.KeptUp(kShare, f.slo_ms, true), q.rate, &fleet_ok_strict, &fleet_cap_strict);
     const double ratio = r.Rps() > 0 ? q.Rps() / r.Rps() : 0;
     std::printf("  %8.0f | %9.1f %9.1f %5s | %9.1f %9.1f %9.1f %5s | %6.3f | %7.1f%% %8.0f %8.0f | %7.0f %9.0f\n",
-                r.rate, r.Rps(), r.warm.p99_ms, rk ? "yes" : "no", q.Rps(), q.warm.p99_ms, q.clear.p99_ms,
+                r.rate, r.Rps(), r.clear.p99_ms, rk ? "yes" : "no", q.Rps(), q.warm.p99_ms, q.clear.p99_ms,
                 qk ? "yes" : "no", ratio,
                 Share(q.cold.n, q.ok), q.cold.p50_ms, q.cold.p99_ms, q.loads * 60 / q.window_s,
                 q.evictions * 60 / q.window_s);

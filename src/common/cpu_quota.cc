@@ -75,6 +75,31 @@ struct Mount {
   fs::path mount_point;
 };
 
+// mountinfo escapes space, tab, newline and backslash as \ooo (octal).
+std::string Unescape(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    auto octal = [&](size_t k) { return k < s.size() && s[k] >= '0' && s[k] <= '7'; };
+    if (s[i] == '\\' && octal(i + 1) && octal(i + 2) && octal(i + 3)) {
+      out.push_back(static_cast<char>((s[i + 1] - '0') * 64 + (s[i + 2] - '0') * 8 + (s[i + 3] - '0')));
+      i += 3;
+    } else {
+      out.push_back(s[i]);
+    }
+  }
+  return out;
+}
+
+// `path` relative to `root` ("" when equal); nullopt when it is not inside.
+std::optional<std::string> Inside(const std::string& path, const std::string& root) {
+  if (path.empty() || path[0] != '/') return std::nullopt;
+  if (root == "/") return path.substr(1);
+  if (path == root) return std::string();
+  if (path.size() > root.size() && path.compare(0, root.size(), root) == 0 && path[root.size()] == '/')
+    return path.substr(root.size() + 1);
+  return std::nullopt;
+}
+
 }  // namespace
 
 int CgroupCpuLimit(const fs::path& mountinfo, const fs::path& self_cgroup) {
@@ -88,14 +113,20 @@ int CgroupCpuLimit(const fs::path& mountinfo, const fs::path& self_cgroup) {
       const size_t b = a == std::string::npos ? a : line.find(':', a + 1);
       if (b == std::string::npos) continue;
       const std::string controllers = line.substr(a + 1, b - a - 1);
-      const std::string path = line.substr(b + 1);
+      std::string path = line.substr(b + 1);
+      const std::string deleted = " (deleted)";  // cgroup v2, a removed cgroup
+      if (path.size() > deleted.size() && path.compare(path.size() - deleted.size(), deleted.size(), deleted) == 0)
+        path.resize(path.size() - deleted.size());
       if (line.substr(0, a) == "0" && controllers.empty()) path_v2 = path;
       if (HasToken(controllers, "cpu")) path_v1 = path;
     }
   }
   // Where the controller is mounted: "id parent dev root mount-point opts
-  // [optional...] - fstype source super-opts".
+  // [optional...] - fstype source super-opts". Of several mounts, the one
+  // showing the deepest cgroup that holds the process (a container's mount
+  // shows its own cgroup at the mount point).
   std::optional<Mount> mount_v1, mount_v2;
+  std::string rel_v1, rel_v2;
   {
     std::ifstream in(mountinfo);
     std::string line;
@@ -105,18 +136,25 @@ int CgroupCpuLimit(const fs::path& mountinfo, const fs::path& self_cgroup) {
       std::istringstream left(line.substr(0, dash)), right(line.substr(dash + 3));
       std::string id, parent, dev, root, mount_point, fstype, source, super_opts;
       if (!(left >> id >> parent >> dev >> root >> mount_point) || !(right >> fstype >> source >> super_opts)) continue;
-      if (fstype == "cgroup2" && !mount_v2) mount_v2 = Mount{root, mount_point};
-      if (fstype == "cgroup" && HasToken(super_opts, "cpu") && !mount_v1) mount_v1 = Mount{root, mount_point};
+      root = Unescape(root);
+      const bool v1 = fstype == "cgroup" && HasToken(super_opts, "cpu");
+      if (!v1 && fstype != "cgroup2") continue;
+      const std::optional<std::string>& path = v1 ? path_v1 : path_v2;
+      if (!path) continue;
+      const std::optional<std::string> rel = Inside(*path, root);
+      if (!rel) continue;  // this mount does not show the process's cgroup
+      std::optional<Mount>& best = v1 ? mount_v1 : mount_v2;
+      if (best && best->root.size() >= root.size()) continue;
+      best = Mount{root, Unescape(mount_point)};
+      (v1 ? rel_v1 : rel_v2) = *rel;
     }
   }
-  const bool v2 = !(path_v1 && mount_v1);
-  const std::optional<std::string>& path = v2 ? path_v2 : path_v1;
+  const bool v2 = !mount_v1.has_value();
   const std::optional<Mount>& mount = v2 ? mount_v2 : mount_v1;
-  if (!path || !mount) return 0;
-  // A container's mount shows its own cgroup at the mount point.
-  std::string rel = *path;
-  if (mount->root != "/" && rel.rfind(mount->root, 0) == 0) rel = rel.substr(mount->root.size());
-  while (!rel.empty() && rel.front() == '/') rel.erase(0, 1);
+  if (!mount) return 0;
+  const std::string& rel = v2 ? rel_v2 : rel_v1;
+  for (const auto& part : fs::path(rel))
+    if (part == "..") return 0;
   const fs::path top = mount->mount_point;
   fs::path dir = rel.empty() ? top : top / rel;
   // The effective limit is the tightest on the way up to the mount point.

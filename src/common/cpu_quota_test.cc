@@ -66,19 +66,49 @@ TEST_F(CpuQuotaTest, TheTightestAncestorWins) {
   V2("/", "/kubepods/pod1/c1");
   Write("cg/kubepods/pod1/c1/cpu.max", "max 100000\n");
   Write("cg/kubepods/pod1/cpu.max", "300000 100000\n");
-  Write("cg/kubepods/cpu.max", "800000 100000\n");
-  EXPECT_EQ(Limit(), 3);
+  Write("cg/kubepods/cpu.max", "200000 100000\n");  // further up, but tighter
+  EXPECT_EQ(Limit(), 2);
 }
 
 TEST_F(CpuQuotaTest, AContainersOwnMountShowsItsCgroupAtTheMountPoint) {
-  // cgroup namespace: the mount's root is the container's cgroup, and the
-  // process sees itself at "/".
-  V2("/kubepods/pod1/c1", "/");
+  // The mount's root is the container's cgroup; the process's path is the
+  // full one. A decoy at the unstripped path would give 1.
+  V2("/kubepods/pod1/c1", "/kubepods/pod1/c1/app");
   Write("cg/cpu.max", "200000 100000\n");
+  Write("cg/kubepods/pod1/c1/app/cpu.max", "100000 100000\n");
+  EXPECT_EQ(Limit(), 2);  // its own cgroup is cg/app (no quota), then cg
+  Write("cg/app/cpu.max", "300000 100000\n");  // looser than the container's
   EXPECT_EQ(Limit(), 2);
-  // Without a namespace: the full path, mounted from the container's cgroup.
-  V2("/kubepods/pod1/c1", "/kubepods/pod1/c1");
+  Write("cg/app/cpu.max", "100000 100000\n");
+  EXPECT_EQ(Limit(), 1);
+}
+
+TEST_F(CpuQuotaTest, APathOutsideTheMountsRootReadsNothing) {
+  // "/kubepods/pod1/c10" is not inside "/kubepods/pod1/c1" although the
+  // string starts with it: the quota at the mount point is another cgroup's.
+  V2("/kubepods/pod1/c1", "/kubepods/pod1/c10");
+  Write("cg/cpu.max", "100000 100000\n");
+  EXPECT_EQ(Limit(), 0);
+  V2("/", "/a/../../etc");
+  EXPECT_EQ(Limit(), 0);
+}
+
+TEST_F(CpuQuotaTest, EscapedMountPointsAndHybridHierarchies) {
+  // A mount point with a space (written \040), and a hybrid system with
+  // both the v1 cpu controller and a v2 "unified" mount: v1 has the quota.
+  const fs::path cpu = dir_ / "cpu acct";
+  Write("mountinfo",
+        "31 30 0:28 / " + (dir_ / "cpu\\040acct").string() + " rw - cgroup cgroup rw,cpu,cpuacct\n"
+        "35 30 0:33 / " + (dir_ / "unified").string() + " rw - cgroup2 cgroup2 rw\n");
+  Write("cgroup", "4:cpu,cpuacct:/svc\n0::/svc\n");
+  Write("cpu acct/svc/cpu.cfs_quota_us", "200000\n");
+  Write("cpu acct/svc/cpu.cfs_period_us", "100000\n");
+  Write("unified/svc/cpu.max", "max 100000\n");
   EXPECT_EQ(Limit(), 2);
+  // A removed cgroup v2 path carries " (deleted)".
+  V2("/", "/gone (deleted)");
+  Write("cg/gone/cpu.max", "300000 100000\n");
+  EXPECT_EQ(Limit(), 3);
 }
 
 TEST_F(CpuQuotaTest, V1QuotaAndPeriod) {

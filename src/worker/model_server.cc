@@ -73,11 +73,11 @@ ModelServer::ModelServer(ModelServerDeps deps)
   run_seconds_ = m->GetHistogram("shoal_worker_forward_seconds", "Forward pass time.", l, LatencyBuckets());
   pulled_wait_seconds_ = m->GetHistogram(
       "shoal_worker_queue_wait_seconds",
-      "Time work waited in the shared queue before this worker pulled it (work queued before the model was loaded "
-      "here is counted in shoal_worker_load_wait_seconds instead).",
+      "Time work waited in the shared queue before this worker pulled it, first deliveries only (work queued "
+      "before the model was loaded here is counted in shoal_worker_load_wait_seconds instead).",
       l, LatencyBuckets());
   batch_wait_seconds_ = m->GetHistogram("shoal_worker_batch_wait_seconds",
-                                        "Time pulled work waited for its batch.", l, LatencyBuckets());
+                                        "Time pulled work waited until its batch was cut, the wait for a device turn included.", l, LatencyBuckets());
   tokens_total_ = m->GetCounter("shoal_worker_tokens_total", "Real (unpadded) tokens embedded.", l);
   expired_ = m->GetCounter("shoal_worker_expired_total", "Work dropped because its deadline passed.", l);
   redelivered_ = m->GetCounter("shoal_worker_redelivered_total", "Work delivered more than once.", l);
