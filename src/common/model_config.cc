@@ -47,6 +47,8 @@ Status ModelConfig::Validate() const {
         process.max_restart_backoff_ms < 1)
       return InvalidArgument("model " + name + ": process timeouts must be positive (health_interval_ms >= 10)");
     if (process.max_frame_bytes < 1024) return InvalidArgument("model " + name + ": process.max_frame_bytes must be >= 1024");
+    if (process.max_failed_starts < 0)
+      return InvalidArgument("model " + name + ": process.max_failed_starts must be >= 0");
   }
   if (max_seq_len < 3 || max_seq_len > 8192)
     return InvalidArgument("model " + name + ": max_seq_len must be in [3, 8192]");
@@ -99,6 +101,7 @@ Result<ModelConfig> ParseModelConfig(const std::string& json_text, const std::st
       Get(*p, "max_frame_bytes", c.process.max_frame_bytes);
       Get(*p, "health_interval_ms", c.process.health_interval_ms);
       Get(*p, "max_restart_backoff_ms", c.process.max_restart_backoff_ms);
+      Get(*p, "max_failed_starts", c.process.max_failed_starts);
     }
     if (auto p = j.find("sim"); p != j.end() && p->is_object()) {
       Get(*p, "fixed_us", c.sim.fixed_us);

@@ -40,6 +40,10 @@ struct ProcessConfig {
   int64_t max_frame_bytes = int64_t{64} << 20;
   int64_t health_interval_ms = 1000;   // liveness checks (ping when idle)
   int64_t max_restart_backoff_ms = 10000;
+  // Consecutive restarts that fail to start the process (spawn, connect,
+  // hello or load) before the runtime gives up and the model is marked
+  // failed; 0: never give up.
+  int max_failed_starts = 5;
 };
 
 // The simulated accelerator ("runtime": "sim"): batch time = fixed_us +

@@ -41,6 +41,19 @@ TEST(ModelConfig, RejectsBadValues) {
             StatusCode::kInvalidArgument);
 }
 
+TEST(ModelConfig, ProcessRuntimeGivesUpAfterMaxFailedStarts) {
+  auto c = ParseModelConfig(R"({"name":"m","runtime":"process","dim":4,"process":{"command":["run"]}})", "/d");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->process.max_failed_starts, 5);
+  c = ParseModelConfig(R"({"name":"m","runtime":"process","dim":4,
+    "process":{"command":["run"],"max_failed_starts":0}})", "/d");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->process.max_failed_starts, 0);  // never give up
+  EXPECT_EQ(ParseModelConfig(R"({"name":"m","runtime":"process","dim":4,
+    "process":{"command":["run"],"max_failed_starts":-1}})", "/d").status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(ModelConfig, ScoreAndClassifyTasksDefaultTheirActivation) {
   auto score = ParseModelConfig(R"({"name":"r","task":"score","runtime":"null"})", "/d");
   ASSERT_TRUE(score.ok()) << score.status().ToString();

@@ -88,6 +88,11 @@ class Runtime {
   // out-of-process runtime restarting); the worker then stops pulling work
   // for the model instead of burning its deliveries. Thread-safe.
   virtual bool Available() const { return true; }
+  // Not OK once the runtime has given up for good (an out-of-process
+  // runtime that failed to restart max_failed_starts times in a row): the
+  // worker then unloads the model and marks it failed, so callers get a
+  // terminal error and other workers may load it. Thread-safe.
+  virtual Status Health() const { return Status::Ok(); }
 };
 
 // The result document of one input that failed on its own (see RunItems):

@@ -3,6 +3,7 @@
 // lazy loading through the queue, LRU eviction around pinned models, one
 // load for many cold requests across two workers, a load failure answered
 // to every waiting caller once, and operator control.
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -476,6 +477,54 @@ namespace {
 
 // The simulated accelerator behind a real worker: the same queue path, no
 // model compute.
+// A socket runtime that started once and then cannot start again is not
+// restarted forever while callers wait for their deadline: the runtime
+// gives up after process.max_failed_starts, the worker marks the model
+// failed, and callers get model_load_failed (502).
+TEST_F(FleetTest, ARuntimeThatWillNotRestartFailsTheModelAndItsCallers) {
+  namespace fs = std::filesystem;
+  const fs::path src = fs::path(shoal::testing::ModelsDir()) / "tiny-bert-py";
+  const fs::path dir = fs::path(repo_.path()) / "once";
+  fs::create_directories(dir);
+  for (const char* f : {"weights.pt", "model.py", "vocab.txt", "shoal_runtime.py"}) {
+    if (fs::exists(src / f)) fs::create_symlink(src / f, dir / f);
+  }
+  const std::string pid_file = repo_.path() + "/runtime.pid", mark = repo_.path() + "/started";
+  // Starts the real runtime the first time only, and records its pid.
+  std::ofstream(dir / "once.sh") << "#!/bin/sh\nif [ -e \"$SHOAL_TEST_MARK\" ]; then exit 3; fi\n"
+                                    "touch \"$SHOAL_TEST_MARK\"\necho $$ > \"$SHOAL_TEST_PID\"\nexec \"$@\"\n";
+  std::ifstream in(src / "shoal.json");
+  json config = json::parse(in);
+  config["name"] = "once";
+  json command = json::array({"/bin/sh", (dir / "once.sh").string()});
+  for (const auto& part : config["process"]["command"]) command.push_back(part);
+  config["process"]["command"] = command;
+  config["process"]["env"]["SHOAL_TEST_MARK"] = mark;
+  config["process"]["env"]["SHOAL_TEST_PID"] = pid_file;
+  config["process"]["health_interval_ms"] = 100;
+  config["process"]["max_restart_backoff_ms"] = 200;
+  config["process"]["max_failed_starts"] = 2;
+  std::ofstream(dir / "shoal.json") << config.dump(2);
+
+  Member m = Start(Options());
+  ASSERT_NE(m.worker, nullptr);
+  auto first = Embed("once", "served");
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  pid_t pid = 0;
+  std::ifstream(pid_file) >> pid;
+  ASSERT_GT(pid, 0);
+  ASSERT_EQ(::kill(pid, SIGKILL), 0);
+  ASSERT_TRUE(Eventually([&] { return StateOf(*m.worker, "once") == ModelState::kFailed; }))
+      << "the model stayed " << static_cast<int>(StateOf(*m.worker, "once"));
+  for (int i = 0; i < 3; ++i) {
+    auto r = Embed("once", "after " + std::to_string(i));
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kBadGateway) << r.status().ToString();
+    EXPECT_EQ(r.status().reason(), "model_load_failed") << r.status().ToString();
+  }
+  EXPECT_FALSE(m.worker->manager().IsLoaded("once"));
+}
+
 TEST_F(FleetTest, SimRuntimeServesThroughTheQueue) {
   MakeFleetRepository(repo_.path(), {"tiny-a"});
   WorkerOptions wo = Options();

@@ -9,6 +9,8 @@
 #include <system_error>
 #include <utility>
 
+#include "common/log.h"
+
 namespace shoal {
 namespace {
 
@@ -323,6 +325,33 @@ Status ModelManager::Unload(const std::string& name) {
   }
   UnloadVictims(std::move(victims), bytes, 1);
   return Status::Ok();
+}
+
+std::vector<std::string> ModelManager::FailUnhealthy() {
+  std::vector<std::unique_ptr<LoadedModel>> victims;
+  std::vector<std::string> failed;
+  int64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [name, e] : entries_) {
+      if (e->state != ModelState::kLoaded || e->leases > 0 || !e->model || !e->model->runtime) continue;
+      const Status health = e->model->runtime->Health();
+      if (health.ok()) continue;
+      bytes += EvictLocked(*e, &victims, /*automatic=*/false);
+      e->state = ModelState::kFailed;
+      e->failed_mono_us = clock_->NowMonoUs();
+      e->error = Status(StatusCode::kBadGateway, "model '" + name + "' failed: " + health.message(),
+                        "model_load_failed");
+      failed.push_back(name);
+    }
+    unloading_bytes_ += bytes;
+    unloading_count_ += static_cast<int>(victims.size());
+  }
+  for (const std::string& name : failed) LOG_ERROR("worker", "unloaded " << name << ": its runtime gave up");
+  const int count = static_cast<int>(victims.size());
+  UnloadVictims(std::move(victims), bytes, count);
+  if (!failed.empty() && on_change_) on_change_();
+  return failed;
 }
 
 Status ModelManager::Pin(const std::string& name) {

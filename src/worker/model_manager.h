@@ -223,6 +223,14 @@ class ModelManager {
   // a load in progress), NotFound "model_not_found".
   Status Unload(const std::string& name);
 
+  // Unloads every loaded model whose runtime has given up for good
+  // (Runtime::Health not OK) and has no live lease, pinned or not, and puts
+  // it in kFailed with a kBadGateway "model_load_failed" error that carries
+  // the runtime's reason, as a failed load would: callers get that error,
+  // retries follow the failed-model rules above. Blocks while their
+  // runtimes unload. Returns the names of the models it failed.
+  std::vector<std::string> FailUnhealthy();
+
   // Pins `name`, loading it (blocking) if needed; on a load failure the model
   // is left unpinned and the error returned. Idempotent.
   Status Pin(const std::string& name);

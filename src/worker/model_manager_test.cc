@@ -45,6 +45,7 @@ class FakeRuntime final : public Runtime {
   void Unload() override;
   int64_t MemoryBytes() const override { return bytes_; }
   int Dim() const override { return 4; }
+  Status Health() const override;
 
  private:
   FakeLoader* owner_;
@@ -94,6 +95,15 @@ class FakeLoader {
     std::lock_guard<std::mutex> lock(mu_);
     ++unloads_[name];
   }
+  // What the runtimes of `name` report as their health from now on.
+  void SetHealth(const std::string& name, Status health) {
+    std::lock_guard<std::mutex> lock(mu_);
+    health_[name] = std::move(health);
+  }
+  Status HealthOf(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return health_[name];
+  }
 
   ModelLoader AsLoader() {
     return [this](const ModelConfig& config) -> Result<std::unique_ptr<LoadedModel>> {
@@ -119,7 +129,10 @@ class FakeLoader {
   std::set<std::string> held_;
   std::map<std::string, int> started_;
   std::map<std::string, int> unloads_;
+  std::map<std::string, Status> health_;
 };
+
+Status FakeRuntime::Health() const { return owner_->HealthOf(name_); }
 
 void FakeRuntime::Unload() {
   if (!unloaded_.exchange(true)) owner_->OnUnload(name_);
@@ -425,6 +438,45 @@ TEST_F(ModelManagerTest, ConcurrentAcquiresForAColdModelShareOneLoad) {
   EXPECT_EQ(metrics_.GetHistogram("shoal_worker_load_wait_seconds", "", {{"model", "a"}}, LatencyBuckets())
                 ->Count(),
             kCallers);
+}
+
+TEST_F(ModelManagerTest, AModelWhoseRuntimeGaveUpIsUnloadedAndFailedPinnedOrNot) {
+  auto mm = Make(Options(0, {"p"}), {Model("a", 100), Model("b", 100), Model("p", 100)});
+  ASSERT_TRUE(mm->Start().ok());
+  ASSERT_TRUE(mm->Load("a").ok());
+  ASSERT_TRUE(mm->Load("b").ok());
+  EXPECT_TRUE(mm->FailUnhealthy().empty());
+  const Status gave_up(StatusCode::kBadGateway, "its runtime failed to start 5 times in a row", "runtime_failed");
+  loader_.SetHealth("a", gave_up);
+  loader_.SetHealth("p", gave_up);
+  EXPECT_EQ(mm->FailUnhealthy(), (std::vector<std::string>{"a", "p"}));
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kFailed);
+  EXPECT_EQ(StateOf(*mm, "p"), ModelState::kFailed);
+  EXPECT_EQ(StateOf(*mm, "b"), ModelState::kLoaded);
+  EXPECT_EQ(loader_.unloads("a"), 1);
+  EXPECT_EQ(loader_.unloads("p"), 1);
+  EXPECT_EQ(mm->memory_used_bytes(), 100);
+  // Callers get the failure at once, as after a failed load, and no load.
+  Result<ModelLease> lease = mm->Acquire("a", Far());
+  ASSERT_FALSE(lease.ok());
+  EXPECT_EQ(lease.status().code(), StatusCode::kBadGateway);
+  EXPECT_EQ(lease.status().reason(), "model_load_failed");
+  EXPECT_NE(lease.status().message().find("5 times in a row"), std::string::npos) << lease.status().message();
+  EXPECT_EQ(loader_.loads("a"), 1);
+  // A model in use is left until its lease ends.
+  loader_.SetHealth("b", gave_up);
+  {
+    Result<ModelLease> held = mm->Acquire("b", Far());
+    ASSERT_TRUE(held.ok());
+    EXPECT_TRUE(mm->FailUnhealthy().empty());
+    EXPECT_EQ(StateOf(*mm, "b"), ModelState::kLoaded);
+  }
+  EXPECT_EQ(mm->FailUnhealthy(), std::vector<std::string>{"b"});
+  // An explicit load tries again with a fresh runtime.
+  loader_.SetHealth("a", Status::Ok());
+  ASSERT_TRUE(mm->Load("a").ok());
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kLoaded);
+  EXPECT_EQ(loader_.loads("a"), 2);
 }
 
 TEST_F(ModelManagerTest, LoadFailureReachesEveryWaiterOnceThenFailsFast) {

@@ -563,6 +563,10 @@ void Worker::DemandLoop() {
 }
 
 void Worker::PollDemand() {
+  // A model whose runtime gave up for good is failed, not left loaded and
+  // idle: its waiting work gets model_load_failed below, or another worker
+  // loads it.
+  if (!manager_->FailUnhealthy().empty()) PublishHeartbeat();
   ReleaseSettledClaims();
   auto counts = GetSubjectCounts(*client_, options_.stream.name, wire::kWorkSubjectPrefix + std::string(">"));
   if (!counts.ok()) {

@@ -285,6 +285,11 @@ Result<Embeddings> ProcessRuntime::Run(const TokenBatch& batch) {
   return out;
 }
 
+Status ProcessRuntime::Health() const {
+  std::lock_guard<std::mutex> lock(sup_mu_);
+  return gave_up_;
+}
+
 void ProcessRuntime::SuperviseLoop() {
   // Restarts back off exponentially while the process keeps dying soon
   // after a start; a process that stayed up for a minute starts afresh.
@@ -293,6 +298,8 @@ void ProcessRuntime::SuperviseLoop() {
   int64_t next_start_us = 0;
   int64_t up_since_us = 0;
   bool was_up = false;
+  int failed_starts = 0;  // restarts in a row whose Start() failed
+  bool gave_up = false;
   std::unique_lock<std::mutex> lock(sup_mu_);
   sup_cv_.wait(lock, [this] { return stop_ || start_requested_; });
   if (!stop_) {
@@ -337,14 +344,24 @@ void ProcessRuntime::SuperviseLoop() {
       next_start_us = now + backoff_ms * 1000;
       backoff_ms = std::min(backoff_ms * 2, config_.process.max_restart_backoff_ms);
     }
-    if (!up_ && now >= next_start_us) {
+    if (!up_ && !gave_up && now >= next_start_us) {
       restarting_ = true;
       Status s = Start();
       restarting_ = false;
       if (s.ok()) {
         ++restarts_;
+        failed_starts = 0;
         was_up = true;
         up_since_us = NowMonoUs();
+      } else if (config_.process.max_failed_starts > 0 && ++failed_starts >= config_.process.max_failed_starts) {
+        LOG_ERROR("runtime", "giving up on the runtime for " << config_.name << " after " << failed_starts
+                                                             << " failed starts in a row: " << s.ToString());
+        gave_up = true;
+        std::lock_guard<std::mutex> g(sup_mu_);
+        gave_up_ = Status(StatusCode::kBadGateway,
+                          "its runtime failed to start " + std::to_string(failed_starts) +
+                              " times in a row; last: " + s.message(),
+                          "runtime_failed");
       } else {
         LOG_WARN("runtime", "restarting the runtime for " << config_.name << ": " << s.ToString() << "; next try in "
                                                           << backoff_ms << " ms");

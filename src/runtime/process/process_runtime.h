@@ -2,7 +2,9 @@
 // that speaks docs/runtime-protocol.md over a Unix socket, so a model can
 // bring its own language, interpreter and libraries. The worker starts the
 // process from the model config, checks its health, and restarts it with
-// exponential backoff when it dies or misbehaves. A batch in flight when the
+// exponential backoff when it dies or misbehaves; after
+// process.max_failed_starts restarts in a row fail to start it, it gives up
+// (Health() turns non-OK) and the worker marks the model failed. A batch in flight when the
 // process dies fails with Unavailable "runtime_crashed", which the worker
 // answers by handing the work back to the queue (redelivery), not to the
 // callers. Malformed, oversized or wrong-version frames never crash or hang
@@ -35,6 +37,9 @@ class ProcessRuntime final : public Runtime {
   int64_t MemoryBytes() const override { return memory_bytes_.load(); }
   int Dim() const override { return dim_.load(); }
   bool Available() const override { return up_.load() && !restarting_.load(); }
+  // Not OK after process.max_failed_starts restarts in a row failed to
+  // start the process; it is not restarted again.
+  Status Health() const override;
 
   // For tests and operators.
   pid_t pid() const { return pid_.load(); }
@@ -67,12 +72,13 @@ class ProcessRuntime final : public Runtime {
   std::atomic<int64_t> memory_bytes_{0};
   std::atomic<int> restarts_{0};
 
-  std::mutex sup_mu_;
+  mutable std::mutex sup_mu_;
   std::condition_variable sup_cv_;
   bool stop_ = false;            // guarded by sup_mu_
   bool start_requested_ = false; // guarded by sup_mu_: first start, asked by Load()
   bool start_done_ = false;      // guarded by sup_mu_
   Status start_status_;          // guarded by sup_mu_
+  Status gave_up_;               // guarded by sup_mu_: why the restarts stopped
   std::thread supervisor_;
 };
 

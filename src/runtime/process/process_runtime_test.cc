@@ -203,6 +203,40 @@ TEST(ProcessRuntime, RuntimesThatFailToStartFailTheLoadQuickly) {
   }
 }
 
+// A runtime that started once and then cannot start again (its interpreter
+// or model went away) is not restarted forever: after max_failed_starts
+// failed starts in a row it gives up, and Health() says why.
+TEST(ProcessRuntime, GivesUpAfterMaxFailedStartsInARow) {
+  std::string dir = (std::filesystem::temp_directory_path() / "shoal-giveup-XXXXXX").string();
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string script = dir + "/once.sh", mark = dir + "/started";
+  {
+    std::ofstream out(script);
+    out << "#!/bin/sh\nif [ -e \"$SHOAL_TEST_MARK\" ]; then echo 'gone' >&2; exit 3; fi\n"
+           "touch \"$SHOAL_TEST_MARK\"\nexec \"$@\"\n";
+  }
+  ModelConfig m = PythonModel();
+  m.process.max_failed_starts = 3;
+  std::vector<std::string> command = {"/bin/sh", script};
+  command.insert(command.end(), m.process.command.begin(), m.process.command.end());
+  m.process.command = command;
+  m.process.env.emplace_back("SHOAL_TEST_MARK", mark);
+  ProcessRuntime rt;
+  ASSERT_TRUE(rt.Load(m).ok());
+  EXPECT_TRUE(rt.Health().ok());
+  ASSERT_EQ(::kill(rt.pid(), SIGKILL), 0);
+  ASSERT_TRUE(Eventually([&] { return !rt.Health().ok(); })) << "still restarting";
+  const Status h = rt.Health();
+  EXPECT_EQ(h.code(), StatusCode::kBadGateway);
+  EXPECT_EQ(h.reason(), "runtime_failed");
+  EXPECT_NE(h.message().find("3 times in a row"), std::string::npos) << h.message();
+  EXPECT_NE(h.message().find("exit code 3"), std::string::npos) << h.message();
+  EXPECT_FALSE(rt.Available());
+  EXPECT_EQ(rt.restarts(), 0);  // no start after the first succeeded
+  rt.Unload();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ProcessRuntime, MisbehavingRepliesFailTheBatchAndRestartTheRuntime) {
   const json ref = TorchScriptReference();
   for (const std::string mode : {"oversized", "garbage", "hang"}) {
