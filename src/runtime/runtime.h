@@ -91,7 +91,7 @@ class Runtime {
   // Not OK once the runtime has given up for good (an out-of-process
   // runtime that failed to restart max_failed_starts times in a row): the
   // worker then unloads the model and marks it failed, so callers get a
-  // terminal error and other workers may load it. Thread-safe.
+  // terminal error instead of waiting for their deadline. Thread-safe.
   virtual Status Health() const { return Status::Ok(); }
 };
 

@@ -475,8 +475,6 @@ TEST_F(FleetTest, ABatchInFlightWhenTheRuntimeDiesIsRedelivered) {
 namespace shoal {
 namespace {
 
-// The simulated accelerator behind a real worker: the same queue path, no
-// model compute.
 // A socket runtime that started once and then cannot start again is not
 // restarted forever while callers wait for their deadline: the runtime
 // gives up after process.max_failed_starts, the worker marks the model
@@ -525,6 +523,8 @@ TEST_F(FleetTest, ARuntimeThatWillNotRestartFailsTheModelAndItsCallers) {
   EXPECT_FALSE(m.worker->manager().IsLoaded("once"));
 }
 
+// The simulated accelerator behind a real worker: the same queue path, no
+// model compute.
 TEST_F(FleetTest, SimRuntimeServesThroughTheQueue) {
   MakeFleetRepository(repo_.path(), {"tiny-a"});
   WorkerOptions wo = Options();

@@ -203,7 +203,8 @@ class ModelManager {
   // Whether `name` could start loading now without evicting anything.
   bool FitsWithoutEviction(const std::string& name) const;
   // Called after every finished load (success or failure) and the
-  // evictions that came with it, outside the lock, on a loader thread. Set
+  // evictions that came with it, outside the lock, on a loader thread, and
+  // by FailUnhealthy() on its caller's thread when it failed a model. Set
   // before Start().
   void SetOnChange(std::function<void()> on_change) { on_change_ = std::move(on_change); }
 

@@ -564,8 +564,8 @@ void Worker::DemandLoop() {
 
 void Worker::PollDemand() {
   // A model whose runtime gave up for good is failed, not left loaded and
-  // idle: its waiting work gets model_load_failed below, or another worker
-  // loads it.
+  // idle: its waiting work gets model_load_failed below (unless a worker
+  // that has it loaded serves it).
   if (!manager_->FailUnhealthy().empty()) PublishHeartbeat();
   ReleaseSettledClaims();
   auto counts = GetSubjectCounts(*client_, options_.stream.name, wire::kWorkSubjectPrefix + std::string(">"));

@@ -28,6 +28,7 @@ class ForwardingRuntime : public Runtime {
   int64_t MemoryBytes() const override { return inner_->MemoryBytes(); }
   int Dim() const override { return inner_->Dim(); }
   bool Available() const override { return inner_->Available(); }
+  Status Health() const override { return inner_->Health(); }
 
  protected:
   Runtime& inner() { return *inner_; }
