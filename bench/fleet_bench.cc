@@ -371,6 +371,9 @@ struct Outcome {
   bool behind_load = false;
   double latency_ms = 0;      // from when it was due (open loop) or sent (closed loop)
   int status = 0;             // HTTP status; 0: the connection failed
+
+  // Did not wait for a load in any way: the requests the p99 bound holds.
+  bool Clear() const { return !cold && !reloaded && !behind_load; }
 };
 
 struct ClientRun {
@@ -496,12 +499,31 @@ constexpr Stage kStages[] = {
     {"shoal_worker_forward_seconds", "Forward pass time.", "forward pass", true},
 };
 
+// A histogram's bucket counts (LatencyBuckets()), summed over label sets.
+std::vector<int64_t> SumBuckets(MetricsRegistry& m, const char* metric, const char* help,
+                                const std::vector<Labels>& label_sets) {
+  std::vector<int64_t> sum(LatencyBuckets().size() + 1, 0);
+  for (const Labels& l : label_sets) {
+    Histogram* h = m.GetHistogram(metric, help, l, LatencyBuckets());
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] += h->BucketCount(i);
+  }
+  return sum;
+}
+
+// What was counted between two SumBuckets() of the same histogram.
+std::vector<int64_t> BucketDelta(const std::vector<int64_t>& before, const std::vector<int64_t>& after) {
+  std::vector<int64_t> d(after.size());
+  for (size_t i = 0; i < d.size(); ++i) d[i] = after[i] - before[i];
+  return d;
+}
+
 FleetSample SampleFleet(MetricsRegistry& m, const std::vector<std::string>& models, pid_t nats) {
   FleetSample s;
   s.proc_cpu = ProcessCpuSeconds();
   s.nats_cpu = PidCpuSeconds(nats);
   s.machine_busy = MachineBusySeconds();
-  s.wait_buckets.assign(LatencyBuckets().size() + 1, 0);
+  std::vector<Labels> per_model;
+  for (const auto& name : models) per_model.push_back({{"model", name}});
   for (const auto& name : models) {
     const Labels l = {{"model", name}};
     s.loads += m.GetCounter("shoal_worker_model_loads_total", "Model loads, by result.",
@@ -516,23 +538,12 @@ FleetSample SampleFleet(MetricsRegistry& m, const std::vector<std::string>& mode
     s.forward_s += fwd->Sum();
     s.passes += fwd->Count();
     s.rows += m.GetHistogram("shoal_worker_batch_rows", "Rows per forward pass.", l, SizeBuckets())->Sum();
-    Histogram* w = m.GetHistogram("shoal_worker_load_wait_seconds", "How long requests waited for a model to load.",
-                                  l, LatencyBuckets());
-    for (size_t i = 0; i < s.wait_buckets.size(); ++i) s.wait_buckets[i] += w->BucketCount(i);
   }
-  for (const Stage& stage : kStages) {
-    std::vector<int64_t> sum(LatencyBuckets().size() + 1, 0);
-    auto add = [&](const Labels& l) {
-      Histogram* h = m.GetHistogram(stage.metric, stage.help, l, LatencyBuckets());
-      for (size_t i = 0; i < sum.size(); ++i) sum[i] += h->BucketCount(i);
-    };
-    if (stage.per_model) {
-      for (const auto& name : models) add({{"model", name}});
-    } else {
-      add({{"route", "/v1/embeddings"}});
-    }
-    s.stage_buckets.push_back(std::move(sum));
-  }
+  s.wait_buckets = SumBuckets(m, "shoal_worker_load_wait_seconds", "How long requests waited for a model to load.",
+                              per_model);
+  const std::vector<Labels> gateway = {Labels{{"route", "/v1/embeddings"}}};
+  for (const Stage& stage : kStages)
+    s.stage_buckets.push_back(SumBuckets(m, stage.metric, stage.help, stage.per_model ? per_model : gateway));
   return s;
 }
 
@@ -729,11 +740,11 @@ PhaseReport RunPhase(Stack& stack, const Traffic& traffic, const std::vector<std
   p.all = LatencyOf(run.done, [](const Outcome&) { return true; });
   p.cold = LatencyOf(run.done, [](const Outcome& o) { return o.cold || o.reloaded; });
   p.warm = LatencyOf(run.done, [](const Outcome& o) { return !o.cold && !o.reloaded; });
-  p.clear = LatencyOf(run.done, [](const Outcome& o) { return !o.cold && !o.reloaded && !o.behind_load; });
+  p.clear = LatencyOf(run.done, [](const Outcome& o) { return o.Clear(); });
   {
     std::map<int, int> slow;  // model -> clear requests over 1 s
     for (const Outcome& o : run.done)
-      if (o.status == 200 && !o.cold && !o.reloaded && !o.behind_load && o.latency_ms > 1000) ++slow[o.model];
+      if (o.status == 200 && o.Clear() && o.latency_ms > 1000) ++slow[o.model];
     std::vector<std::pair<int, int>> by(slow.begin(), slow.end());
     std::sort(by.begin(), by.end(), [](const auto& x, const auto& y) { return x.second > y.second; });
     for (size_t i = 0; i < by.size() && i < 8; ++i) {
@@ -754,15 +765,11 @@ PhaseReport RunPhase(Stack& stack, const Traffic& traffic, const std::vector<std
   p.evictions = b.evictions - a.evictions;
   p.load_waits = b.load_waits - a.load_waits;
   p.redelivered = b.redelivered - a.redelivered;
-  std::vector<int64_t> waits(a.wait_buckets.size());
-  for (size_t i = 0; i < waits.size(); ++i) waits[i] = b.wait_buckets[i] - a.wait_buckets[i];
+  const std::vector<int64_t> waits = BucketDelta(a.wait_buckets, b.wait_buckets);
   p.worker_wait_p50_s = BucketPercentile(LatencyBuckets(), waits, 50);
   p.worker_wait_p99_s = BucketPercentile(LatencyBuckets(), waits, 99);
-  for (size_t k = 0; k < b.stage_buckets.size(); ++k) {
-    std::vector<int64_t> d(b.stage_buckets[k].size());
-    for (size_t i = 0; i < d.size(); ++i) d[i] = b.stage_buckets[k][i] - a.stage_buckets[k][i];
-    p.stage_buckets.push_back(std::move(d));
-  }
+  for (size_t k = 0; k < b.stage_buckets.size(); ++k)
+    p.stage_buckets.push_back(BucketDelta(a.stage_buckets[k], b.stage_buckets[k]));
   resident.Fill(&p);
   return p;
 }

@@ -565,8 +565,8 @@ void Worker::DemandLoop() {
 void Worker::PollDemand() {
   // A model whose runtime gave up for good is failed, not left loaded and
   // idle: its waiting work gets model_load_failed below (unless a worker
-  // that has it loaded serves it).
-  if (!manager_->FailUnhealthy().empty()) PublishHeartbeat();
+  // that has it loaded serves it). The manager's change hook announces it.
+  manager_->FailUnhealthy();
   ReleaseSettledClaims();
   auto counts = GetSubjectCounts(*client_, options_.stream.name, wire::kWorkSubjectPrefix + std::string(">"));
   if (!counts.ok()) {
