@@ -599,6 +599,7 @@ struct PhaseReport {
   Percentiles all, cold, warm;  // cold: had to wait for a load (cold or reloaded)
   Percentiles clear;            // warm and not behind a load's backlog
   std::string slow_clear;       // the models of the clear requests over 1 s, most frequent first
+  std::string error_models;     // the models of the requests not answered 200, most frequent first
   int64_t cold_sent = 0, reloaded = 0;
   int64_t top_ok = 0, top_waited = 0;  // requests to the --budget-models most popular models
   double proc_cores = 0, client_cores = 0, nats_cores = 0, other_cores = 0;
@@ -741,17 +742,23 @@ PhaseReport RunPhase(Stack& stack, const Traffic& traffic, const std::vector<std
   p.cold = LatencyOf(run.done, [](const Outcome& o) { return o.cold || o.reloaded; });
   p.warm = LatencyOf(run.done, [](const Outcome& o) { return !o.cold && !o.reloaded; });
   p.clear = LatencyOf(run.done, [](const Outcome& o) { return o.Clear(); });
-  {
-    std::map<int, int> slow;  // model -> clear requests over 1 s
+  // The models of the requests `pick` selects, most frequent first, with
+  // how many of each.
+  const auto models_of = [&](const std::function<bool(const Outcome&)>& pick) {
+    std::map<int, int> n;
     for (const Outcome& o : run.done)
-      if (o.status == 200 && o.Clear() && o.latency_ms > 1000) ++slow[o.model];
-    std::vector<std::pair<int, int>> by(slow.begin(), slow.end());
-    std::sort(by.begin(), by.end(), [](const auto& x, const auto& y) { return x.second > y.second; });
+      if (pick(o)) ++n[o.model];
+    std::vector<std::pair<int, int>> by(n.begin(), n.end());
+    std::stable_sort(by.begin(), by.end(), [](const auto& x, const auto& y) { return x.second > y.second; });
+    std::string out;
     for (size_t i = 0; i < by.size() && i < 8; ++i) {
-      p.slow_clear += (i ? ", " : "") + models[by[i].first] + (large[by[i].first] ? " (large)" : "") + " x" +
-                      std::to_string(by[i].second);
+      out += (i ? ", " : "") + models[by[i].first] + (large[by[i].first] ? " (large)" : "") + " x" +
+             std::to_string(by[i].second);
     }
-  }
+    return out;
+  };
+  p.slow_clear = models_of([](const Outcome& o) { return o.status == 200 && o.Clear() && o.latency_ms > 1000; });
+  p.error_models = models_of([](const Outcome& o) { return o.status != 200; });
   p.proc_cores = (b.proc_cpu - a.proc_cpu) / t;
   p.client_cores = run.load.client_cpu_s / t;
   p.nats_cores = (b.nats_cpu - a.nats_cpu) / t;
@@ -792,6 +799,7 @@ void PrintPhase(const char* name, const PhaseReport& p) {
                 p.clear.p99_ms, p.clear.max_ms);
     if (!p.slow_clear.empty()) std::printf("            their models over 1 s: %s\n", p.slow_clear.c_str());
   }
+  if (!p.error_models.empty()) std::printf("            models of the errors: %s\n", p.error_models.c_str());
   std::printf("            large-model requests %.0f%%; resident models %.1f (%d..%d), loading %.1f, %.0f MiB accounted\n",
               100 * p.large_share, p.resident_mean, p.resident_min, p.resident_max, p.loading_mean,
               p.memory_used_mean_mb);

@@ -1,8 +1,11 @@
 #include "queue/nats_client.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <thread>
 
 #include <nats/nats.h>
 
@@ -335,7 +338,33 @@ Status ConsumerOptions::Validate() const {
 }
 
 void PullConsumer::Interrupt() {
-  if (sub_) natsSubscription_Unsubscribe(sub_.get());
+  // A drain, not an unsubscribe: an unsubscribe frees the messages queued
+  // here and drops those still on the wire, unacked, so they would reach
+  // nobody until AckWait. The drain times out (and then closes the
+  // subscription) only if the server does not answer within the time.
+  if (sub_) (void)natsSubscription_DrainTimeout(sub_.get(), 5000);
+}
+
+std::vector<Delivery> PullConsumer::TakeQueued(int64_t max_wait_ms) {
+  std::vector<Delivery> out;
+  if (!sub_) return out;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(0, max_wait_ms));
+  while (true) {
+    int queued = 0;
+    // Fails once the drain has completed and the subscription is closed.
+    if (natsSubscription_GetPending(sub_.get(), &queued, nullptr) != NATS_OK) break;
+    if (queued > 0) {
+      // A batch no larger than what is queued takes it without a new pull.
+      auto got = Fetch(queued, 1);
+      if (got.ok())
+        for (Delivery& d : *got) out.push_back(std::move(d));
+    } else if (natsSubscription_DrainCompletionStatus(sub_.get()) != NATS_ILLEGAL_STATE) {
+      break;  // the server confirmed, and nothing is left
+    }
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    if (queued == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return out;
 }
 
 Result<std::unique_ptr<PullConsumer>> PullConsumer::Create(NatsClient& client, const std::string& stream,

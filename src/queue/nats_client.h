@@ -197,10 +197,18 @@ class PullConsumer {
   // the server a moment later, and what it delivers waits here (unacked,
   // its AckWait running) until the next Fetch takes it.
   int Undelivered();
-  // Ends the subscription (the durable consumer stays): a Fetch blocked in
-  // another thread returns at once, and every later Fetch fails. For
-  // shutting a fetcher down without waiting out its long poll.
+  // Ends the subscription (the durable consumer stays) without losing what
+  // the server already sent: the server is told to stop delivering, a Fetch
+  // blocked in another thread returns as soon as it has confirmed (one round
+  // trip, not the long poll), and the messages that were on their way stay
+  // queued here for TakeQueued. For shutting a fetcher down.
   void Interrupt();
+  // After Interrupt, once no other thread fetches: the messages delivered to
+  // this subscription that no Fetch returned, waiting up to max_wait_ms for
+  // the server to confirm that nothing more is coming. They are unacked: the
+  // caller hands them back (Nak) or answers them; dropped, they would wait
+  // out AckWait before anyone could have them again.
+  std::vector<Delivery> TakeQueued(int64_t max_wait_ms);
 
  private:
   PullConsumer() = default;

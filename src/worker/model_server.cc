@@ -107,11 +107,31 @@ void ModelServer::Stop() {
   }
   work_cv_.notify_all();
   space_cv_.notify_all();
-  // Cut the fetcher's long poll short: an eviction must not wait for it.
+  // Cut the fetcher's long poll short (an eviction must not wait for it),
+  // keeping what the server already sent.
   if (d_.consumer) d_.consumer->Interrupt();
   if (fetcher_.joinable()) fetcher_.join();
   if (executor_.joinable()) executor_.join();
-  // Pulled but never run: hand it back now rather than after AckWait.
+  const Status stopping = Unavailable("the worker stopped before running this work; retry", "worker_stopping");
+  // What goes back to the queue is redelivered after as long as this
+  // worker's longest pull: a pull request of the subscription just ended
+  // stays listed on the server until it expires, and nats-server before
+  // 2.10 drops a redelivery that meets such a pull (the message then comes
+  // back only after AckWait, by default as long as a request's deadline).
+  const int64_t hand_back_after_ms = d_.fetch_poll_ms;
+  // Delivered to this subscription, but no fetch took it: hand it back too.
+  if (d_.consumer) {
+    for (Delivery& delivery : d_.consumer->TakeQueued(1000)) {
+      auto headers = ParseWorkHeaders(delivery);
+      if (delivery.Header(wire::kHdrLoadHint).empty() && headers.ok() &&
+          static_cast<int64_t>(delivery.NumDelivered()) >= d_.max_deliver) {
+        Fail(delivery, *headers, stopping);
+      } else {
+        (void)delivery.Nak(hand_back_after_ms);
+      }
+    }
+  }
+  // Pulled but never run: hand it back rather than leave it to AckWait.
   std::vector<std::unique_ptr<PendingWork>> left;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -128,7 +148,7 @@ void ModelServer::Stop() {
     std::lock_guard<std::mutex> lock(mu_);
     MaybeReleaseClaimLocked();
   }
-  Release(std::move(left), Unavailable("the worker stopped before running this work; retry", "worker_stopping"));
+  Release(std::move(left), stopping, hand_back_after_ms);
 }
 
 void ModelServer::Release(std::vector<std::unique_ptr<PendingWork>> work, const Status& last_chance,
