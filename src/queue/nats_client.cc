@@ -338,11 +338,22 @@ Status ConsumerOptions::Validate() const {
 }
 
 void PullConsumer::Interrupt() {
+  if (!sub_) return;
   // A drain, not an unsubscribe: an unsubscribe frees the messages queued
   // here and drops those still on the wire, unacked, so they would reach
-  // nobody until AckWait. The drain times out (and then closes the
-  // subscription) only if the server does not answer within the time.
-  if (sub_) (void)natsSubscription_DrainTimeout(sub_.get(), 5000);
+  // nobody until AckWait. The drain gives up (and closes the subscription)
+  // if the server does not confirm within a second. Without a connection
+  // nothing more can arrive, and a drain would only wait for that second.
+  if (conn_ != nullptr && natsConnection_Status(conn_) != NATS_CONN_STATUS_CONNECTED) {
+    (void)natsSubscription_Unsubscribe(sub_.get());
+    return;
+  }
+  (void)natsSubscription_DrainTimeout(sub_.get(), 1000);
+}
+
+std::string PullConsumer::Inbox() const {
+  const char* subject = sub_ ? natsSubscription_GetSubject(sub_.get()) : nullptr;
+  return subject ? std::string(subject) : std::string();
 }
 
 std::vector<Delivery> PullConsumer::TakeQueued(int64_t max_wait_ms) {
@@ -354,7 +365,9 @@ std::vector<Delivery> PullConsumer::TakeQueued(int64_t max_wait_ms) {
     // Fails once the drain has completed and the subscription is closed.
     if (natsSubscription_GetPending(sub_.get(), &queued, nullptr) != NATS_OK) break;
     if (queued > 0) {
-      // A batch no larger than what is queued takes it without a new pull.
+      // A batch no larger than what is queued takes it without a new pull
+      // (short of a status message in the queue, when a 1 ms pull goes
+      // out: after the UNSUB, the server sends nothing to it).
       auto got = Fetch(queued, 1);
       if (got.ok())
         for (Delivery& d : *got) out.push_back(std::move(d));
@@ -404,6 +417,7 @@ Result<std::unique_ptr<PullConsumer>> PullConsumer::Create(NatsClient& client, c
   s = js_PullSubscribe(&sub, client.js(), subject.c_str(), durable.c_str(), nullptr, &so, &jerr);
   if (s != NATS_OK) return FromNats(s, "pull subscribe " + subject, jerr);
   auto pc = std::unique_ptr<PullConsumer>(new PullConsumer());
+  pc->conn_ = client.conn();
   pc->sub_.reset(sub);
   return pc;
 }

@@ -209,9 +209,12 @@ class PullConsumer {
   // caller hands them back (Nak) or answers them; dropped, they would wait
   // out AckWait before anyone could have them again.
   std::vector<Delivery> TakeQueued(int64_t max_wait_ms);
+  // The subject this subscription's pulls are answered on.
+  std::string Inbox() const;
 
  private:
   PullConsumer() = default;
+  natsConnection* conn_ = nullptr;  // not owned: the NatsClient's
   NatsSubscriptionPtr sub_;
 };
 

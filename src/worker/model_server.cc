@@ -111,26 +111,35 @@ void ModelServer::Stop() {
   // keeping what the server already sent.
   if (d_.consumer) d_.consumer->Interrupt();
   if (fetcher_.joinable()) fetcher_.join();
-  if (executor_.joinable()) executor_.join();
   const Status stopping = Unavailable("the worker stopped before running this work; retry", "worker_stopping");
-  // What goes back to the queue is redelivered after as long as this
-  // worker's longest pull: a pull request of the subscription just ended
-  // stays listed on the server until it expires, and nats-server before
-  // 2.10 drops a redelivery that meets such a pull (the message then comes
-  // back only after AckWait, by default as long as a request's deadline).
-  const int64_t hand_back_after_ms = d_.fetch_poll_ms;
-  // Delivered to this subscription, but no fetch took it: hand it back too.
+  // What goes back to the queue is redelivered once the last pull of the
+  // closed subscription has expired, and a little later (the server removes
+  // an expired pull on a timer): the server lists such a pull until then,
+  // and nats-server before 2.10 drops a redelivery that meets it (the
+  // message then comes back only after AckWait, by default as long as a
+  // request's deadline).
+  constexpr int64_t kAfterLastPullMs = 50;
+  const int64_t hand_back_after_ms =
+      kAfterLastPullMs + std::max<int64_t>(0, (last_pull_ends_mono_us_.load() - d_.clock->NowMonoUs() + 999) / 1000);
+  // Delivered to this subscription, but no fetch took it: hand it back too,
+  // now, before the executor's pass ends (the drain keeps it for a second).
   if (d_.consumer) {
     for (Delivery& delivery : d_.consumer->TakeQueued(1000)) {
+      if (!delivery.Header(wire::kHdrLoadHint).empty()) {
+        (void)delivery.Ack();  // as the fetcher does: the model was loaded
+        continue;
+      }
       auto headers = ParseWorkHeaders(delivery);
-      if (delivery.Header(wire::kHdrLoadHint).empty() && headers.ok() &&
-          static_cast<int64_t>(delivery.NumDelivered()) >= d_.max_deliver) {
+      if (!headers.ok()) {
+        (void)delivery.Term();  // malformed, as the fetcher does
+      } else if (static_cast<int64_t>(delivery.NumDelivered()) >= d_.max_deliver) {
         Fail(delivery, *headers, stopping);
       } else {
         (void)delivery.Nak(hand_back_after_ms);
       }
     }
   }
+  if (executor_.joinable()) executor_.join();
   // Pulled but never run: hand it back rather than leave it to AckWait.
   std::vector<std::unique_ptr<PendingWork>> left;
   {
@@ -392,6 +401,7 @@ void ModelServer::FetchLoop() {
       if (!waiting && d_.consumer->Undelivered() == 0 && !d_.pull_gate->WaitForRoom(20, &stop_)) continue;
       poll_ms = std::min(poll_ms, gated_poll_ms_);
     }
+    last_pull_ends_mono_us_ = d_.clock->NowMonoUs() + poll_ms * 1000;
     auto fetched = d_.consumer->Fetch(want, poll_ms);
     // A model that keeps getting nothing polls less often (twice as long
     // each time, up to fetch_poll_ms); work brings the short poll back.
