@@ -234,7 +234,9 @@ TEST_F(FleetTest, WorkAModelHoldsAsItIsUnloadedIsServedByTheNextLoad) {
     if (!r.ok() && failed++ == 0) first = r.status().ToString();
   }
   EXPECT_EQ(failed, 0) << "first: " << first;  // none lost until AckWait
-  // The rounds did hand work back (else this test proves nothing).
+  // The rounds did hand work back (else this test proves nothing), and it
+  // came back.
+  EXPECT_GT(m.Counter("shoal_worker_handed_back_total", {{"model", "tiny-a"}}), 0);
   EXPECT_GT(m.Counter("shoal_worker_redelivered_total", {{"model", "tiny-a"}}), 0);
 }
 
@@ -500,6 +502,7 @@ TEST_F(FleetTest, ABatchInFlightWhenTheRuntimeDiesIsRedelivered) {
   }
   EXPECT_TRUE(fs::exists(marker)) << "the runtime never crashed; nothing was tested";
   EXPECT_GE(m.Counter("shoal_worker_runtime_unavailable_total", {{"model", "crashy"}}), 1);
+  EXPECT_GE(m.Counter("shoal_worker_handed_back_total", {{"model", "crashy"}}), 1);
   EXPECT_GE(m.Counter("shoal_worker_redelivered_total", {{"model", "crashy"}}), 1);
 }
 

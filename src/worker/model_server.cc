@@ -81,6 +81,8 @@ ModelServer::ModelServer(ModelServerDeps deps)
   tokens_total_ = m->GetCounter("shoal_worker_tokens_total", "Real (unpadded) tokens embedded.", l);
   expired_ = m->GetCounter("shoal_worker_expired_total", "Work dropped because its deadline passed.", l);
   redelivered_ = m->GetCounter("shoal_worker_redelivered_total", "Work delivered more than once.", l);
+  handed_back_ = m->GetCounter("shoal_worker_handed_back_total",
+                               "Work handed back to the queue unrun (model stopping, runtime unavailable).", l);
   load_waits_ = m->GetCounter("shoal_worker_load_waits_total", "Requests that waited for a model to load.", l);
   load_wait_seconds_ = m->GetHistogram("shoal_worker_load_wait_seconds",
                                        "How long requests waited for a model to load.", l,
@@ -136,6 +138,7 @@ void ModelServer::Stop() {
         Fail(delivery, *headers, stopping);
       } else {
         (void)delivery.Nak(hand_back_after_ms);
+        handed_back_->Inc();
       }
     }
   }
@@ -168,6 +171,7 @@ void ModelServer::Release(std::vector<std::unique_ptr<PendingWork>> work, const 
       Fail(w->delivery, w->headers, last_chance);
     } else {
       (void)w->delivery.Nak(delay_ms);
+      handed_back_->Inc();
     }
   }
 }

@@ -193,6 +193,7 @@ class ModelServer final : public ModelAttachment {
   Counter* tokens_total_ = nullptr;
   Counter* expired_ = nullptr;
   Counter* redelivered_ = nullptr;
+  Counter* handed_back_ = nullptr;
   Counter* load_waits_ = nullptr;
   Histogram* load_wait_seconds_ = nullptr;
   Histogram* turn_wait_seconds_ = nullptr;
