@@ -200,8 +200,9 @@ class PullConsumer {
   // Ends the subscription (the durable consumer stays) without losing what
   // the server already sent: the server is told to stop delivering, a Fetch
   // blocked in another thread returns as soon as it has confirmed (one round
-  // trip, not the long poll), and the messages that were on their way stay
-  // queued here for TakeQueued. For shutting a fetcher down.
+  // trip, not the long poll; at once when disconnected), and the messages
+  // that were on their way stay queued here for TakeQueued. For shutting a
+  // fetcher down.
   void Interrupt();
   // After Interrupt, once no other thread fetches: the messages delivered to
   // this subscription that no Fetch returned, waiting up to max_wait_ms for
