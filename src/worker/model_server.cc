@@ -126,21 +126,16 @@ void ModelServer::Stop() {
   // Delivered to this subscription, but no fetch took it: hand it back too,
   // now, before the executor's pass ends (the drain keeps it for a second).
   if (d_.consumer) {
+    std::vector<std::unique_ptr<PendingWork>> late;
     for (Delivery& delivery : d_.consumer->TakeQueued(1000)) {
-      if (!delivery.Header(wire::kHdrLoadHint).empty()) {
-        (void)delivery.Ack();  // as the fetcher does: the model was loaded
-        continue;
-      }
-      auto headers = ParseWorkHeaders(delivery);
-      if (!headers.ok()) {
-        (void)delivery.Term();  // malformed, as the fetcher does
-      } else if (static_cast<int64_t>(delivery.NumDelivered()) >= d_.max_deliver) {
-        Fail(delivery, *headers, stopping);
-      } else {
-        (void)delivery.Nak(hand_back_after_ms);
-        handed_back_->Inc();
-      }
+      auto headers = WorkHeadersOrSettle(delivery);
+      if (!headers) continue;
+      auto w = std::make_unique<PendingWork>();
+      w->headers = std::move(*headers);
+      w->delivery = std::move(delivery);
+      late.push_back(std::move(w));
     }
+    Release(std::move(late), stopping, hand_back_after_ms);
   }
   if (executor_.joinable()) executor_.join();
   // Pulled but never run: hand it back rather than leave it to AckWait.
@@ -161,6 +156,20 @@ void ModelServer::Stop() {
     MaybeReleaseClaimLocked();
   }
   Release(std::move(left), stopping, hand_back_after_ms);
+}
+
+std::optional<wire::WorkHeaders> ModelServer::WorkHeadersOrSettle(Delivery& delivery) {
+  if (!delivery.Header(wire::kHdrLoadHint).empty()) {
+    (void)delivery.Ack();  // the model is loaded: the hint has done its job
+    return std::nullopt;
+  }
+  auto headers = ParseWorkHeaders(delivery);
+  if (!headers.ok()) {
+    LOG_WARN("worker", "dropping malformed work message: " << headers.status().message());
+    (void)delivery.Term();
+    return std::nullopt;
+  }
+  return std::move(headers).value();
 }
 
 void ModelServer::Release(std::vector<std::unique_ptr<PendingWork>> work, const Status& last_chance,
@@ -421,16 +430,8 @@ void ModelServer::FetchLoop() {
     const int64_t now_ms = d_.clock->NowUnixMs();
     std::vector<std::unique_ptr<PendingWork>> ready;
     for (Delivery& delivery : *fetched) {
-      if (!delivery.Header(wire::kHdrLoadHint).empty()) {
-        (void)delivery.Ack();  // the model is loaded: the hint has done its job
-        continue;
-      }
-      auto headers = ParseWorkHeaders(delivery);
-      if (!headers.ok()) {
-        LOG_WARN("worker", "dropping malformed work message: " << headers.status().message());
-        (void)delivery.Term();
-        continue;
-      }
+      auto headers = WorkHeadersOrSettle(delivery);
+      if (!headers) continue;
       const Delivery::Info info = delivery.Metadata();  // one parse per message
       if (info.num_delivered > 1) redelivered_->Inc();
       if (headers->deadline_unix_ms > 0 && now_ms > headers->deadline_unix_ms) {

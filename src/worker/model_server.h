@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -159,6 +160,9 @@ class ModelServer final : public ModelAttachment {
   // work on its last allowed delivery: its caller gets `last_chance` (a
   // message past MaxDeliver would sit in the queue unanswered).
   void Release(std::vector<std::unique_ptr<PendingWork>> work, const Status& last_chance, int64_t delay_ms = 0);
+  // The headers of a delivered work message; a load hint is acked and a
+  // malformed message terminated instead (nullopt).
+  std::optional<wire::WorkHeaders> WorkHeadersOrSettle(Delivery& delivery);
   // Publishes an error reply (when the caller can be reached) and terms.
   void Fail(Delivery& delivery, const wire::WorkHeaders& headers, const Status& status);
   Status Reply(const wire::WorkReply& reply, const std::string& reply_to);
