@@ -107,6 +107,8 @@ struct Flags {
   int64_t fetch_poll_ms = 500;  // the worker's default long-poll
   int load_nice = WorkerOptions{}.load_nice;
   int device_slots = WorkerOptions{}.device_slots;  // 0: auto (one per core, passes widen)
+  bool huge_pages = WorkerOptions{}.huge_pages;
+  bool keep_freed_memory = WorkerOptions{}.keep_freed_memory;
   std::string eviction = "lru";
   std::string preload = "top";  // top: most popular models that fit; none
   uint64_t seed = 1;
@@ -318,6 +320,8 @@ WorkerOptions BaseWorkerOptions(const Flags& f, const Fleet& fleet) {
   wo.fetch_poll_ms = f.fetch_poll_ms;
   wo.load_nice = f.load_nice;
   wo.device_slots = f.device_slots;
+  wo.huge_pages = f.huge_pages;
+  wo.keep_freed_memory = f.keep_freed_memory;
   wo.eviction = f.eviction;
   return wo;
 }
@@ -1090,6 +1094,8 @@ json SettingsJson(const Flags& f) {
           {"fetch_poll_ms", f.fetch_poll_ms},
           {"load_nice", f.load_nice},
           {"device_slots", f.device_slots},
+          {"huge_pages", f.huge_pages},
+          {"keep_freed_memory", f.keep_freed_memory},
           {"eviction", f.eviction},
           {"preload", f.preload},
           {"seed", f.seed},
@@ -1129,6 +1135,11 @@ int Main(int argc, char** argv) {
       ->check(CLI::Range(0, 64))->capture_default_str();
   app.add_option("--load-nice", f.load_nice, "Worker's nice value of model loads (0: serving's priority)")
       ->check(CLI::Range(0, 19))->capture_default_str();
+  app.add_option("--huge-pages", f.huge_pages, "Worker's huge pages for large tensors (true or false)")
+      ->capture_default_str();
+  app.add_option("--keep-freed-memory", f.keep_freed_memory,
+                 "Worker keeps memory freed by passes for the next pass (true or false)")
+      ->capture_default_str();
   app.add_option("--preload", f.preload, "Fleet phase: top (most popular that fit) or none")
       ->check(CLI::IsMember({"top", "none"}))->capture_default_str();
   app.add_option("--seed", f.seed, "Seed of the draws and of the size assignment")->capture_default_str();

@@ -152,6 +152,10 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
       "footprint, lowest first)");
   Opt(app, "--load-nice", w.options.load_nice, "SHOAL_LOAD_NICE",
       "Nice value (0..19) of model loads, so a load uses the CPU that serving leaves idle (0: serving's priority)");
+  Opt(app, "--huge-pages", w.options.huge_pages, "SHOAL_HUGE_PAGES",
+      "Back model tensors of 2 MiB and more with transparent huge pages (faster loads; true or false)");
+  Opt(app, "--keep-freed-memory", w.options.keep_freed_memory, "SHOAL_KEEP_FREED_MEMORY",
+      "Keep memory freed by forward passes for the next pass instead of returning it to the system (true or false)");
   Opt(app, "--pin", w.pin_csv, "SHOAL_PIN", "Comma-separated models loaded at start and never evicted");
   Opt(app, "--preload", w.preload_csv, "SHOAL_PRELOAD",
       "Models loaded at start while they fit without evicting: all, none, or comma-separated names");

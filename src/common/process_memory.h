@@ -9,4 +9,13 @@ namespace shoal {
 // it cannot be read.
 int64_t ResidentBytes();
 
+// Makes malloc keep memory that is freed, for reuse, instead of handing it
+// back to the system at once: blocks under `mmap_threshold` bytes come from
+// the heap (glibc's M_MMAP_THRESHOLD; at most 32 MiB), and the heap is
+// trimmed only when more than `trim_threshold` bytes are free at its top
+// (M_TRIM_THRESHOLD). Process-wide. A forward pass frees its activations
+// when it ends; with glibc's defaults the next pass often faults them in
+// again, page by page. Returns false when glibc refuses a value.
+bool KeepFreedMemory(int64_t mmap_threshold, int64_t trim_threshold);
+
 }  // namespace shoal

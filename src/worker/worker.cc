@@ -21,6 +21,7 @@
 #include "common/log.h"
 #include "common/process_memory.h"
 #include "runtime/runtime.h"
+#include "runtime/torch/huge_pages.h"
 #include "tokenize/wordpiece_tokenizer.h"
 #include "wire/work_message.h"
 #include "worker/device_scheduler.h"
@@ -93,6 +94,11 @@ json ErrorJson(const Status& s) {
           {"status", HttpStatusFor(s.code())}};
 }
 
+// KeepFreedMemory: blocks under this come from malloc's heap (glibc's most)...
+constexpr int64_t kKeptBlockBytes = int64_t{32} << 20;
+// ...and the heap keeps up to this much free memory.
+constexpr int64_t kKeptFreeBytes = int64_t{128} << 20;
+
 }  // namespace
 
 Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, NatsClient* client,
@@ -118,6 +124,13 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   ASSIGN_OR_RETURN(w->models_kv_, KvBucket::Open(*client, wire::kModelsBucket, 0));
   ASSIGN_OR_RETURN(w->placement_kv_, KvBucket::Open(*client, wire::kPlacementBucket, options.claim_ttl_ms));
 
+  if (options.keep_freed_memory && !KeepFreedMemory(kKeptBlockBytes, kKeptFreeBytes)) {
+    LOG_WARN("worker", "malloc refused to keep freed memory (M_MMAP_THRESHOLD / M_TRIM_THRESHOLD)");
+  }
+  if (options.huge_pages && !UseHugePagesForLargeTensors()) {
+    LOG_INFO("worker", "no transparent huge pages for tensors (kernel THP mode: '"
+                           << TransparentHugePageMode() << "')");
+  }
   ASSIGN_OR_RETURN(auto configs, LoadModelRepository(options.model_repository));
   const int cpus = UsableCpus();
   std::vector<ModelConfig> selected;

@@ -85,6 +85,16 @@ struct WorkerOptions {
   // another one loads. Other runtimes load at serving's priority (their
   // loads start threads or processes that go on serving). 0: off.
   int load_nice = 10;
+  // Back libtorch's CPU tensors of 2 MiB and more with transparent huge
+  // pages (runtime/torch/huge_pages.h): a large model loads about three
+  // times faster. Process-wide, and on for the rest of the process once a
+  // worker has turned it on. Off where the kernel's THP mode is "never".
+  bool huge_pages = true;
+  // Keep memory that forward passes free for the next pass (glibc malloc:
+  // blocks under 32 MiB from the heap, trimmed only past 128 MiB free;
+  // common/process_memory.h) instead of faulting it in again on every pass.
+  // Process-wide. false: glibc's defaults.
+  bool keep_freed_memory = true;
 
   // Makes the runtime for a model; default CreateRuntime(config.runtime).
   // Tests inject fakes here.

@@ -13,6 +13,7 @@
 
 #include "common/process_memory.h"
 #include "runtime/internal/batch_check.h"
+#include "runtime/torch/huge_pages.h"
 
 namespace shoal {
 namespace {
@@ -194,6 +195,7 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
   s.ApplyThreads();
 
   const int64_t rss_before = ResidentBytes();
+  const LargeTensorsOnHugePages weights_on_huge_pages;  // when the worker turned them on
   try {
     s.module = torch::jit::load(path, torch::kCPU);
     s.module.eval();

@@ -5,18 +5,22 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
 #include <thread>
 
 #include <ATen/Parallel.h>
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/script.h>
 #include <unistd.h>
 
 #include "common/model_config.h"
+#include "common/process_memory.h"
+#include "runtime/torch/huge_pages.h"
 
 namespace shoal {
 namespace {
@@ -116,6 +120,84 @@ TEST_F(TinyBert, MatchesPythonReference) {
   auto batched = rt->Run(Batch(inputs));
   ASSERT_TRUE(batched.ok()) << batched.status().ToString();
   for (int i = 0; i < 3; ++i) EXPECT_LT(MaxAbsDiff(Row(*batched, i), expected[i]), 1e-4);
+}
+
+// Installs the huge page allocator for the rest of this process, so the
+// tests after it load their models with it too. MiniLM-L6: its 47 MB word
+// embeddings are over the 32 MiB threshold.
+TEST_F(TinyBert, HugePagesKeepOutputsAndReturnLargeTensorsOnFree) {
+  const std::string minilm_dir = ModelsDir() + "/minilm-l6";
+  ASSERT_TRUE(fs::exists(minilm_dir + "/model.pt")) << MissingModelHelp(minilm_dir);
+  auto minilm = LoadModelConfig(minilm_dir);
+  ASSERT_TRUE(minilm.ok()) << minilm.status().ToString();
+  std::mt19937 rng(7);
+  std::vector<std::vector<int64_t>> inputs;
+  for (int i = 0; i < 3; ++i) inputs.push_back(RandomSentence(rng, 5 + 9 * i));
+  std::vector<float> before;
+  {
+    auto rt = Load(*minilm);
+    ASSERT_NE(rt, nullptr);
+    auto out = rt->Run(Batch(inputs));
+    ASSERT_TRUE(out.ok()) << out.status().ToString();
+    before = out->data;
+  }
+  if (!UseHugePagesForLargeTensors()) {
+    GTEST_SKIP() << "the kernel offers no transparent huge pages (mode '" << TransparentHugePageMode() << "')";
+  }
+  EXPECT_TRUE(UseHugePagesForLargeTensors()) << "a second call keeps it installed";
+  const int64_t huge_before = LargeTensorBytesOnHugePages();
+  {
+    auto small = Load(config_);  // tiny-bert: every tensor under the threshold
+    ASSERT_NE(small, nullptr);
+    EXPECT_EQ(LargeTensorBytesOnHugePages(), huge_before);
+  }
+  auto rt = Load(*minilm);
+  ASSERT_NE(rt, nullptr);
+  // The load put the word embeddings on huge pages; passes do not.
+  const int64_t huge_loaded = LargeTensorBytesOnHugePages();
+  EXPECT_GE(huge_loaded - huge_before, 30522 * 384 * 4);
+  auto out = rt->Run(Batch(inputs));
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_LT(MaxAbsDiff(out->data, before), 1e-6);
+  EXPECT_EQ(LargeTensorBytesOnHugePages(), huge_loaded);
+  rt->Unload();
+  EXPECT_EQ(LargeTensorBytesOnHugePages(), huge_before) << "unload returns the weights";
+
+  constexpr int64_t kLarge = int64_t{40} << 20;
+  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+  c10::Allocator* cpu = c10::GetCPUAllocator();
+  {
+    // Outside a scope (a forward pass's activations): malloc, as before.
+    c10::DataPtr plain = cpu->allocate(kLarge);
+    ASSERT_NE(plain.get(), nullptr);
+    EXPECT_NE(reinterpret_cast<uintptr_t>(plain.get()) % kHugePage, 0u);
+  }
+  const LargeTensorsOnHugePages scope;
+  const int64_t rss_empty = ResidentBytes();
+  {
+    c10::DataPtr large = cpu->allocate(kLarge);
+    ASSERT_NE(large.get(), nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(large.get()) % kHugePage, 0u);
+    std::memset(large.get(), 1, kLarge);
+    EXPECT_GE(ResidentBytes() - rss_empty, kLarge - int64_t{2 << 20});
+  }
+  // Freed to the system at once: an evicted model's large tensors leave
+  // the process.
+  EXPECT_LT(ResidentBytes() - rss_empty, int64_t{4} << 20);
+
+  // Tensors and the raw interface (used inside some kernels) on both sides
+  // of the threshold.
+  at::Tensor big = torch::ones({9 << 20}, torch::kFloat);  // 36 MiB
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(big.data_ptr()) % kHugePage, 0u);
+  EXPECT_EQ(big.sum().item<double>(), 9 << 20);
+  at::Tensor small = torch::ones({100}, torch::kFloat);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(small.data_ptr()) % 64, 0u);
+  for (size_t n : {size_t{100}, size_t{4} << 20, size_t{33} << 20}) {
+    void* p = cpu->raw_allocate(n);
+    ASSERT_NE(p, nullptr);
+    std::memset(p, 0, n);
+    cpu->raw_deallocate(p);
+  }
 }
 
 // Sequence-classification heads (cross-encoder, classifier): three inputs
