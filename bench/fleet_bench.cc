@@ -1146,6 +1146,12 @@ int Main(int argc, char** argv) {
   app.add_option("--json-out", f.json_out, "Also write the results as JSON to this file");
   app.add_option("--log-level", f.log_level, "debug | info | warn | error")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  {
+    WorkerOptions process;  // before any thread starts, as shoal serve does
+    process.huge_pages = f.huge_pages;
+    process.keep_freed_memory = f.keep_freed_memory;
+    Worker::PrepareProcess(process);
+  }
   std::sort(f.rates.begin(), f.rates.end());  // capacities read them in ascending order
 
   LogLevel level;

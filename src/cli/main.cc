@@ -153,7 +153,7 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
   Opt(app, "--load-nice", w.options.load_nice, "SHOAL_LOAD_NICE",
       "Nice value (0..19) of model loads, so a load uses the CPU that serving leaves idle (0: serving's priority)");
   Opt(app, "--huge-pages", w.options.huge_pages, "SHOAL_HUGE_PAGES",
-      "Back model tensors of 2 MiB and more with transparent huge pages (faster loads; true or false)");
+      "While a model loads, put its tensors of 32 MiB and more on transparent huge pages (faster loads; true or false)");
   Opt(app, "--keep-freed-memory", w.options.keep_freed_memory, "SHOAL_KEEP_FREED_MEMORY",
       "Keep memory freed by forward passes for the next pass instead of returning it to the system (true or false)");
   Opt(app, "--pin", w.pin_csv, "SHOAL_PIN", "Comma-separated models loaded at start and never evicted");
@@ -377,6 +377,9 @@ int main(int argc, char** argv) {
   if (bench->parsed()) return RunBenchCommand(bench_flags);
   if (serve->parsed()) ApplyOmpWaitPolicy(serve_wk.omp_wait_policy, argv);
   if (worker->parsed()) ApplyOmpWaitPolicy(wk.omp_wait_policy, argv);
+  // Before any thread starts: it may replace libtorch's allocator.
+  if (serve->parsed()) Worker::PrepareProcess(serve_wk.options);
+  if (worker->parsed()) Worker::PrepareProcess(wk.options);
   BlockSignals();
 
   auto set_level = [](const std::string& text) {

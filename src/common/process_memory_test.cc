@@ -44,6 +44,19 @@ TEST(ProcessMemoryTest, KeptMemoryIsReusedByTheNextAllocationInsteadOfFaultedInA
   std::free(q);
 }
 
+TEST(ProcessMemoryTest, TrimReturnsKeptMemoryOnlyAboveTheLimit) {
+  ASSERT_TRUE(KeepFreedMemory(32 * kMiB, 128 * kMiB));
+  void* p = std::malloc(16 * kMiB);
+  ASSERT_NE(p, nullptr);
+  Touch(p, 16 * kMiB);
+  std::free(p);  // kept by malloc
+  const int64_t kept = ResidentBytes();
+  EXPECT_FALSE(TrimFreedMemoryAbove(kept + 64 * kMiB));
+  EXPECT_GT(ResidentBytes(), kept - 4 * kMiB) << "under the limit: still kept";
+  EXPECT_TRUE(TrimFreedMemoryAbove(0));
+  EXPECT_LT(ResidentBytes(), kept - 12 * kMiB) << "returned to the system";
+}
+
 TEST(ProcessMemoryTest, KeepFreedMemoryRejectsValuesGlibcCannotTake) {
   EXPECT_FALSE(KeepFreedMemory(-1, 0));
   EXPECT_FALSE(KeepFreedMemory(0, int64_t{1} << 40));

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -101,6 +102,23 @@ constexpr int64_t kKeptFreeBytes = int64_t{128} << 20;
 
 }  // namespace
 
+void Worker::PrepareProcess(const WorkerOptions& options) {
+  static std::once_flag keep_once, huge_once;
+  if (options.keep_freed_memory) {
+    std::call_once(keep_once, [] {
+      if (!KeepFreedMemory(kKeptBlockBytes, kKeptFreeBytes))
+        LOG_WARN("worker", "malloc refused to keep freed memory (M_MMAP_THRESHOLD / M_TRIM_THRESHOLD)");
+    });
+  }
+  if (options.huge_pages) {
+    std::call_once(huge_once, [] {
+      if (!UseHugePagesForLargeTensors())
+        LOG_INFO("worker", "no transparent huge pages for model loads (kernel THP mode: '"
+                               << TransparentHugePageMode() << "')");
+    });
+  }
+}
+
 Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, NatsClient* client,
                                                MetricsRegistry* metrics, const Clock* clock) {
   RETURN_IF_ERROR(options.Validate());
@@ -124,13 +142,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   ASSIGN_OR_RETURN(w->models_kv_, KvBucket::Open(*client, wire::kModelsBucket, 0));
   ASSIGN_OR_RETURN(w->placement_kv_, KvBucket::Open(*client, wire::kPlacementBucket, options.claim_ttl_ms));
 
-  if (options.keep_freed_memory && !KeepFreedMemory(kKeptBlockBytes, kKeptFreeBytes)) {
-    LOG_WARN("worker", "malloc refused to keep freed memory (M_MMAP_THRESHOLD / M_TRIM_THRESHOLD)");
-  }
-  if (options.huge_pages && !UseHugePagesForLargeTensors()) {
-    LOG_INFO("worker", "no transparent huge pages for tensors (kernel THP mode: '"
-                           << TransparentHugePageMode() << "')");
-  }
+  PrepareProcess(options);
   ASSIGN_OR_RETURN(auto configs, LoadModelRepository(options.model_repository));
   const int cpus = UsableCpus();
   std::vector<ModelConfig> selected;
@@ -186,6 +198,15 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   ASSIGN_OR_RETURN(mo.eviction, ParseEvictionPolicy(options.eviction));
   mo.retry_failed_after_us = options.retry_failed_after_ms * 1000;
   Worker* self = w.get();
+  // Malloc keeps freed memory for reuse (--keep-freed-memory), in as many
+  // heaps as there are threads that allocate. After an unload, the process
+  // may hold what it held at start, its models' footprints and
+  // kKeptFreeBytes more; beyond that, free memory goes back to the system.
+  const int64_t resident_at_start = ResidentBytes();
+  mo.after_unload = [self, resident_at_start] {
+    if (TrimFreedMemoryAbove(resident_at_start + self->manager_raw_->memory_used_bytes() + kKeptFreeBytes))
+      LOG_DEBUG("worker", "returned free memory to the system after an unload");
+  };
   w->manager_ = std::make_unique<ModelManager>(
       mo, selected, [self](const ModelConfig& c) { return self->LoadModel(c); }, clock, metrics);
   w->manager_raw_ = w->manager_.get();

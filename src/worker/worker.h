@@ -85,15 +85,17 @@ struct WorkerOptions {
   // another one loads. Other runtimes load at serving's priority (their
   // loads start threads or processes that go on serving). 0: off.
   int load_nice = 10;
-  // Back libtorch's CPU tensors of 2 MiB and more with transparent huge
-  // pages (runtime/torch/huge_pages.h): a large model loads about three
-  // times faster. Process-wide, and on for the rest of the process once a
-  // worker has turned it on. Off where the kernel's THP mode is "never".
+  // While a TorchScript model loads, put its tensors of 32 MiB and more on
+  // transparent huge pages (runtime/torch/huge_pages.h): MiniLM-L6 loads in
+  // less than half the time. Process-wide, and on for the rest of the
+  // process once a worker has turned it on (PrepareProcess). Nothing
+  // changes where the kernel's THP mode is "never".
   bool huge_pages = true;
   // Keep memory that forward passes free for the next pass (glibc malloc:
-  // blocks under 32 MiB from the heap, trimmed only past 128 MiB free;
-  // common/process_memory.h) instead of faulting it in again on every pass.
-  // Process-wide. false: glibc's defaults.
+  // blocks under 32 MiB from the heap, trimmed only past 128 MiB free per
+  // arena; common/process_memory.h) instead of faulting it in again on
+  // every pass. An unloaded model's memory is still returned at once
+  // (TorchScriptRuntime::Unload). Process-wide. false: glibc's defaults.
   bool keep_freed_memory = true;
 
   // Makes the runtime for a model; default CreateRuntime(config.runtime).
@@ -131,6 +133,13 @@ class ProgressKeeper;
 
 class Worker {
  public:
+  // The process-wide settings of `options` (huge_pages, keep_freed_memory).
+  // Call it before the process starts threads (`shoal serve` and `shoal
+  // worker` do): installing libtorch's allocator while other threads
+  // allocate races with them. Create() calls it too; later calls do nothing
+  // more.
+  static void PrepareProcess(const WorkerOptions& options);
+
   // Reads the catalog, binds the stream and buckets, loads the pinned and
   // preloaded models (blocking), registers and starts its threads. `client`
   // and `metrics` must outlive the worker.

@@ -1,6 +1,7 @@
 #include "runtime/torch/huge_pages.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <fstream>
@@ -8,7 +9,6 @@
 #include <unordered_map>
 
 #include <c10/core/CPUAllocator.h>
-#include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/Exception.h>
 
 namespace shoal {
@@ -24,9 +24,13 @@ constexpr size_t kHugeFrom = size_t{32} << 20;
 
 // The large tensors' mappings, by the data pointer handed out. A deleter
 // receives only that pointer (Allocator::raw_deleter), so it looks it up.
+struct Mapping {
+  size_t length = 0;  // mapped, from the data pointer on
+  size_t asked = 0;   // what allocate() was asked for
+};
 struct Mappings {
   std::mutex mu;
-  std::unordered_map<void*, std::pair<void*, size_t>> by_data;  // data -> (base, length)
+  std::unordered_map<void*, Mapping> by_data;
   int64_t bytes = 0;  // asked for, summed over by_data
 };
 
@@ -37,48 +41,66 @@ Mappings& TheMappings() {
   return *m;
 }
 
+size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
 void Free(void* data) {
   if (data == nullptr) return;
   // Only a 2 MiB-aligned pointer can be one of ours; anything else came from
-  // c10::alloc_cpu (before or after installation).
+  // libtorch's default allocator (before or after installation).
   if ((reinterpret_cast<uintptr_t>(data) & (kHugePage - 1)) == 0) {
     Mappings& m = TheMappings();
     std::unique_lock<std::mutex> lock(m.mu);
     auto it = m.by_data.find(data);
     if (it != m.by_data.end()) {
-      const auto [base, length] = it->second;
+      const Mapping mapping = it->second;
       m.by_data.erase(it);
-      m.bytes -= static_cast<int64_t>(length - kHugePage);
+      m.bytes -= static_cast<int64_t>(mapping.asked);
       lock.unlock();
-      munmap(base, length);
+      munmap(data, mapping.length);
       return;
     }
   }
-  c10::free_cpu(data);
+  c10::GetDefaultCPUAllocator()->raw_deleter()(data);
 }
 
 class HugePageAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) const override {
-    void* data = n < kHugeFrom || t_scopes == 0 ? c10::alloc_cpu(n) : MapLarge(n);
+    // Everything else is libtorch's default allocator's, deleter included
+    // (it reports to the profiler).
+    if (n < kHugeFrom || t_scopes == 0) return c10::GetDefaultCPUAllocator()->allocate(n);
+    void* data = MapLarge(n);
     return {data, data, &Free, c10::Device(c10::DeviceType::CPU)};
   }
+  // raw_allocate() goes through allocate(), whose small blocks carry the
+  // default allocator's deleter; Free hands those to it.
   c10::DeleterFnPtr raw_deleter() const override { return &Free; }
 
  private:
-  // A mapping one huge page longer than asked, so the data can start on a
-  // 2 MiB boundary; only whole huge pages are advised, the tail keeps small
-  // pages. The unused head is never touched, so it costs no memory.
+  // Maps a huge page more than asked, keeps the 2 MiB-aligned part that
+  // holds the data and unmaps the rest, so no huge page is spent on a
+  // neighbour. Only whole huge pages are advised; the last partial one keeps
+  // small pages.
   static void* MapLarge(size_t n) {
-    const size_t length = n + kHugePage;
-    void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    TORCH_CHECK(n <= SIZE_MAX / 2, "huge page allocator: cannot map ", n, " bytes");
+    const size_t length = RoundUp(n, static_cast<size_t>(sysconf(_SC_PAGESIZE)));
+    const size_t mapped = length + kHugePage;
+    void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     TORCH_CHECK(base != MAP_FAILED, "huge page allocator: cannot map ", n, " bytes");
-    void* data = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(base) + kHugePage - 1) & ~(kHugePage - 1));
+    auto* begin = static_cast<char*>(base);
+    auto* data = reinterpret_cast<char*>(RoundUp(reinterpret_cast<uintptr_t>(begin), kHugePage));
+    if (data > begin) munmap(begin, static_cast<size_t>(data - begin));
+    if (begin + mapped > data + length) munmap(data + length, static_cast<size_t>(begin + mapped - (data + length)));
     madvise(data, n & ~(kHugePage - 1), MADV_HUGEPAGE);  // advice only: small pages if it fails
-    Mappings& m = TheMappings();
-    std::lock_guard<std::mutex> lock(m.mu);
-    m.by_data[data] = {base, length};
-    m.bytes += static_cast<int64_t>(n);
+    try {
+      Mappings& m = TheMappings();
+      std::lock_guard<std::mutex> lock(m.mu);
+      m.by_data[data] = Mapping{length, n};
+      m.bytes += static_cast<int64_t>(n);
+    } catch (...) {
+      munmap(data, length);
+      throw;
+    }
     return data;
   }
 };
@@ -109,9 +131,10 @@ bool UseHugePagesForLargeTensors() {
   static const bool installed = [] {
     const std::string mode = TransparentHugePageMode();
     if (mode != "always" && mode != "madvise") return false;
-    static HugePageAllocator allocator;
+    // Never destroyed: libtorch keeps the pointer until the process ends.
+    static auto* allocator = new HugePageAllocator();
     // Above the default allocator's priority (0), so it stays in place.
-    c10::SetCPUAllocator(&allocator, /*priority=*/1);
+    c10::SetCPUAllocator(allocator, /*priority=*/1);
     return true;
   }();
   return installed;

@@ -195,9 +195,11 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
   s.ApplyThreads();
 
   const int64_t rss_before = ResidentBytes();
-  const LargeTensorsOnHugePages weights_on_huge_pages;  // when the worker turned them on
   try {
-    s.module = torch::jit::load(path, torch::kCPU);
+    {
+      const LargeTensorsOnHugePages weights_on_huge_pages;  // when the worker turned them on
+      s.module = torch::jit::load(path, torch::kCPU);
+    }
     s.module.eval();
     // The schema's first argument is `self`.
     s.takes_token_types = s.module.get_method("forward").function().getSchema().arguments().size() >= 4;

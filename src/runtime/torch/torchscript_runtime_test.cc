@@ -3,6 +3,7 @@
 // skips, when they are missing.
 #include "runtime/torch/torchscript_runtime.h"
 
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -71,6 +72,23 @@ std::vector<int64_t> RandomSentence(std::mt19937& rng, int len) {
   for (int i = 0; i < len - 2; ++i) s.push_back(id(rng));
   s.push_back(102);
   return s;
+}
+
+// The VmFlags line of /proc/self/smaps for the mapping that starts at `p`,
+// or "" when there is none.
+std::string VmFlagsOfMappingAt(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool in_it = false;
+  while (std::getline(smaps, line)) {
+    const size_t dash = line.find('-');
+    if (dash != std::string::npos && dash > 0 && line.find(' ') > dash && std::isxdigit(line[0])) {
+      in_it = std::stoull(line.substr(0, dash), nullptr, 16) == reinterpret_cast<uintptr_t>(p);
+    } else if (in_it && line.rfind("VmFlags:", 0) == 0) {
+      return line;
+    }
+  }
+  return "";
 }
 
 class TinyBert : public ::testing::Test {
@@ -178,6 +196,10 @@ TEST_F(TinyBert, HugePagesKeepOutputsAndReturnLargeTensorsOnFree) {
     c10::DataPtr large = cpu->allocate(kLarge);
     ASSERT_NE(large.get(), nullptr);
     EXPECT_EQ(reinterpret_cast<uintptr_t>(large.get()) % kHugePage, 0u);
+    // Advised for huge pages ("hg"); whether the kernel finds free huge
+    // pages for it is its business.
+    EXPECT_NE(VmFlagsOfMappingAt(large.get()).find(" hg"), std::string::npos)
+        << VmFlagsOfMappingAt(large.get());
     std::memset(large.get(), 1, kLarge);
     EXPECT_GE(ResidentBytes() - rss_empty, kLarge - int64_t{2 << 20});
   }
