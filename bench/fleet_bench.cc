@@ -812,9 +812,10 @@ void PrintPhase(const char* name, const PhaseReport& p) {
   std::printf("            forward passes busy %.0f%% (summed over passes running at once): %lld passes, %.1f rows each, "
               "%.2f ms of forward time per request\n",
               100 * p.model_busy, static_cast<long long>(p.passes), p.rows_per_pass, p.forward_ms_per_request);
-  std::printf("            loader busy %.0f%%; loads %lld, evictions %lld (%.0f/min); redelivered %lld\n",
-              100 * p.loader_busy, static_cast<long long>(p.loads), static_cast<long long>(p.evictions),
-              p.evictions * 60 / p.window_s, static_cast<long long>(p.redelivered));
+  std::printf("            loader busy %.0f%%; loads %lld (%.0f ms each), evictions %lld (%.0f/min); redelivered %lld\n",
+              100 * p.loader_busy, static_cast<long long>(p.loads),
+              p.loads > 0 ? 1000 * p.loader_busy * p.window_s / static_cast<double>(p.loads) : 0.0,
+              static_cast<long long>(p.evictions), p.evictions * 60 / p.window_s, static_cast<long long>(p.redelivered));
   std::printf("            CPU cores: this process %.2f (client %.2f), nats-server %.2f, other processes %.2f\n",
               p.proc_cores, p.client_cores, p.nats_cores, p.other_cores);
   const std::vector<double> bounds = LatencyBuckets();

@@ -26,10 +26,4 @@ bool KeepFreedMemory(int64_t mmap_threshold, int64_t trim_threshold) {
   return mmap_ok && trim_ok;
 }
 
-bool TrimFreedMemoryAbove(int64_t limit) {
-  if (ResidentBytes() <= limit) return false;
-  malloc_trim(0);
-  return true;
-}
-
 }  // namespace shoal

@@ -18,9 +18,4 @@ int64_t ResidentBytes();
 // again, page by page. Returns false when glibc refuses a value.
 bool KeepFreedMemory(int64_t mmap_threshold, int64_t trim_threshold);
 
-// Returns malloc's free memory to the system (malloc_trim: every arena,
-// free blocks inside a heap too) when the resident set exceeds `limit`
-// bytes. Returns whether it trimmed.
-bool TrimFreedMemoryAbove(int64_t limit);
-
 }  // namespace shoal

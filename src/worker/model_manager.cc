@@ -587,21 +587,18 @@ void ModelManager::UpdateLoadedGaugeLocked() {
 
 void ModelManager::UnloadVictims(std::vector<std::unique_ptr<LoadedModel>> victims,
                                  int64_t accounted_bytes, int accounted_count) {
-  const bool any = !victims.empty();
   for (auto& v : victims) {
     v->attachment.reset();  // stops every use of the model first
     if (v->runtime != nullptr) v->runtime->Unload();
     v.reset();
   }
-  if (accounted_bytes != 0 || accounted_count != 0) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      unloading_bytes_ -= accounted_bytes;
-      unloading_count_ -= accounted_count;
-    }
-    cv_.notify_all();
+  if (accounted_bytes == 0 && accounted_count == 0) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    unloading_bytes_ -= accounted_bytes;
+    unloading_count_ -= accounted_count;
   }
-  if (any && options_.after_unload) options_.after_unload();
+  cv_.notify_all();
 }
 
 void ModelManager::LoaderLoop() {

@@ -83,9 +83,6 @@ struct ModelManagerOptions {
   // 0: only an explicit Load()/Pin()/Unload() clears the failure.
   int64_t retry_failed_after_us = 0;
   int load_threads = 1;             // loads (and evictions) run on these
-  // Called after models were unloaded (evicted or asked to), on the thread
-  // that unloaded them, outside the manager's lock. May be empty.
-  std::function<void()> after_unload;
 
   Status Validate() const;
 };

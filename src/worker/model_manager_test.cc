@@ -369,28 +369,6 @@ TEST_F(ModelManagerTest, EvictsOnlyAsManyAsNeeded) {
   EXPECT_EQ(mm->memory_used_bytes(), 300);
 }
 
-TEST_F(ModelManagerTest, AfterUnloadRunsOnceModelsAreGoneForEvictionsAndUnloads) {
-  ModelManagerOptions o = Options(200);
-  std::atomic<int> calls{0};
-  ModelManager* seen = nullptr;
-  std::atomic<int64_t> used_then{-1};
-  o.after_unload = [&] {
-    ++calls;
-    used_then = seen->memory_used_bytes();  // outside the manager's lock: may call back in
-  };
-  auto mm = Make(std::move(o), {Model("a", 100), Model("b", 100), Model("c", 100)});
-  seen = mm.get();
-  Use(*mm, "a");
-  Use(*mm, "b");
-  EXPECT_EQ(calls.load(), 0) << "loads that fit unload nothing";
-  Use(*mm, "c");  // evicts a
-  EXPECT_EQ(calls.load(), 1);
-  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kNotLoaded);
-  ASSERT_TRUE(mm->Unload("b").ok());
-  EXPECT_EQ(calls.load(), 2);
-  EXPECT_EQ(used_then.load(), 100) << "called once b no longer counts";
-}
-
 TEST_F(ModelManagerTest, LeasedModelIsNeverEvicted) {
   auto mm = Make(Options(200), {Model("a", 100), Model("b", 100), Model("c", 100)});
   Result<ModelLease> lease_a = mm->Acquire("a", Far());

@@ -97,8 +97,10 @@ json ErrorJson(const Status& s) {
 
 // KeepFreedMemory: blocks under this come from malloc's heap (glibc's most)...
 constexpr int64_t kKeptBlockBytes = int64_t{32} << 20;
-// ...and the heap keeps up to this much free memory.
-constexpr int64_t kKeptFreeBytes = int64_t{128} << 20;
+// ...and a heap is trimmed past this much free at its top: where glibc's
+// own thresholds end up once the process has freed a block of 32 MiB, set
+// from the start instead of depending on what the process did before.
+constexpr int64_t kKeptFreeBytes = int64_t{64} << 20;
 
 }  // namespace
 
@@ -198,15 +200,6 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   ASSIGN_OR_RETURN(mo.eviction, ParseEvictionPolicy(options.eviction));
   mo.retry_failed_after_us = options.retry_failed_after_ms * 1000;
   Worker* self = w.get();
-  // Malloc keeps freed memory for reuse (--keep-freed-memory), in as many
-  // heaps as there are threads that allocate. After an unload, the process
-  // may hold what it held at start, its models' footprints and
-  // kKeptFreeBytes more; beyond that, free memory goes back to the system.
-  const int64_t resident_at_start = ResidentBytes();
-  mo.after_unload = [self, resident_at_start] {
-    if (TrimFreedMemoryAbove(resident_at_start + self->manager_raw_->memory_used_bytes() + kKeptFreeBytes))
-      LOG_DEBUG("worker", "returned free memory to the system after an unload");
-  };
   w->manager_ = std::make_unique<ModelManager>(
       mo, selected, [self](const ModelConfig& c) { return self->LoadModel(c); }, clock, metrics);
   w->manager_raw_ = w->manager_.get();

@@ -92,7 +92,7 @@ struct WorkerOptions {
   // changes where the kernel's THP mode is "never".
   bool huge_pages = true;
   // Keep memory that forward passes free for the next pass (glibc malloc:
-  // blocks under 32 MiB from the heap, trimmed only past 128 MiB free per
+  // blocks under 32 MiB from the heap, trimmed only past 64 MiB free per
   // arena; common/process_memory.h) instead of faulting it in again on
   // every pass. An unloaded model's memory is still returned at once
   // (TorchScriptRuntime::Unload). Process-wide. false: glibc's defaults.
