@@ -26,6 +26,7 @@
 #include "common/model_config.h"
 #include "common/process_memory.h"
 #include "runtime/runtime.h"
+#include "token_batch.h"
 #include "runtime/torch/huge_pages.h"
 
 namespace shoal::bench {
@@ -43,18 +44,6 @@ double Median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
-}
-
-TokenBatch MakeBatch(int rows, int seq_len) {
-  TokenBatch b;
-  b.rows = rows;
-  b.seq_len = seq_len;
-  for (int r = 0; r < rows; ++r)
-    for (int t = 0; t < seq_len; ++t) {
-      b.input_ids.push_back(t == 0 ? 101 : t == seq_len - 1 ? 102 : 1000 + (r * 31 + t * 7) % 20000);
-      b.attention_mask.push_back(1);
-    }
-  return b;
 }
 
 // One side in this process: prints "load_ms pass_ms memory_bytes", one line

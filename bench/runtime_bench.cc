@@ -27,6 +27,7 @@
 
 #include "common/model_config.h"
 #include "runtime/runtime.h"
+#include "token_batch.h"
 
 namespace shoal::bench {
 namespace {
@@ -36,18 +37,6 @@ namespace fs = std::filesystem;
 struct Stats {
   double p50_us = 0, p90_us = 0;
 };
-
-TokenBatch MakeBatch(int rows, int seq_len) {
-  TokenBatch b;
-  b.rows = rows;
-  b.seq_len = seq_len;
-  for (int r = 0; r < rows; ++r)
-    for (int t = 0; t < seq_len; ++t) {
-      b.input_ids.push_back(t == 0 ? 101 : t == seq_len - 1 ? 102 : 1000 + (r * 31 + t * 7) % 20000);
-      b.attention_mask.push_back(1);
-    }
-  return b;
-}
 
 Stats Time(Runtime& rt, const TokenBatch& batch, int warmup, int iterations) {
   for (int i = 0; i < warmup; ++i) (void)rt.Run(batch);
