@@ -51,7 +51,7 @@ double Median(std::vector<double> v) {
 int Child(const std::string& model_dir, bool huge, bool keep_freed, int loads) {
   // As the worker does (--keep-freed-memory): the passes timed below then
   // reuse their activations' memory.
-  if (keep_freed) KeepFreedMemory(int64_t{32} << 20, int64_t{64} << 20);
+  if (keep_freed) KeepFreedMemory(kKeptBlockBytes, kKeptFreeBytes);
   if (huge && !UseHugePagesForLargeTensors()) {
     std::fprintf(stderr, "no transparent huge pages here (mode '%s')\n", TransparentHugePageMode().c_str());
     return 2;

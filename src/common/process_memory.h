@@ -18,4 +18,11 @@ int64_t ResidentBytes();
 // again, page by page. Returns false when glibc refuses a value.
 bool KeepFreedMemory(int64_t mmap_threshold, int64_t trim_threshold);
 
+// The worker's values (--keep-freed-memory): glibc's largest mmap
+// threshold, and the trim threshold glibc itself moves to once the process
+// has freed a block that large; set from the start instead of depending on
+// what the process did before.
+inline constexpr int64_t kKeptBlockBytes = int64_t{32} << 20;
+inline constexpr int64_t kKeptFreeBytes = int64_t{64} << 20;
+
 }  // namespace shoal

@@ -95,13 +95,6 @@ json ErrorJson(const Status& s) {
           {"status", HttpStatusFor(s.code())}};
 }
 
-// KeepFreedMemory: blocks under this come from malloc's heap (glibc's most)...
-constexpr int64_t kKeptBlockBytes = int64_t{32} << 20;
-// ...and a heap is trimmed past this much free at its top: where glibc's
-// own thresholds end up once the process has freed a block of 32 MiB, set
-// from the start instead of depending on what the process did before.
-constexpr int64_t kKeptFreeBytes = int64_t{64} << 20;
-
 }  // namespace
 
 void Worker::PrepareProcess(const WorkerOptions& options) {

@@ -94,8 +94,8 @@ struct WorkerOptions {
   // Keep memory that forward passes free for the next pass (glibc malloc:
   // blocks under 32 MiB from the heap, trimmed only past 64 MiB free per
   // arena; common/process_memory.h) instead of faulting it in again on
-  // every pass. An unloaded model's memory is still returned at once
-  // (TorchScriptRuntime::Unload). Process-wide. false: glibc's defaults.
+  // every pass. An unloaded model's tensors under 32 MiB stay in malloc's
+  // heap for the next load. Process-wide. false: glibc's defaults.
   bool keep_freed_memory = true;
 
   // Makes the runtime for a model; default CreateRuntime(config.runtime).

@@ -11,16 +11,18 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include "common/process_memory.h"
+
 namespace shoal {
 namespace {
 
 constexpr size_t kHugePage = size_t{2} << 20;
 // glibc's malloc maps blocks of this size and more on their own (its
-// largest mmap threshold, and the one KeepFreedMemory sets) and hands them
-// back when freed, so each load faults them in again page by page. Smaller
-// tensors come from malloc's heap, which keeps freed memory for reuse:
-// mapping those afresh made loads of tiny-bert slower, not faster.
-constexpr size_t kHugeFrom = size_t{32} << 20;
+// largest mmap threshold, the one the worker sets) and hands them back when
+// freed, so each load faults them in again page by page. Smaller tensors
+// come from malloc's heap, which keeps freed memory for reuse: mapping those
+// afresh made loads of tiny-bert slower, not faster.
+constexpr size_t kHugeFrom = static_cast<size_t>(kKeptBlockBytes);
 
 // The large tensors' mappings, by the data pointer handed out. A deleter
 // receives only that pointer (Allocator::raw_deleter), so it looks it up.
