@@ -107,6 +107,7 @@ struct Flags {
   int64_t fetch_poll_ms = 500;  // the worker's default long-poll
   int load_nice = WorkerOptions{}.load_nice;
   int device_slots = WorkerOptions{}.device_slots;  // 0: auto (one per core, passes widen)
+  int64_t turn_quantum_ms = WorkerOptions{}.turn_quantum_ms;
   bool huge_pages = WorkerOptions{}.huge_pages;
   bool keep_freed_memory = WorkerOptions{}.keep_freed_memory;
   std::string eviction = "lru";
@@ -320,6 +321,7 @@ WorkerOptions BaseWorkerOptions(const Flags& f, const Fleet& fleet) {
   wo.fetch_poll_ms = f.fetch_poll_ms;
   wo.load_nice = f.load_nice;
   wo.device_slots = f.device_slots;
+  wo.turn_quantum_ms = f.turn_quantum_ms;
   wo.huge_pages = f.huge_pages;
   wo.keep_freed_memory = f.keep_freed_memory;
   wo.eviction = f.eviction;
@@ -470,7 +472,7 @@ Status WaitReady(int port, const std::string& request) {
 
 struct FleetSample {
   double proc_cpu = 0, nats_cpu = 0, machine_busy = 0;
-  int64_t loads = 0, evictions = 0, load_waits = 0, redelivered = 0;
+  int64_t loads = 0, evictions = 0, load_waits = 0, redelivered = 0, shortened = 0;
   double load_s = 0, forward_s = 0, rows = 0;
   int64_t passes = 0;
   std::vector<int64_t> wait_buckets;  // shoal_worker_load_wait_seconds, summed over models
@@ -537,6 +539,7 @@ FleetSample SampleFleet(MetricsRegistry& m, const std::vector<std::string>& mode
     s.load_waits += m.GetCounter("shoal_worker_load_waits_total", "Requests that waited for a model to load.", l)
                         ->Value();
     s.redelivered += m.GetCounter("shoal_worker_redelivered_total", "Work delivered more than once.", l)->Value();
+    s.shortened += m.GetCounter("shoal_worker_batches_shortened_total", "", l)->Value();
     s.load_s += m.GetHistogram("shoal_worker_model_load_seconds", "Time to load a model.", l, LatencyBuckets())->Sum();
     Histogram* fwd = m.GetHistogram("shoal_worker_forward_seconds", "Forward pass time.", l, LatencyBuckets());
     s.forward_s += fwd->Sum();
@@ -614,6 +617,7 @@ struct PhaseReport {
   double loader_busy = 0;       // load seconds / window
   int64_t loads = 0, evictions = 0, load_waits = 0;
   int64_t redelivered = 0;      // work messages delivered more than once
+  int64_t shortened = 0;        // batches cut to the turn quantum
   double worker_wait_p50_s = 0, worker_wait_p99_s = 0;
   std::vector<std::vector<int64_t>> stage_buckets;  // window deltas, as FleetSample
   double resident_mean = 0;
@@ -776,6 +780,7 @@ PhaseReport RunPhase(Stack& stack, const Traffic& traffic, const std::vector<std
   p.evictions = b.evictions - a.evictions;
   p.load_waits = b.load_waits - a.load_waits;
   p.redelivered = b.redelivered - a.redelivered;
+  p.shortened = b.shortened - a.shortened;
   const std::vector<int64_t> waits = BucketDelta(a.wait_buckets, b.wait_buckets);
   p.worker_wait_p50_s = BucketPercentile(LatencyBuckets(), waits, 50);
   p.worker_wait_p99_s = BucketPercentile(LatencyBuckets(), waits, 99);
@@ -810,8 +815,9 @@ void PrintPhase(const char* name, const PhaseReport& p) {
   std::printf("            accounted footprint of a resident model: small %.1f MiB, large %.1f MiB\n", p.small_mb,
               p.large_mb);
   std::printf("            forward passes busy %.0f%% (summed over passes running at once): %lld passes, %.1f rows each, "
-              "%.2f ms of forward time per request\n",
-              100 * p.model_busy, static_cast<long long>(p.passes), p.rows_per_pass, p.forward_ms_per_request);
+              "%.2f ms of forward time per request; %lld batches cut to the turn quantum\n",
+              100 * p.model_busy, static_cast<long long>(p.passes), p.rows_per_pass, p.forward_ms_per_request,
+              static_cast<long long>(p.shortened));
   std::printf("            loader busy %.0f%%; loads %lld (%.0f ms each), evictions %lld (%.0f/min); redelivered %lld\n",
               100 * p.loader_busy, static_cast<long long>(p.loads),
               p.loads > 0 ? 1000 * p.loader_busy * p.window_s / static_cast<double>(p.loads) : 0.0,
@@ -1095,6 +1101,7 @@ json SettingsJson(const Flags& f) {
           {"fetch_poll_ms", f.fetch_poll_ms},
           {"load_nice", f.load_nice},
           {"device_slots", f.device_slots},
+          {"turn_quantum_ms", f.turn_quantum_ms},
           {"huge_pages", f.huge_pages},
           {"keep_freed_memory", f.keep_freed_memory},
           {"eviction", f.eviction},
@@ -1134,6 +1141,9 @@ int Main(int argc, char** argv) {
       ->check(CLI::IsMember({"lru", "gdsf"}))->capture_default_str();
   app.add_option("--device-slots", f.device_slots, "Worker's forward passes at once (0: auto, as shoal serve)")
       ->check(CLI::Range(0, 64))->capture_default_str();
+  app.add_option("--turn-quantum-ms", f.turn_quantum_ms,
+                 "Worker's turn quantum while other models wait for the device (0: full batches)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
   app.add_option("--load-nice", f.load_nice, "Worker's nice value of model loads (0: serving's priority)")
       ->check(CLI::Range(0, 19))->capture_default_str();
   app.add_option("--huge-pages", f.huge_pages, "Worker's huge pages for large tensors (true or false)")

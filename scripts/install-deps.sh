@@ -13,6 +13,7 @@ PACKAGES=(
   libssl-dev
   libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  gdb
   wrk
   wamerican
   libtesseract-dev libleptonica-dev tesseract-ocr-eng tesseract-ocr-vie

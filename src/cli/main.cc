@@ -161,6 +161,9 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
       "Models loaded at start while they fit without evicting: all, none, or comma-separated names");
   Opt(app, "--device-slots", w.options.device_slots, "SHOAL_DEVICE_SLOTS", "Forward passes running at once on this device, each on --threads threads (0: auto, one per core; "
       "a model alone on the device runs on all cores, models that compete run side by side on one core each)");
+  Opt(app, "--turn-quantum-ms", w.options.turn_quantum_ms, "SHOAL_TURN_QUANTUM_MS",
+      "While other models wait for the device, cut a model's batch to about this many ms of its measured cost, so a "
+      "model draining a backlog hands the device on sooner (0: full batches always)");
   Opt(app, "--scale-out-backlog", w.options.scale_out_backlog, "SHOAL_SCALE_OUT_BACKLOG",
       "Load another replica of a model when its waiting messages per replica exceed this and there is room (0: never)");
   Opt(app, "--demand-poll-ms", w.options.demand_poll_ms, "SHOAL_DEMAND_POLL_MS", "How often the queue's backlog per model is read");

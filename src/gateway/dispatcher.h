@@ -195,8 +195,8 @@ class Dispatcher final : public WorkSubmitter {
   std::string id_;
   std::string reply_subject_;   // _SHOAL.gw.<id>.r
   std::string ack_prefix_;      // _SHOAL.gw.<id>.a.
-  NatsSubscriptionPtr sub_;
-  NatsSubscriptionPtr load_sub_;  // push: shoal.load.>
+  SubscriptionPtr sub_;
+  SubscriptionPtr load_sub_;  // push: shoal.load.>
   std::string push_nr_prefix_;    // push: _SHOAL.gw.<id>.n. (no-responders come back here)
   bool push_ = false;
   std::atomic<uint64_t> seq_{0};

@@ -2,12 +2,16 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <mutex>
 #include <thread>
 
 #include <nats/nats.h>
+
+#include "common/log.h"
 
 namespace shoal {
 
@@ -117,13 +121,46 @@ Result<std::string> NatsClient::Request(const std::string& subject, std::string_
   return std::string(natsMsg_GetData(reply), static_cast<size_t>(natsMsg_GetDataLength(reply)));
 }
 
-Result<NatsSubscriptionPtr> NatsClient::Subscribe(const std::string& subject, NatsMsgHandler handler,
-                                                  void* closure) {
+struct Subscription::Done {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  static void Complete(void* closure) {
+    auto* d = static_cast<Done*>(closure);
+    std::lock_guard<std::mutex> lock(d->mu);
+    d->done = true;
+    d->cv.notify_all();
+  }
+};
+
+Subscription::~Subscription() {
+  (void)natsSubscription_Unsubscribe(sub_);
+  bool finished;
+  {
+    std::unique_lock<std::mutex> lock(done_->mu);
+    finished = done_->cv.wait_for(lock, std::chrono::milliseconds(kMaxWaitMs), [this] { return done_->done; });
+  }
+  if (finished) {
+    delete done_;
+  } else {
+    // nats.c will still call Done::Complete: leave it its latch.
+    LOG_WARN("nats", "a subscription's handler was still running " << kMaxWaitMs << " ms after unsubscribing");
+  }
+  natsSubscription_Destroy(sub_);
+}
+
+Result<SubscriptionPtr> NatsClient::Subscribe(const std::string& subject, NatsMsgHandler handler, void* closure) {
   natsSubscription* sub = nullptr;
   natsStatus s = natsConnection_Subscribe(&sub, conn_.get(), subject.c_str(), handler, closure);
   if (s != NATS_OK) return FromNats(s, "subscribe " + subject);
   natsSubscription_SetPendingLimits(sub, -1, -1);
-  return NatsSubscriptionPtr(sub);
+  auto* done = new Subscription::Done;
+  s = natsSubscription_SetOnCompleteCB(sub, &Subscription::Done::Complete, done);
+  if (s != NATS_OK) {
+    // Closed already (the connection went): nothing will be delivered.
+    Subscription::Done::Complete(done);
+  }
+  return SubscriptionPtr(new Subscription(sub, done));
 }
 
 Status NatsClient::Flush(int64_t timeout_ms) {

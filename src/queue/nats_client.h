@@ -53,6 +53,30 @@ struct NatsOptions {
 // thread and takes ownership of the message.
 using NatsMsgHandler = void (*)(natsConnection*, natsSubscription*, natsMsg*, void*);
 
+// An asynchronous core-NATS subscription (NatsClient::Subscribe). nats.c
+// may still be running the handler, or start it once more for a message
+// it had already taken, after natsSubscription_Unsubscribe returns; the
+// destructor unsubscribes and then waits until the handler has returned for
+// good, so whatever the handler's closure points to may be freed right
+// after. It waits at most kMaxWaitMs and then logs and goes on (never a
+// hang). Must not be destroyed from inside its own handler.
+class Subscription {
+ public:
+  static constexpr int64_t kMaxWaitMs = 5000;
+  ~Subscription();
+  Subscription(const Subscription&) = delete;
+  Subscription& operator=(const Subscription&) = delete;
+  natsSubscription* get() const { return sub_; }
+
+ private:
+  friend class NatsClient;
+  struct Done;
+  Subscription(natsSubscription* sub, Done* done) : sub_(sub), done_(done) {}
+  natsSubscription* sub_;
+  Done* done_;  // set by nats.c once the handler is finished; freed by the destructor
+};
+using SubscriptionPtr = std::unique_ptr<Subscription>;
+
 // One connection plus its JetStream context. Thread-safe (nats.c is).
 class NatsClient {
  public:
@@ -67,9 +91,9 @@ class NatsClient {
   // Core-NATS publish of a prepared message (headers allowed). Non-blocking.
   Status PublishMsg(natsMsg* msg);
   Status Publish(std::string_view subject, std::string_view data);
-  // Asynchronous subscription; `handler` owns each message it gets.
-  Result<NatsSubscriptionPtr> Subscribe(const std::string& subject, NatsMsgHandler handler,
-                                        void* closure);
+  // Asynchronous subscription; `handler` owns each message it gets and
+  // runs on nats.c's delivery thread. See Subscription for its end.
+  Result<SubscriptionPtr> Subscribe(const std::string& subject, NatsMsgHandler handler, void* closure);
   Status Flush(int64_t timeout_ms);
   // A fresh unique inbox subject.
   std::string NewInbox();

@@ -4,6 +4,7 @@
 
 #include <nats/nats.h>
 
+#include <atomic>
 #include <chrono>
 #include <future>
 #include <thread>
@@ -246,6 +247,49 @@ TEST_F(NatsClientTest, RequestReply) {
   auto r = client_->Request("ctl.echo", "hi", 2000);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(*r, "echo:hi");
+}
+
+// A handler that takes a while, so the test can end its subscription while
+// it runs.
+struct SlowHandler {
+  std::atomic<bool> entered{false};
+  std::atomic<bool> finished{false};
+};
+void Slow(natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
+  auto* h = static_cast<SlowHandler*>(closure);
+  h->entered = true;
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  h->finished = true;
+  natsMsg_Destroy(msg);
+}
+
+// nats.c can still be running a handler after natsSubscription_Unsubscribe
+// returns; destroying the Subscription waits for it, so what the handler's
+// closure points to may be freed right after.
+TEST_F(NatsClientTest, EndingASubscriptionWaitsForItsRunningHandler) {
+  SlowHandler h;
+  auto sub = client_->Subscribe("slow.x", &Slow, &h);
+  ASSERT_TRUE(sub.ok()) << sub.status().ToString();
+  ASSERT_TRUE(client_->Flush(1000).ok());
+  ASSERT_TRUE(client_->Publish("slow.x", "m").ok());
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return h.entered.load(); }));
+  sub->reset();
+  EXPECT_TRUE(h.finished.load()) << "the handler was still running after its subscription ended";
+}
+
+// A subscription that outlives its connection ends at once (the connection
+// closed it) instead of waiting out Subscription::kMaxWaitMs.
+TEST_F(NatsClientTest, SubscriptionOutlivingItsConnectionEndsAtOnce) {
+  NatsOptions no;
+  no.url = server_.url();
+  auto other = NatsClient::Connect(no);
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  auto sub = (*other)->Subscribe("gone.x", &Echo, nullptr);
+  ASSERT_TRUE(sub.ok());
+  other->reset();
+  const auto t0 = std::chrono::steady_clock::now();
+  sub->reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(Subscription::kMaxWaitMs));
 }
 
 }  // namespace

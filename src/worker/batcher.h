@@ -59,8 +59,10 @@ class Batcher {
   // -1: nothing held; 0: a batch is ready now; else microseconds to wait.
   int64_t UsUntilReady() const;
   // Removes the next batch: oldest first, at least one item, then as many
-  // as fit the token and row budget.
-  std::vector<std::unique_ptr<PendingWork>> Take();
+  // as fit the token and row budget. `token_cap` > 0 lowers the token
+  // budget of this batch only; `capped` (may be null) is set when the cap
+  // left out an item the budget would have taken.
+  std::vector<std::unique_ptr<PendingWork>> Take(int64_t token_cap = 0, bool* capped = nullptr);
 
  private:
   BatchingConfig config_;

@@ -97,6 +97,40 @@ TEST(Batcher, TakesOldestFirst) {
   EXPECT_EQ(batch[1]->headers.request_id, "c");
 }
 
+TEST(Batcher, TokenCapShortensOneBatchAndSaysSo) {
+  FakeClock clock;
+  Batcher b(Config(1000, 64, 1000), &clock);
+  for (int i = 0; i < 6; ++i) b.Add(Work(clock, {10}));
+  bool capped = false;
+  auto first = b.Take(25, &capped);  // two items fit the cap
+  EXPECT_EQ(first.size(), 2u);
+  EXPECT_TRUE(capped);
+  EXPECT_EQ(b.held_tokens(), 40);
+  EXPECT_EQ(b.held_rows(), 4);
+  // A cap below one item still takes the oldest one.
+  auto second = b.Take(5, &capped);
+  EXPECT_EQ(second.size(), 1u);
+  EXPECT_TRUE(capped);
+  // A cap above the budget changes nothing, and what is left fits: not capped.
+  auto rest = b.Take(5000, &capped);
+  EXPECT_EQ(rest.size(), 3u);
+  EXPECT_FALSE(capped);
+  EXPECT_EQ(b.held_tokens(), 0);
+}
+
+TEST(Batcher, TokenCapDoesNotClaimABatchTheBudgetEndedAnyway) {
+  FakeClock clock;
+  Batcher b(Config(30, 64, 1000), &clock);
+  for (int i = 0; i < 4; ++i) b.Add(Work(clock, {10}));
+  bool capped = true;
+  auto batch = b.Take(100, &capped);  // the budget (30) ends it, not the cap
+  EXPECT_EQ(batch.size(), 3u);
+  EXPECT_FALSE(capped);
+  batch = b.Take(0, &capped);  // 0: no cap
+  EXPECT_EQ(batch.size(), 1u);
+  EXPECT_FALSE(capped);
+}
+
 TEST(PlanForwardPasses, SortsByLengthAndRespectsPaddedCost) {
   FakeClock clock;
   std::vector<std::unique_ptr<PendingWork>> batch;

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <future>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -432,6 +433,100 @@ TEST_F(FleetTest, AutoSlotsGiveALoneModelEveryCoreAndCompetingModelsOneEach) {
 
   WorkerOptions bad = Options();
   bad.device_slots = -1;
+  EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
+}
+
+// Logs every pass as "model:rows" in one shared order; the pass after
+// `hold` is set waits until it is cleared, after saying it runs.
+class PassLogRuntime final : public shoal::testing::ForwardingRuntime {
+ public:
+  struct Log {
+    std::mutex mu;
+    std::vector<std::string> passes;
+    std::atomic<bool> hold{false};
+    std::atomic<bool> holding{false};
+  };
+  PassLogRuntime(std::unique_ptr<Runtime> inner, std::string name, Log* log)
+      : ForwardingRuntime(std::move(inner)), name_(std::move(name)), log_(log) {}
+  Result<Embeddings> Run(const TokenBatch& b) override {
+    {
+      std::lock_guard<std::mutex> lock(log_->mu);
+      log_->passes.push_back(name_ + ":" + std::to_string(b.rows));
+    }
+    if (log_->hold.load()) {
+      log_->holding = true;
+      while (log_->hold.load()) std::this_thread::sleep_for(1ms);
+      log_->holding = false;
+    }
+    return inner().Run(b);
+  }
+
+ private:
+  const std::string name_;
+  Log* log_;
+};
+
+// While tiny-a's pass holds the only slot, tiny-b, eight requests for
+// tiny-a and then tiny-c arrive. tiny-b is oldest and goes next; tiny-a's
+// work is older than tiny-c's and goes after it. With a turn quantum,
+// tiny-a's batch is cut short because tiny-c waits (a cost not worth a
+// pass of eight), so tiny-c runs before the rest of tiny-a's work; without
+// one, tiny-a runs all eight first.
+TEST_F(FleetTest, TurnQuantumCutsABacklogShortWhileAnotherModelWaits) {
+  MakeFleetRepository(repo_.path(), {"tiny-a", "tiny-b", "tiny-c"});
+  auto run = [&](int64_t quantum_ms, int64_t* shortened) {
+    PassLogRuntime::Log log;
+    WorkerOptions wo = Options();
+    wo.preload = {"all"};
+    wo.device_slots = 1;
+    wo.turn_quantum_ms = quantum_ms;
+    wo.runtime_factory = [&log](const ModelConfig& c) -> Result<std::unique_ptr<Runtime>> {
+      ASSIGN_OR_RETURN(auto inner, CreateRuntime(c.runtime));
+      return std::unique_ptr<Runtime>(new PassLogRuntime(std::move(inner), c.name, &log));
+    };
+    Member w = Start(wo);
+    EXPECT_NE(w.worker, nullptr);
+    if (w.worker == nullptr) return std::vector<std::string>{};
+    EXPECT_TRUE(Eventually([&] { return w.worker->LoadedModels().size() == 3; }));
+    EXPECT_TRUE(Embed("tiny-a", "measures the cost of a pass").ok());
+    auto pulled = [&](const std::string& m) {
+      return w.Observed("shoal_worker_queue_wait_seconds", {{"model", m}});
+    };
+
+    log.hold = true;
+    auto first = EmbedAsync("tiny-a", "holds the device");
+    EXPECT_TRUE(Eventually([&] { return log.holding.load(); }));
+    std::vector<std::future<Result<EmbedResult>>> calls;
+    calls.push_back(EmbedAsync("tiny-b", "oldest waiting work"));
+    EXPECT_TRUE(Eventually([&] { return pulled("tiny-b") == 1; }));
+    for (int i = 0; i < 8; ++i) calls.push_back(EmbedAsync("tiny-a", "backlog " + std::to_string(i)));
+    EXPECT_TRUE(Eventually([&] { return pulled("tiny-a") == 10; }));
+    calls.push_back(EmbedAsync("tiny-c", "arrives last"));
+    EXPECT_TRUE(Eventually([&] { return pulled("tiny-c") == 1; }));
+    std::this_thread::sleep_for(300ms);  // tiny-b and tiny-c reach the scheduler
+    {
+      std::lock_guard<std::mutex> lock(log.mu);
+      log.passes.clear();
+    }
+    log.hold = false;
+    EXPECT_TRUE(first.get().ok());
+    for (auto& f : calls) EXPECT_TRUE(f.get().ok());
+    *shortened = w.Counter("shoal_worker_batches_shortened_total", {{"model", "tiny-a"}});
+    std::lock_guard<std::mutex> lock(log.mu);
+    return log.passes;
+  };
+
+  int64_t shortened = 0;
+  const std::vector<std::string> with_quantum = run(1, &shortened);
+  EXPECT_EQ(with_quantum, (std::vector<std::string>{"tiny-b:1", "tiny-a:1", "tiny-c:1", "tiny-a:7"}));
+  EXPECT_EQ(shortened, 1);
+
+  const std::vector<std::string> without = run(0, &shortened);
+  EXPECT_EQ(without, (std::vector<std::string>{"tiny-b:1", "tiny-a:8", "tiny-c:1"}));
+  EXPECT_EQ(shortened, 0);
+
+  WorkerOptions bad = Options();
+  bad.turn_quantum_ms = -1;
   EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
 }
 

@@ -90,6 +90,10 @@ ModelServer::ModelServer(ModelServerDeps deps)
   runtime_unavailable_ = m->GetCounter("shoal_worker_runtime_unavailable_total",
                                       "Batches handed back to the queue because the runtime was unavailable.", l);
   pushed_ = m->GetCounter("shoal_worker_pushed_total", "Work messages pushed straight to this worker (push dispatch).", l);
+  shortened_ = m->GetCounter("shoal_worker_batches_shortened_total",
+                             "Batches cut below the batch budget to the turn quantum because other models were "
+                             "waiting for the device.",
+                             l);
   turn_wait_seconds_ = m->GetHistogram("shoal_worker_device_wait_seconds",
                                        "Time a formed batch waited for its turn on the device.", l,
                                        LatencyBuckets());
@@ -487,6 +491,7 @@ void ModelServer::ExecLoop() {
   while (true) {
     std::vector<std::unique_ptr<PendingWork>> batch;
     DeviceScheduler::Turn turn;
+    bool capped = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
       while (!stop_) {
@@ -519,14 +524,18 @@ void ModelServer::ExecLoop() {
         lock.lock();
         if (stop_) break;
       }
-      batch = batcher_.Take();
+      batch = batcher_.Take(TokenCap(turn), &capped);
       held_msgs_ = batcher_.size();
       // The batch is the device's now: its claim can go to the next pass.
       MaybeReleaseClaimLocked();
     }
     space_cv_.notify_one();
-    int64_t batch_rows = 0;
-    for (const auto& w : batch) batch_rows += w->row_count();
+    if (capped) shortened_->Inc();
+    int64_t batch_rows = 0, batch_tokens = 0;
+    for (const auto& w : batch) {
+      batch_rows += w->row_count();
+      batch_tokens += w->tokens;
+    }
     struct RowsDone {  // however the batch ends, its rows stop counting
       HeldRows* held;
       int64_t rows;
@@ -534,10 +543,25 @@ void ModelServer::ExecLoop() {
         if (held) held->Done(rows);
       }
     } rows_done{d_.held_rows, batch_rows};
+    const int64_t started_us = d_.clock->NowMonoUs();
     if (!batch.empty()) RunBatch(std::move(batch));
+    if (turn.valid() && batch_tokens > 0) {
+      const double sample = static_cast<double>((d_.clock->NowMonoUs() - started_us) * turn.width()) /
+                            static_cast<double>(batch_tokens);
+      slot_us_per_token_ = slot_us_per_token_ > 0 ? 0.8 * slot_us_per_token_ + 0.2 * sample : sample;
+    }
     turn.Release();
     if (d_.on_batch) d_.on_batch();
   }
+}
+
+int64_t ModelServer::TokenCap(const DeviceScheduler::Turn& turn) const {
+  if (!turn.valid() || d_.turn_quantum_us <= 0 || d_.scheduler->waiting() == 0) return 0;
+  // Not measured yet (the first batch after a load): one item, which
+  // measures it.
+  if (slot_us_per_token_ <= 0) return 1;
+  const double tokens = static_cast<double>(d_.turn_quantum_us) * turn.width() / slot_us_per_token_;
+  return std::max<int64_t>(1, static_cast<int64_t>(std::min(tokens, 1e15)));
 }
 
 PassWidth ModelServer::WantedWidth() const {

@@ -105,6 +105,12 @@ struct ModelServerDeps {
   // redelivered mid-run (may be null: nothing keeps long work ours).
   ProgressKeeper* progress = nullptr;
   int64_t idle_poll_ms = 20;
+  // While other models wait for the device, a batch is cut to about this
+  // much of its turn's time (the model's measured cost per token; one item
+  // until a pass has been measured), so a model draining a backlog hands
+  // the device on after each quantum instead of holding it for a full
+  // batch. 0: full batches always.
+  int64_t turn_quantum_us = 0;
 };
 
 class ModelServer final : public ModelAttachment {
@@ -146,6 +152,9 @@ class ModelServer final : public ModelAttachment {
   void ExecLoop();
   // What this model's passes ask the scheduler for (see slots_are_cores).
   PassWidth WantedWidth() const;
+  // The token cap of the batch cut in `turn` (see turn_quantum_us); 0: the
+  // batch budget alone. Executor thread.
+  int64_t TokenCap(const DeviceScheduler::Turn& turn) const;
   void RunBatch(std::vector<std::unique_ptr<PendingWork>> batch);
   // Item work (TakesItems runtimes): whole inputs, no tokenizer.
   Result<std::unique_ptr<PendingWork>> PrepareItems(wire::WorkBody body) const;
@@ -185,6 +194,9 @@ class ModelServer final : public ModelAttachment {
   // scheduler); the pass's threads when slots_are_cores, and the weight of
   // its run time in busy_us.
   int turn_width_ = 1;
+  // Executor thread only: a turn's slot-microseconds per token (items count
+  // one), a moving average over this server's batches; 0 until measured.
+  double slot_us_per_token_ = 0;
   std::thread fetcher_;
   std::thread executor_;
 
@@ -203,6 +215,7 @@ class ModelServer final : public ModelAttachment {
   Histogram* turn_wait_seconds_ = nullptr;
   Counter* runtime_unavailable_ = nullptr;
   Counter* pushed_ = nullptr;
+  Counter* shortened_ = nullptr;
 };
 
 // Applies a model's activation ("none", "sigmoid", "softmax" per row) in

@@ -51,6 +51,7 @@ Status WorkerOptions::Validate() const {
   if (memory_budget_bytes < 0) return InvalidArgument("worker: memory_budget_bytes must be >= 0");
   if (max_models < 0) return InvalidArgument("worker: max_models must be >= 0");
   if (device_slots < 0) return InvalidArgument("worker: device_slots must be >= 0");
+  if (turn_quantum_ms < 0) return InvalidArgument("worker: turn_quantum_ms must be >= 0");
   if (demand_poll_ms < 10) return InvalidArgument("worker: demand_poll_ms must be >= 10");
   if (claim_ttl_ms < 1000) return InvalidArgument("worker: claim_ttl_ms must be >= 1000");
   if (scale_out_backlog < 0) return InvalidArgument("worker: scale_out_backlog must be >= 0");
@@ -368,6 +369,7 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   deps.pull_gate = pull_gate_.get();
   deps.progress = progress_.get();
   deps.idle_poll_ms = options_.pull_idle_poll_ms;
+  deps.turn_quantum_us = options_.turn_quantum_ms * 1000;
   auto server = std::make_unique<ModelServer>(std::move(deps));
   server->Start();
   m->attachment = std::move(server);

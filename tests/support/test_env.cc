@@ -1,13 +1,20 @@
 #include "support/test_env.h"
 
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <stdexcept>
+#include <thread>
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 namespace shoal::testing {
@@ -17,6 +24,81 @@ std::string Env(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
   return v && *v ? std::string(v) : fallback;
 }
+
+// A test that runs longer than SHOAL_TEST_WATCHDOG_S seconds (240 by
+// default, under the suite's 300 s CTest timeout; 0: off) gets every
+// thread's stack printed to stderr (by gdb, when it is installed) and the
+// process aborted, so a rare hang leaves its stacks in the test log instead
+// of a bare timeout. Installed in every test binary that links this file.
+class HangWatchdog final : public ::testing::EmptyTestEventListener {
+ public:
+  explicit HangWatchdog(int limit_s) : limit_(std::chrono::seconds(limit_s)) {}
+
+  void OnTestStart(const ::testing::TestInfo& info) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    name_ = std::string(info.test_suite_name()) + "." + info.name();
+    started_ = std::chrono::steady_clock::now();
+    running_ = true;
+    if (!watching_) {
+      watching_ = true;
+      // Never joined: the listener lives as long as the process.
+      std::thread([this] { Watch(); }).detach();
+    }
+  }
+  void OnTestEnd(const ::testing::TestInfo&) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = false;
+  }
+
+ private:
+  void Watch() {
+    while (true) {
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+      std::string name;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!running_ || std::chrono::steady_clock::now() - started_ < limit_) continue;
+        name = name_;
+      }
+      std::fprintf(stderr, "\nwatchdog: %s has run over %lld s; every thread's stack follows\n", name.c_str(),
+                   static_cast<long long>(limit_.count()));
+      std::fflush(stderr);
+      PrintStacks();
+      std::abort();
+    }
+  }
+
+  static void PrintStacks() {
+    // Lets gdb attach where Yama restricts ptrace to descendants.
+    (void)prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+    const std::string pid = std::to_string(::getpid());
+    const pid_t child = ::fork();
+    if (child == 0) {
+      ::dup2(2, 1);
+      ::execlp("gdb", "gdb", "-p", pid.c_str(), "-batch", "-nx", "-ex", "thread apply all bt", nullptr);
+      ::_exit(127);
+    }
+    if (child > 0) {
+      int status = 0;
+      ::waitpid(child, &status, 0);
+      if (WIFEXITED(status) && WEXITSTATUS(status) == 127)
+        std::fprintf(stderr, "watchdog: gdb is not installed; no stacks\n");
+    }
+  }
+
+  const std::chrono::seconds limit_;
+  std::mutex mu_;
+  std::string name_;                               // guarded by mu_
+  std::chrono::steady_clock::time_point started_;  // guarded by mu_
+  bool running_ = false;                           // guarded by mu_
+  bool watching_ = false;                          // guarded by mu_
+};
+
+const bool kHangWatchdogInstalled = [] {
+  const int limit_s = std::atoi(Env("SHOAL_TEST_WATCHDOG_S", "240").c_str());
+  if (limit_s > 0) ::testing::UnitTest::GetInstance()->listeners().Append(new HangWatchdog(limit_s));
+  return true;
+}();
 }  // namespace
 
 TempDir::TempDir() {
