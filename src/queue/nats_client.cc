@@ -143,8 +143,9 @@ Subscription::~Subscription() {
   if (finished) {
     delete done_;
   } else {
-    // nats.c will still call Done::Complete: leave it its latch.
-    LOG_WARN("nats", "a subscription's handler was still running " << kMaxWaitMs << " ms after unsubscribing");
+    // nats.c will still call Done::Complete: leave it its latch. What the
+    // handler uses must outlive it (the owner's own locks, as in Worker).
+    LOG_ERROR("nats", "a subscription's handler was still running " << kMaxWaitMs << " ms after unsubscribing");
   }
   natsSubscription_Destroy(sub_);
 }
@@ -157,7 +158,8 @@ Result<SubscriptionPtr> NatsClient::Subscribe(const std::string& subject, NatsMs
   auto* done = new Subscription::Done;
   s = natsSubscription_SetOnCompleteCB(sub, &Subscription::Done::Complete, done);
   if (s != NATS_OK) {
-    // Closed already (the connection went): nothing will be delivered.
+    // Closed already (the connection went): nothing more will be delivered,
+    // though the handler may still be finishing a message it had.
     Subscription::Done::Complete(done);
   }
   return SubscriptionPtr(new Subscription(sub, done));

@@ -437,7 +437,8 @@ TEST_F(FleetTest, AutoSlotsGiveALoneModelEveryCoreAndCompetingModelsOneEach) {
 }
 
 // Logs every pass as "model:rows" in one shared order; the pass after
-// `hold` is set waits until it is cleared, after saying it runs.
+// `hold` is set waits until it is cleared, after saying it runs, and every
+// pass of `slow_model` takes at least `slow_ms`.
 class PassLogRuntime final : public shoal::testing::ForwardingRuntime {
  public:
   struct Log {
@@ -445,6 +446,8 @@ class PassLogRuntime final : public shoal::testing::ForwardingRuntime {
     std::vector<std::string> passes;
     std::atomic<bool> hold{false};
     std::atomic<bool> holding{false};
+    std::string slow_model;  // set before any pass of it
+    int slow_ms = 0;
   };
   PassLogRuntime(std::unique_ptr<Runtime> inner, std::string name, Log* log)
       : ForwardingRuntime(std::move(inner)), name_(std::move(name)), log_(log) {}
@@ -458,6 +461,7 @@ class PassLogRuntime final : public shoal::testing::ForwardingRuntime {
       while (log_->hold.load()) std::this_thread::sleep_for(1ms);
       log_->holding = false;
     }
+    if (name_ == log_->slow_model) std::this_thread::sleep_for(std::chrono::milliseconds(log_->slow_ms));
     return inner().Run(b);
   }
 
@@ -467,15 +471,19 @@ class PassLogRuntime final : public shoal::testing::ForwardingRuntime {
 };
 
 // While tiny-a's pass holds the only slot, tiny-b, eight requests for
-// tiny-a and then tiny-c arrive. tiny-b is oldest and goes next; tiny-a's
-// work is older than tiny-c's and goes after it. With a turn quantum,
-// tiny-a's batch is cut short because tiny-c waits (a cost not worth a
-// pass of eight), so tiny-c runs before the rest of tiny-a's work; without
-// one, tiny-a runs all eight first.
+// tiny-a and then tiny-c arrive. tiny-b is oldest and goes next (its pass
+// takes 500 ms, so tiny-a's executor is back in the scheduler before it
+// ends); tiny-a's work is older than tiny-c's and goes after it. With a
+// turn quantum of 1 ms, tiny-a's batch is cut to one message because tiny-c
+// waits (tiny-a's measured cost, the held pass included, puts eight far
+// over the quantum), so tiny-c runs before the rest of tiny-a's work;
+// without one, tiny-a runs all eight first.
 TEST_F(FleetTest, TurnQuantumCutsABacklogShortWhileAnotherModelWaits) {
   MakeFleetRepository(repo_.path(), {"tiny-a", "tiny-b", "tiny-c"});
   auto run = [&](int64_t quantum_ms, int64_t* shortened) {
     PassLogRuntime::Log log;
+    log.slow_model = "tiny-b";
+    log.slow_ms = 500;
     WorkerOptions wo = Options();
     wo.preload = {"all"};
     wo.device_slots = 1;
@@ -527,6 +535,8 @@ TEST_F(FleetTest, TurnQuantumCutsABacklogShortWhileAnotherModelWaits) {
 
   WorkerOptions bad = Options();
   bad.turn_quantum_ms = -1;
+  EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
+  bad.turn_quantum_ms = 3600001;
   EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
 }
 

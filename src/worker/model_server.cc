@@ -531,11 +531,8 @@ void ModelServer::ExecLoop() {
     }
     space_cv_.notify_one();
     if (capped) shortened_->Inc();
-    int64_t batch_rows = 0, batch_tokens = 0;
-    for (const auto& w : batch) {
-      batch_rows += w->row_count();
-      batch_tokens += w->tokens;
-    }
+    int64_t batch_rows = 0;
+    for (const auto& w : batch) batch_rows += w->row_count();
     struct RowsDone {  // however the batch ends, its rows stop counting
       HeldRows* held;
       int64_t rows;
@@ -543,12 +540,15 @@ void ModelServer::ExecLoop() {
         if (held) held->Done(rows);
       }
     } rows_done{d_.held_rows, batch_rows};
-    const int64_t started_us = d_.clock->NowMonoUs();
+    batch_run_us_ = 0;
+    batch_run_tokens_ = 0;
     if (!batch.empty()) RunBatch(std::move(batch));
-    if (turn.valid() && batch_tokens > 0) {
-      const double sample = static_cast<double>((d_.clock->NowMonoUs() - started_us) * turn.width()) /
-                            static_cast<double>(batch_tokens);
-      slot_us_per_token_ = slot_us_per_token_ > 0 ? 0.8 * slot_us_per_token_ + 0.2 * sample : sample;
+    if (turn.valid() && batch_run_tokens_ > 0) {
+      // Forward time only: expired work, replies and failures do not count.
+      const double sample = static_cast<double>(std::max<int64_t>(1, batch_run_us_) * turn.width()) /
+                            static_cast<double>(batch_run_tokens_);
+      slot_us_per_token_ = cost_measured_ ? 0.8 * slot_us_per_token_ + 0.2 * sample : sample;
+      cost_measured_ = true;
     }
     turn.Release();
     if (d_.on_batch) d_.on_batch();
@@ -559,7 +559,7 @@ int64_t ModelServer::TokenCap(const DeviceScheduler::Turn& turn) const {
   if (!turn.valid() || d_.turn_quantum_us <= 0 || d_.scheduler->waiting() == 0) return 0;
   // Not measured yet (the first batch after a load): one item, which
   // measures it.
-  if (slot_us_per_token_ <= 0) return 1;
+  if (!cost_measured_) return 1;
   const double tokens = static_cast<double>(d_.turn_quantum_us) * turn.width() / slot_us_per_token_;
   return std::max<int64_t>(1, static_cast<int64_t>(std::min(tokens, 1e15)));
 }
@@ -635,6 +635,10 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
     const int64_t t0 = d_.clock->NowMonoUs();
     auto out = d_.runtime->Run(tb);
     const int64_t run_us = d_.clock->NowMonoUs() - t0;
+    if (out.ok()) {
+      batch_run_us_ += run_us;
+      for (const RowRef& row : pass) batch_run_tokens_ += row.len;
+    }
     if (d_.busy_us) d_.busy_us->fetch_add(run_us * turn_width_);
     run_seconds_->Observe(static_cast<double>(run_us) / 1e6);
     batches_->Inc();
@@ -730,6 +734,10 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
   const int64_t t0 = d_.clock->NowMonoUs();
   auto out = d_.runtime->RunItems(inputs, partial);
   const int64_t run_us = d_.clock->NowMonoUs() - t0;
+  if (out.ok()) {
+    batch_run_us_ += run_us;
+    batch_run_tokens_ += static_cast<int64_t>(inputs.size());
+  }
   if (d_.busy_us && d_.runtime->UsesDevice()) d_.busy_us->fetch_add(run_us * turn_width_);
   run_seconds_->Observe(static_cast<double>(run_us) / 1e6);
   batches_->Inc();

@@ -194,9 +194,14 @@ class ModelServer final : public ModelAttachment {
   // scheduler); the pass's threads when slots_are_cores, and the weight of
   // its run time in busy_us.
   int turn_width_ = 1;
-  // Executor thread only: a turn's slot-microseconds per token (items count
-  // one), a moving average over this server's batches; 0 until measured.
+  // Executor thread only: a turn's slot-microseconds of forward time per
+  // token (items count one), a moving average over this server's batches
+  // (valid once cost_measured_), and the forward time and tokens of the
+  // batch running now, which RunBatch adds to.
   double slot_us_per_token_ = 0;
+  bool cost_measured_ = false;
+  int64_t batch_run_us_ = 0;
+  int64_t batch_run_tokens_ = 0;
   std::thread fetcher_;
   std::thread executor_;
 

@@ -51,7 +51,8 @@ Status WorkerOptions::Validate() const {
   if (memory_budget_bytes < 0) return InvalidArgument("worker: memory_budget_bytes must be >= 0");
   if (max_models < 0) return InvalidArgument("worker: max_models must be >= 0");
   if (device_slots < 0) return InvalidArgument("worker: device_slots must be >= 0");
-  if (turn_quantum_ms < 0) return InvalidArgument("worker: turn_quantum_ms must be >= 0");
+  if (turn_quantum_ms < 0 || turn_quantum_ms > 3600000)
+    return InvalidArgument("worker: turn_quantum_ms must be in 0..3600000");
   if (demand_poll_ms < 10) return InvalidArgument("worker: demand_poll_ms must be >= 10");
   if (claim_ttl_ms < 1000) return InvalidArgument("worker: claim_ttl_ms must be >= 1000");
   if (scale_out_backlog < 0) return InvalidArgument("worker: scale_out_backlog must be >= 0");

@@ -6,7 +6,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -25,48 +24,58 @@ std::string Env(const char* name, const std::string& fallback) {
   return v && *v ? std::string(v) : fallback;
 }
 
-// A test that runs longer than SHOAL_TEST_WATCHDOG_S seconds (240 by
-// default, under the suite's 300 s CTest timeout; 0: off) gets every
-// thread's stack printed to stderr (by gdb, when it is installed) and the
-// process aborted, so a rare hang leaves its stacks in the test log instead
-// of a bare timeout. Installed in every test binary that links this file.
-class HangWatchdog final : public ::testing::EmptyTestEventListener {
+// A test binary that runs longer than SHOAL_TEST_WATCHDOG_S seconds (260
+// by default: under the suite's CTest timeout of 300 s per binary, with
+// time left for gdb; 0: off) gets the running test case named and every
+// thread's stack printed to stderr (by gdb, when it is installed), and is
+// aborted, so a rare hang leaves its stacks in the test log instead of a
+// bare timeout. Installed in every test binary that links this file.
+class HangWatchdog {
  public:
-  explicit HangWatchdog(int limit_s) : limit_(std::chrono::seconds(limit_s)) {}
+  // Starts the watchdog; the object is never destroyed (its thread polls it
+  // until the process ends).
+  static HangWatchdog* Start(int limit_s) {
+    auto* w = new HangWatchdog(limit_s);
+    std::thread([w] { w->Watch(); }).detach();
+    return w;
+  }
+  void SetRunning(std::string name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = std::move(name);
+  }
 
-  void OnTestStart(const ::testing::TestInfo& info) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    name_ = std::string(info.test_suite_name()) + "." + info.name();
-    started_ = std::chrono::steady_clock::now();
-    running_ = true;
-    if (!watching_) {
-      watching_ = true;
-      // Never joined: the listener lives as long as the process.
-      std::thread([this] { Watch(); }).detach();
+  // Forwards gtest's events to the watchdog (gtest owns and deletes it at exit).
+  class Listener final : public ::testing::EmptyTestEventListener {
+   public:
+    explicit Listener(HangWatchdog* w) : w_(w) {}
+    void OnTestStart(const ::testing::TestInfo& info) override {
+      w_->SetRunning(std::string(info.test_suite_name()) + "." + info.name());
     }
-  }
-  void OnTestEnd(const ::testing::TestInfo&) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    running_ = false;
-  }
+    void OnTestEnd(const ::testing::TestInfo&) override { w_->SetRunning("(between test cases)"); }
+
+   private:
+    HangWatchdog* const w_;
+  };
 
  private:
+  explicit HangWatchdog(int limit_s)
+      : deadline_(std::chrono::steady_clock::now() + std::chrono::seconds(limit_s)), limit_s_(limit_s) {}
+
   void Watch() {
-    while (true) {
-      std::this_thread::sleep_for(std::chrono::seconds(1));
-      std::string name;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!running_ || std::chrono::steady_clock::now() - started_ < limit_) continue;
-        name = name_;
-      }
-      std::fprintf(stderr, "\nwatchdog: %s has run over %lld s; every thread's stack follows\n", name.c_str(),
-                   static_cast<long long>(limit_.count()));
-      std::fflush(stderr);
-      PrintStacks();
-      std::abort();
+    while (std::chrono::steady_clock::now() < deadline_) std::this_thread::sleep_for(std::chrono::seconds(1));
+    std::string running;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      running = running_;
     }
+    // write(2), not stdio: a hung thread may hold stderr's lock.
+    Say("\nwatchdog: this test binary has run over " + std::to_string(limit_s_) + " s; running: " + running +
+        "\nwatchdog: every thread's stack follows\n");
+    PrintStacks();
+    std::abort();
   }
+
+  static void Say(const std::string& text) { (void)!::write(2, text.data(), text.size()); }
 
   static void PrintStacks() {
     // Lets gdb attach where Yama restricts ptrace to descendants.
@@ -75,28 +84,28 @@ class HangWatchdog final : public ::testing::EmptyTestEventListener {
     const pid_t child = ::fork();
     if (child == 0) {
       ::dup2(2, 1);
-      ::execlp("gdb", "gdb", "-p", pid.c_str(), "-batch", "-nx", "-ex", "thread apply all bt", nullptr);
-      ::_exit(127);
+      ::execlp("timeout", "timeout", "30", "gdb", "-p", pid.c_str(), "-batch", "-nx", "-ex", "thread apply all bt",
+               nullptr);
+      ::_exit(126);
     }
     if (child > 0) {
       int status = 0;
       ::waitpid(child, &status, 0);
-      if (WIFEXITED(status) && WEXITSTATUS(status) == 127)
-        std::fprintf(stderr, "watchdog: gdb is not installed; no stacks\n");
+      // timeout(1) exits 127 when it cannot run gdb.
+      if (WIFEXITED(status) && WEXITSTATUS(status) >= 126) Say("watchdog: gdb is not installed; no stacks\n");
     }
   }
 
-  const std::chrono::seconds limit_;
+  const std::chrono::steady_clock::time_point deadline_;
+  const int limit_s_;
   std::mutex mu_;
-  std::string name_;                               // guarded by mu_
-  std::chrono::steady_clock::time_point started_;  // guarded by mu_
-  bool running_ = false;                           // guarded by mu_
-  bool watching_ = false;                          // guarded by mu_
+  std::string running_ = "(before the first test case)";  // guarded by mu_
 };
 
 const bool kHangWatchdogInstalled = [] {
-  const int limit_s = std::atoi(Env("SHOAL_TEST_WATCHDOG_S", "240").c_str());
-  if (limit_s > 0) ::testing::UnitTest::GetInstance()->listeners().Append(new HangWatchdog(limit_s));
+  const int limit_s = std::atoi(Env("SHOAL_TEST_WATCHDOG_S", "260").c_str());
+  if (limit_s > 0)
+    ::testing::UnitTest::GetInstance()->listeners().Append(new HangWatchdog::Listener(HangWatchdog::Start(limit_s)));
   return true;
 }();
 }  // namespace
