@@ -394,6 +394,18 @@ int main(int argc, char** argv) {
 
   if (serve->parsed()) {
     if (!set_level(serve_common.log_level)) return Fail(InvalidArgument("bad --log-level"));
+    // Every option is checked before anything starts: a bad value exits
+    // without having started (or written the data of) a nats-server.
+    if (Status s = ApplyWorkerFlags(serve_wk); !s.ok()) return Fail(s);
+    const std::string serve_store = "file://" + std::filesystem::absolute(data_dir).lexically_normal().string() + "/blobs";
+    auto serve_gw_blob = ApplyBlob(serve_blob, serve_store, /*sweeps=*/true);
+    if (!serve_gw_blob.ok()) return Fail(serve_gw_blob.status());
+    serve_gw.blob = *serve_gw_blob;
+    serve_wk.options.blob = *serve_gw_blob;
+    serve_wk.options.blob.sweep_interval_ms = 0;
+    ApplyStream(serve_stream, &serve_wk.options.stream);
+    if (Status s = serve_wk.options.Validate(); !s.ok()) return Fail(s);
+    if (Status s = serve_gw.Validate(); !s.ok()) return Fail(s);
     NatsServerOptions ns;
     ns.port = nats_port;
     ns.data_dir = std::filesystem::absolute(data_dir).string() + "/jetstream";
@@ -404,14 +416,6 @@ int main(int argc, char** argv) {
     auto client = ConnectNats((*server)->url(), "shoal-serve");
     if (!client.ok()) return Fail(client.status());
     MetricsRegistry metrics;
-    if (Status s = ApplyWorkerFlags(serve_wk); !s.ok()) return Fail(s);
-    const std::string serve_store = "file://" + std::filesystem::absolute(data_dir).lexically_normal().string() + "/blobs";
-    auto serve_gw_blob = ApplyBlob(serve_blob, serve_store, /*sweeps=*/true);
-    if (!serve_gw_blob.ok()) return Fail(serve_gw_blob.status());
-    serve_gw.blob = *serve_gw_blob;
-    serve_wk.options.blob = *serve_gw_blob;
-    serve_wk.options.blob.sweep_interval_ms = 0;
-    ApplyStream(serve_stream, &serve_wk.options.stream);
     auto w = Worker::Create(serve_wk.options, client->get(), &metrics);
     if (!w.ok()) return Fail(w.status());
     auto g = Gateway::Create(serve_gw, client->get(), &metrics);

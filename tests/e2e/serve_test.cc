@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <memory>
@@ -508,6 +509,21 @@ TEST(E2eServeShutdown, SigtermExitsZeroAndStopsNatsServer) {
   // shoal serve reaps its nats-server before it exits.
   EXPECT_FALSE(ProcessAlive(nats)) << "nats-server " << nats << " outlived shoal serve";
   EXPECT_NE(HttpGet(serve.port, "/healthz", 1s).status, 200);
+}
+
+// A bad option value is an error before anything starts: exit 1, and no
+// nats-server was started (its JetStream directory was never made).
+TEST(E2eServeShutdown, BadOptionExitsBeforeStartingNatsServer) {
+  shoal::testing::TempDir dir;
+  for (const std::vector<std::string>& bad : {std::vector<std::string>{"--turn-quantum-ms", "-5"},
+                                              std::vector<std::string>{"--device-slots", "-1"}}) {
+    std::vector<std::string> args = {"serve", "--data-dir", dir.path(), "--port", "0", "--models-dir",
+                                     shoal::testing::ModelsDir(), "--models", kModel};
+    args.insert(args.end(), bad.begin(), bad.end());
+    CliRun run = RunShoal(args, 30s);
+    EXPECT_EQ(run.exit_code, 1) << bad[0];
+    EXPECT_FALSE(std::filesystem::exists(dir.path() + "/jetstream")) << bad[0] << " started a nats-server first";
+  }
 }
 
 // A `shoal serve` killed outright (SIGKILL, the OOM killer) cannot stop its
