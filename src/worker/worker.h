@@ -75,7 +75,7 @@ struct WorkerOptions {
   // While other models wait for the device, a model's batch is cut to what
   // its measured cost says runs in about this long on the slots it got, so
   // a model draining a backlog (a freshly loaded large one: a 64-row
-  // MiniLM-L6 pass takes about 0.5 s on one core) hands the device on after
+  // MiniLM-L6 pass takes about 0.4 s on one core) hands the device on after
   // each quantum instead of holding it for a full batch. A model alone on
   // the device always cuts full batches. 0: off.
   int64_t turn_quantum_ms = 100;
