@@ -342,6 +342,7 @@ std::vector<std::string> ModelManager::FailUnhealthy() {
       e->failed_mono_us = clock_->NowMonoUs();
       e->error = Status(StatusCode::kBadGateway, "model '" + name + "' failed: " + health.message(),
                         "model_load_failed");
+      e->loads_failed->Inc();  // its runtime's restarts were loads, and they failed
       failed.push_back(name);
     }
     unloading_bytes_ += bytes;

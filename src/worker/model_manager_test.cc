@@ -456,6 +456,11 @@ TEST_F(ModelManagerTest, AModelWhoseRuntimeGaveUpIsUnloadedAndFailedPinnedOrNot)
   EXPECT_EQ(loader_.unloads("a"), 1);
   EXPECT_EQ(loader_.unloads("p"), 1);
   EXPECT_EQ(mm->memory_used_bytes(), 100);
+  // Counted as failed loads, beside the load that had succeeded.
+  EXPECT_EQ(Loads("a", "error"), 1);
+  EXPECT_EQ(Loads("p", "error"), 1);
+  EXPECT_EQ(Loads("a", "ok"), 1);
+  EXPECT_EQ(Loads("b", "error"), 0);
   // Callers get the failure at once, as after a failed load, and no load.
   Result<ModelLease> lease = mm->Acquire("a", Far());
   ASSERT_FALSE(lease.ok());
