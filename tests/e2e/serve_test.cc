@@ -511,18 +511,28 @@ TEST(E2eServeShutdown, SigtermExitsZeroAndStopsNatsServer) {
   EXPECT_NE(HttpGet(serve.port, "/healthz", 1s).status, 200);
 }
 
-// A bad option value is an error before anything starts: exit 1, and no
-// nats-server was started (its JetStream directory was never made).
+// A bad option value is an error before anything starts: exit 1 with an
+// invalid_argument error naming the option, and no nats-server was started
+// (its JetStream directory was never made).
 TEST(E2eServeShutdown, BadOptionExitsBeforeStartingNatsServer) {
-  shoal::testing::TempDir dir;
-  for (const std::vector<std::string>& bad : {std::vector<std::string>{"--turn-quantum-ms", "-5"},
-                                              std::vector<std::string>{"--device-slots", "-1"}}) {
-    std::vector<std::string> args = {"serve", "--data-dir", dir.path(), "--port", "0", "--models-dir",
-                                     shoal::testing::ModelsDir(), "--models", kModel};
-    args.insert(args.end(), bad.begin(), bad.end());
-    CliRun run = RunShoal(args, 30s);
-    EXPECT_EQ(run.exit_code, 1) << bad[0];
-    EXPECT_FALSE(std::filesystem::exists(dir.path() + "/jetstream")) << bad[0] << " started a nats-server first";
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--turn-quantum-ms", "-5"}, "turn_quantum_ms"}, {{"--device-slots", "-1"}, "device_slots"}};
+  for (const auto& [bad, named] : cases) {
+    shoal::testing::TempDir dir;
+    ChildOptions o;
+    o.argv = {shoal::testing::ShoalBinary(), "serve", "--data-dir", dir.path() + "/data", "--port", "0",
+              "--models-dir", shoal::testing::ModelsDir(), "--models", kModel};
+    o.argv.insert(o.argv.end(), bad.begin(), bad.end());
+    o.stderr_path = dir.path() + "/stderr.log";
+    auto child = ChildProcess::Spawn(o);
+    auto status = child->Wait(30s);
+    ASSERT_TRUE(status.has_value()) << bad[0] << ": shoal serve did not exit";
+    EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 1) << bad[0] << ": " << DescribeWaitStatus(*status);
+    std::ifstream err(o.stderr_path);
+    const std::string text((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("invalid_argument"), std::string::npos) << text;
+    EXPECT_NE(text.find(named), std::string::npos) << text;
+    EXPECT_FALSE(std::filesystem::exists(dir.path() + "/data/jetstream")) << bad[0] << " started a nats-server first";
   }
 }
 
