@@ -185,6 +185,100 @@ TEST_F(FleetTest, LoadFailureReachesEveryWaitingCallerOnceAsATerminalError) {
   EXPECT_TRUE(Embed("tiny-a", "fine").ok());
 }
 
+// A load can fail for a reason of one worker's own (its memory, its copy of
+// the files, a runtime missing on that host). Another worker that has not
+// tried the model loads it on demand, and the failed one does not answer
+// the work with its error meanwhile.
+TEST_F(FleetTest, AModelThatFailedToLoadOnOneWorkerIsLoadedByAnother) {
+  TempDir broken_repo;
+  MakeFleetRepository(broken_repo.path(), {}, {"flaky"});
+  MakeFleetRepository(repo_.path(), {"flaky"});
+  WorkerOptions broken_opts = Options();
+  broken_opts.model_repository = broken_repo.path();
+  broken_opts.heartbeat_interval_ms = 1000;  // a grace of 1.1 s before it answers with its error
+  Member broken = Start(broken_opts);
+  ASSERT_NE(broken.worker, nullptr);
+  // Alone, the worker with the broken copy answers at once with its error.
+  auto r = Embed("flaky", "first");
+  EXPECT_EQ(r.status().reason(), "model_load_failed") << r.status().ToString();
+
+  WorkerOptions good_opts = Options();
+  good_opts.heartbeat_interval_ms = 1000;
+  Member good = Start(good_opts);
+  ASSERT_NE(good.worker, nullptr);
+  // Once the failed worker sees its new peer, the next request is served.
+  bool served = false;
+  for (int i = 0; i < 20 && !served; ++i) {
+    served = Embed("flaky", "try " + std::to_string(i)).ok();
+    if (!served) std::this_thread::sleep_for(250ms);
+  }
+  ASSERT_TRUE(served) << "the model failed on one worker was never loaded by the other";
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  for (int i = 0; i < 6; ++i) calls.push_back(EmbedAsync("flaky", "served " + std::to_string(i)));
+  for (auto& f : calls) {
+    auto s = f.get();
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+  }
+  EXPECT_EQ(good.Counter("shoal_worker_model_loads_total", {{"model", "flaky"}, {"result", "ok"}}), 1);
+  // The failed worker did not try again (its retry is 30 s away).
+  EXPECT_EQ(broken.Counter("shoal_worker_model_loads_total", {{"model", "flaky"}, {"result", "error"}}), 1);
+  EXPECT_EQ(StateOf(*broken.worker, "flaky"), ModelState::kFailed);
+}
+
+// A peer that has not tried the model but has no room for it (every resident
+// model pinned) never claims it: the failed worker answers the waiting work
+// with its error after the grace, not at the callers' deadlines.
+TEST_F(FleetTest, AFailedModelThatNoPeerHasRoomForStillAnswersItsCallers) {
+  TempDir broken_repo;
+  MakeFleetRepository(broken_repo.path(), {"pinned"}, {"flaky"});
+  MakeFleetRepository(repo_.path(), {"pinned", "flaky"});
+  Member broken = Start([&] {
+    WorkerOptions wo = Options();
+    wo.model_repository = broken_repo.path();
+    return wo;
+  }());
+  WorkerOptions full = Options();
+  full.pinned = {"pinned"};
+  full.max_models = 1;
+  Member good = Start(full);
+  ASSERT_NE(broken.worker, nullptr);
+  ASSERT_NE(good.worker, nullptr);
+  std::this_thread::sleep_for(400ms);  // each has read the other's heartbeat
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  for (int i = 0; i < 4; ++i) calls.push_back(EmbedAsync("flaky", "no room " + std::to_string(i)));
+  for (auto& f : calls) {
+    ASSERT_EQ(f.wait_for(25s), std::future_status::ready) << "a caller waited for its deadline instead";
+    auto r = f.get();
+    EXPECT_EQ(r.status().reason(), "model_load_failed") << r.status().ToString();
+  }
+  EXPECT_EQ(broken.Counter("shoal_worker_model_loads_total", {{"model", "flaky"}, {"result", "error"}}), 1);
+  EXPECT_EQ(StateOf(*good.worker, "flaky"), ModelState::kNotLoaded);
+}
+
+// A model that cannot load anywhere is tried once by each worker, and its
+// callers get the terminal error, not their deadlines.
+TEST_F(FleetTest, AModelBrokenEverywhereIsTriedOncePerWorkerAndItsCallersGetTheError) {
+  MakeFleetRepository(repo_.path(), {}, {"broken"});
+  Member w1 = Start(Options());
+  Member w2 = Start(Options());
+  ASSERT_NE(w1.worker, nullptr);
+  ASSERT_NE(w2.worker, nullptr);
+  std::this_thread::sleep_for(400ms);  // each has read the other's heartbeat
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  for (int i = 0; i < 8; ++i) calls.push_back(EmbedAsync("broken", "doomed " + std::to_string(i)));
+  for (auto& f : calls) {
+    ASSERT_EQ(f.wait_for(25s), std::future_status::ready) << "a caller waited for its deadline instead";
+    auto r = f.get();
+    EXPECT_EQ(r.status().reason(), "model_load_failed") << r.status().ToString();
+  }
+  const Labels error = {{"model", "broken"}, {"result", "error"}};
+  EXPECT_LE(w1.Counter("shoal_worker_model_loads_total", error), 1);
+  EXPECT_LE(w2.Counter("shoal_worker_model_loads_total", error), 1);
+  EXPECT_GE(w1.Counter("shoal_worker_model_loads_total", error) + w2.Counter("shoal_worker_model_loads_total", error),
+            1);
+  EXPECT_TRUE(Eventually([&] { return GetStreamState(*client_, "SHOAL_WORK")->msgs == 0; }));
+}
+
 // An unloaded model's last pull may still be open at the server when new
 // work for it arrives: that work must not be delivered to the closed
 // subscription (and wait for AckWait), but reach the model once it loads

@@ -519,10 +519,7 @@ const std::map<std::string, std::vector<Worker::PeerModel>>& Worker::Peers(bool 
     try {
       json j = json::parse(*value);
       for (const json& m : j.value("models", json::array())) {
-        std::string state = m.value("state", "");
-        if (state == "loaded" || state == "loading" || state == "failed") {
-          peers[m.value("name", "")].push_back({key, state});
-        }
+        peers[m.value("name", "")].push_back({key, m.value("state", "")});
       }
     } catch (const std::exception& e) {
       LOG_WARN("worker", "unreadable heartbeat of " << key << ": " << e.what());
@@ -644,30 +641,33 @@ void Worker::PollDemand() {
     const auto count = [&](const char* state) {
       return std::count_if(holders.begin(), holders.end(), [&](const PeerModel& p) { return p.state == state; });
     };
+    const int64_t serving = count("loaded") + count("loading");
     // Loaded or loading here: this worker serves it. Waiting work counts as
     // use, so a model with work in the queue is not the one evicted. (Extra
     // replicas are decided by the workers that do not have it, below.)
     if (st.state == ModelState::kLoaded) manager_->Touch(model);
     if (st.state == ModelState::kLoading || st.state == ModelState::kLoaded) continue;
     if (st.state == ModelState::kFailed) {
-      if (count("loaded") + count("loading") > 0) continue;  // served elsewhere
+      if (serving > 0) continue;  // served elsewhere
       Status s = manager_->StartLoad(model);  // a retry, once retry_failed_after_ms has passed
       if (s.ok()) {
         changed = true;
-      } else if (s.reason() == "model_load_failed") {
+      } else if (s.reason() == "model_load_failed" && !AnotherMayLoad(model, count("not_loaded") > 0, now_ms)) {
         DrainFailed(model, s, 256);
       }
       continue;
     }
-    // Not loaded here: a candidate if nobody has it, or if its backlog
-    // per replica asks for another one and this worker has room.
+    // Not loaded here: a candidate if nobody serves it (a model that failed
+    // to load elsewhere may still load here: the failure can be that
+    // worker's own, e.g. its memory or its copy of the files), or if its
+    // backlog per replica asks for another one and this worker has room.
     const int64_t loaded_elsewhere = count("loaded");
-    if (holders.empty()) {
+    if (serving == 0) {
       candidates.push_back({model, msgs, 0, 0});
     } else if (options_.scale_out_backlog > 0 && loaded_elsewhere > 0 &&
                static_cast<int64_t>(msgs) / loaded_elsewhere > options_.scale_out_backlog &&
                manager_->FitsWithoutEviction(model)) {
-      candidates.push_back({model, msgs, static_cast<int>(holders.size()), 0});
+      candidates.push_back({model, msgs, static_cast<int>(serving), 0});
     }
   }
   // One on-demand load at a time per worker: loads run one after another
@@ -692,8 +692,8 @@ void Worker::PollDemand() {
                    [](const Candidate& a, const Candidate& b) { return a.priority > b.priority; });
   for (const Candidate& c : candidates) {
     if (loading_here || stop_) break;
-    // The cached view said nobody has it; make sure before claiming.
-    if (c.replica == 0 && Peers(true).count(c.model) != 0) continue;
+    // The cached view said nobody serves it; make sure before claiming.
+    if (c.replica == 0 && ServedByPeer(Peers(true), c.model)) continue;
     if (!Claim(c.model, c.replica)) continue;
     Status s = manager_->StartLoad(c.model);
     if (s.ok()) {
@@ -714,6 +714,31 @@ void Worker::PollDemand() {
     }
   }
   if (changed) PublishHeartbeat();  // peers see "loading" at once
+}
+
+bool Worker::ServedByPeer(const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& model) {
+  const auto it = peers.find(model);
+  if (it == peers.end()) return false;
+  return std::any_of(it->second.begin(), it->second.end(),
+                     [](const PeerModel& p) { return p.state == "loaded" || p.state == "loading"; });
+}
+
+bool Worker::AnotherMayLoad(const std::string& model, bool untried_peers, int64_t now_ms) {
+  if (!untried_peers) return false;
+  // A peer that has started a load holds the placement claim from before
+  // its heartbeat says "loading".
+  auto holder = placement_kv_->Get(wire::ModelKvKey(model) + ".0");
+  if (holder.ok() && *holder != id_) return true;
+  // Otherwise a peer that has not tried it gets about one heartbeat and two
+  // backlog reads to claim it; past that the waiting work is answered here
+  // (a peer with no room, or busy loading another model, may never claim).
+  int64_t oldest = 0;
+  {
+    std::lock_guard<std::mutex> lock(backlog_mu_);
+    oldest = backlog_[model].oldest_unix_ms;
+  }
+  const int64_t grace_ms = options_.heartbeat_interval_ms + 2 * options_.demand_poll_ms;
+  return oldest > 0 && now_ms - oldest < grace_ms;
 }
 
 void Worker::DrainFailed(const std::string& model, const Status& error, int max) {

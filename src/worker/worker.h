@@ -194,7 +194,8 @@ class Worker {
   std::string ModelStatusJson(const std::string& model) const;
   void DemandLoop();
   void PollDemand();
-  // Live peers' model states, by model (excluding this worker). Cached.
+  // Live peers' model states (every model their heartbeats list, with its
+  // state name), by model, excluding this worker. Cached.
   const std::map<std::string, std::vector<PeerModel>>& Peers(bool fresh);
   // Tries to take the placement claim for `model` as replica `replica`.
   bool Claim(const std::string& model, int replica);
@@ -202,6 +203,15 @@ class Worker {
   // result: a claim must outlive only the window in which the registry does
   // not show the load yet (else a dead claimant would block failover).
   void ReleaseSettledClaims();
+  // Whether a live peer reports `model` as loaded or loading.
+  static bool ServedByPeer(const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& model);
+  // For a model that failed to load here and that no peer serves: whether a
+  // peer that has not tried it (`untried_peers`: one reports it not loaded)
+  // may still load it, so its waiting work is not answered with this
+  // worker's load error yet. True while a peer holds the placement claim,
+  // or for a grace of one heartbeat interval plus two backlog reads from
+  // the oldest waiting message.
+  bool AnotherMayLoad(const std::string& model, bool untried_peers, int64_t now_ms);
   // Answers the work waiting for a model that failed to load here with
   // its load error (terminal), at most `max` messages.
   void DrainFailed(const std::string& model, const Status& error, int max);
