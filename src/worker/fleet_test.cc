@@ -2,7 +2,8 @@
 // running tiny-bert copies on libtorch, and the gateway's Dispatcher. Covers
 // lazy loading through the queue, LRU eviction around pinned models, one
 // load for many cold requests across two workers, a load failure answered
-// to every waiting caller once, and operator control.
+// to every waiting caller once (and a failure of one worker's own served by
+// another), and operator control.
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
