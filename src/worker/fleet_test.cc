@@ -197,6 +197,8 @@ TEST_F(FleetTest, AModelThatFailedToLoadOnOneWorkerIsLoadedByAnother) {
   WorkerOptions broken_opts = Options();
   broken_opts.model_repository = broken_repo.path();
   broken_opts.heartbeat_interval_ms = 1000;  // a grace of 1.1 s before it answers with its error
+  broken_opts.heartbeat_ttl_ms = 4000;
+  broken_opts.retry_failed_after_ms = 600000;  // no retry here during the test
   Member broken = Start(broken_opts);
   ASSERT_NE(broken.worker, nullptr);
   // Alone, the worker with the broken copy answers at once with its error.
@@ -205,6 +207,7 @@ TEST_F(FleetTest, AModelThatFailedToLoadOnOneWorkerIsLoadedByAnother) {
 
   WorkerOptions good_opts = Options();
   good_opts.heartbeat_interval_ms = 1000;
+  good_opts.heartbeat_ttl_ms = 4000;
   Member good = Start(good_opts);
   ASSERT_NE(good.worker, nullptr);
   // Once the failed worker sees its new peer, the next request is served.
@@ -221,7 +224,7 @@ TEST_F(FleetTest, AModelThatFailedToLoadOnOneWorkerIsLoadedByAnother) {
     EXPECT_TRUE(s.ok()) << s.status().ToString();
   }
   EXPECT_EQ(good.Counter("shoal_worker_model_loads_total", {{"model", "flaky"}, {"result", "ok"}}), 1);
-  // The failed worker did not try again (its retry is 30 s away).
+  // The failed worker did not try again.
   EXPECT_EQ(broken.Counter("shoal_worker_model_loads_total", {{"model", "flaky"}, {"result", "error"}}), 1);
   EXPECT_EQ(StateOf(*broken.worker, "flaky"), ModelState::kFailed);
 }
@@ -256,9 +259,9 @@ TEST_F(FleetTest, AFailedModelThatNoPeerHasRoomForStillAnswersItsCallers) {
   EXPECT_EQ(StateOf(*good.worker, "flaky"), ModelState::kNotLoaded);
 }
 
-// A model that cannot load anywhere is tried once by each worker, and its
-// callers get the terminal error, not their deadlines.
-TEST_F(FleetTest, AModelBrokenEverywhereIsTriedOncePerWorkerAndItsCallersGetTheError) {
+// A model that cannot load anywhere is tried at most once by each worker,
+// and its callers get the terminal error, not their deadlines.
+TEST_F(FleetTest, AModelBrokenEverywhereGivesItsCallersTheErrorAfterAtMostOneTryPerWorker) {
   MakeFleetRepository(repo_.path(), {}, {"broken"});
   Member w1 = Start(Options());
   Member w2 = Start(Options());
@@ -278,6 +281,26 @@ TEST_F(FleetTest, AModelBrokenEverywhereIsTriedOncePerWorkerAndItsCallersGetTheE
   EXPECT_GE(w1.Counter("shoal_worker_model_loads_total", error) + w2.Counter("shoal_worker_model_loads_total", error),
             1);
   EXPECT_TRUE(Eventually([&] { return GetStreamState(*client_, "SHOAL_WORK")->msgs == 0; }));
+}
+
+// Once --retry-failed-after-ms has passed, demand tries a failed model again
+// (under the placement claim, like any on-demand load) and serves it if the
+// cause has gone.
+TEST_F(FleetTest, AFailedModelIsRetriedOnDemandOnceItsRetryIsDue) {
+  MakeFleetRepository(repo_.path(), {}, {"fixed-later"});
+  WorkerOptions wo = Options();
+  wo.retry_failed_after_ms = 500;
+  Member m = Start(wo);
+  ASSERT_NE(m.worker, nullptr);
+  EXPECT_EQ(Embed("fixed-later", "broken").status().reason(), "model_load_failed");
+  const fs::path model_pt = fs::path(repo_.path()) / "fixed-later" / "model.pt";
+  fs::remove(model_pt);
+  fs::create_symlink(fs::path(shoal::testing::ModelsDir()) / "tiny-bert" / "model.pt", model_pt);
+  std::this_thread::sleep_for(600ms);
+  auto r = Embed("fixed-later", "repaired");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(m.Counter("shoal_worker_model_loads_total", {{"model", "fixed-later"}, {"result", "error"}}), 1);
+  EXPECT_EQ(m.Counter("shoal_worker_model_loads_total", {{"model", "fixed-later"}, {"result", "ok"}}), 1);
 }
 
 // An unloaded model's last pull may still be open at the server when new

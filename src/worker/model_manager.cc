@@ -391,7 +391,11 @@ std::vector<ModelStatus> ModelManager::Statuses() const {
     if (e->state == ModelState::kLoading) s.memory_bytes = e->reserved_bytes;
     s.last_used_unix_ms = e->last_used_unix_ms;
     s.leases = e->leases;
-    if (e->state == ModelState::kFailed) s.error = e->error.message();
+    if (e->state == ModelState::kFailed) {
+      s.error = e->error.message();
+      s.retry_due = options_.retry_failed_after_us > 0 &&
+                    clock_->NowMonoUs() - e->failed_mono_us >= options_.retry_failed_after_us;
+    }
     out.push_back(std::move(s));
   }
   return out;

@@ -129,6 +129,7 @@ struct ModelStatus {
   int64_t last_used_unix_ms = 0;  // 0: never used
   int leases = 0;
   std::string error;  // the load error while kFailed
+  bool retry_due = false;  // kFailed and retry_failed_after_us has passed
 };
 
 class ModelManager;

@@ -629,6 +629,7 @@ void Worker::PollDemand() {
     uint64_t msgs = 0;
     int replica = 0;
     double priority = 0;
+    bool failed = false;  // failed to load here or on a peer: goes after the others
   };
   std::vector<Candidate> candidates;
   for (const auto& [model, msgs] : waiting) {
@@ -649,10 +650,14 @@ void Worker::PollDemand() {
     if (st.state == ModelState::kLoading || st.state == ModelState::kLoaded) continue;
     if (st.state == ModelState::kFailed) {
       if (serving > 0) continue;  // served elsewhere
-      Status s = manager_->StartLoad(model);  // a retry, once retry_failed_after_ms has passed
+      if (st.retry_due) {  // retried under the placement claim, one worker at a time
+        candidates.push_back({model, msgs, 0, 0, true});
+        continue;
+      }
+      Status s = manager_->StartLoad(model);  // the load error (a load if the retry fell due since)
       if (s.ok()) {
         changed = true;
-      } else if (s.reason() == "model_load_failed" && !AnotherMayLoad(model, count("not_loaded") > 0, now_ms)) {
+      } else if (s.reason() == "model_load_failed" && !AnotherMayLoad(model, now_ms)) {
         DrainFailed(model, s, 256);
       }
       continue;
@@ -663,11 +668,11 @@ void Worker::PollDemand() {
     // backlog per replica asks for another one and this worker has room.
     const int64_t loaded_elsewhere = count("loaded");
     if (serving == 0) {
-      candidates.push_back({model, msgs, 0, 0});
+      candidates.push_back({model, msgs, 0, 0, count("failed") > 0});
     } else if (options_.scale_out_backlog > 0 && loaded_elsewhere > 0 &&
                static_cast<int64_t>(msgs) / loaded_elsewhere > options_.scale_out_backlog &&
                manager_->FitsWithoutEviction(model)) {
-      candidates.push_back({model, msgs, static_cast<int>(serving), 0});
+      candidates.push_back({model, msgs, static_cast<int>(serving), 0, false});
     }
   }
   // One on-demand load at a time per worker: loads run one after another
@@ -678,7 +683,9 @@ void Worker::PollDemand() {
     return kv.second.state == ModelState::kLoading;
   });
   // The oldest waiting work first, weighted by how much waits (as device
-  // turns are shared), so no cold model starves behind busier ones.
+  // turns are shared), so no cold model starves behind busier ones. Models
+  // that failed to load somewhere go after those that did not: their work
+  // is old because it was held back, and they may fail again.
   for (Candidate& c : candidates) {
     int64_t oldest = 0;
     {
@@ -689,7 +696,9 @@ void Worker::PollDemand() {
     c.priority = age_ms * (1.0 + std::log2(1.0 + static_cast<double>(c.msgs)));
   }
   std::stable_sort(candidates.begin(), candidates.end(),
-                   [](const Candidate& a, const Candidate& b) { return a.priority > b.priority; });
+                   [](const Candidate& a, const Candidate& b) {
+                     return a.failed != b.failed ? !a.failed : a.priority > b.priority;
+                   });
   for (const Candidate& c : candidates) {
     if (loading_here || stop_) break;
     // The cached view said nobody serves it; make sure before claiming.
@@ -703,7 +712,8 @@ void Worker::PollDemand() {
       break;
     }
     if (s.reason() == "model_load_failed") {
-      DrainFailed(c.model, s, 256);
+      // It failed here since the statuses were read: its retry is not due.
+      if (!AnotherMayLoad(c.model, now_ms)) DrainFailed(c.model, s, 256);
     } else if (s.reason() != "memory_being_freed") {
       // No room here (every resident model pinned or busy): let another
       // worker have the claim.
@@ -723,15 +733,27 @@ bool Worker::ServedByPeer(const std::map<std::string, std::vector<PeerModel>>& p
                      [](const PeerModel& p) { return p.state == "loaded" || p.state == "loading"; });
 }
 
-bool Worker::AnotherMayLoad(const std::string& model, bool untried_peers, int64_t now_ms) {
-  if (!untried_peers) return false;
-  // A peer that has started a load holds the placement claim from before
-  // its heartbeat says "loading".
+bool Worker::AnotherMayLoad(const std::string& model, int64_t now_ms) {
+  // A live peer that has started a load holds the placement claim from
+  // before its heartbeat says "loading" until after it shows the outcome.
   auto holder = placement_kv_->Get(wire::ModelKvKey(model) + ".0");
-  if (holder.ok() && *holder != id_) return true;
-  // Otherwise a peer that has not tried it gets about one heartbeat and two
-  // backlog reads to claim it; past that the waiting work is answered here
-  // (a peer with no room, or busy loading another model, may never claim).
+  const auto listed = [&](const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& worker) {
+    const auto it = peers.find(model);
+    return it != peers.end() && std::any_of(it->second.begin(), it->second.end(),
+                                            [&](const PeerModel& p) { return p.worker == worker; });
+  };
+  if (holder.ok() && *holder != id_ && listed(Peers(false), *holder)) return true;
+  // Read after the claim, so a load that ended since shows as "loaded".
+  const auto& peers = Peers(true);
+  if (ServedByPeer(peers, model)) return true;
+  const auto it = peers.find(model);
+  const bool untried = it != peers.end() && std::any_of(it->second.begin(), it->second.end(), [](const PeerModel& p) {
+                         return p.state == "not_loaded";
+                       });
+  if (!untried) return false;
+  // A peer that has not tried it gets about one heartbeat and two backlog
+  // reads to claim it; past that the waiting work is answered here (a peer
+  // with no room, or busy loading another model, may never claim it).
   int64_t oldest = 0;
   {
     std::lock_guard<std::mutex> lock(backlog_mu_);

@@ -205,13 +205,13 @@ class Worker {
   void ReleaseSettledClaims();
   // Whether a live peer reports `model` as loaded or loading.
   static bool ServedByPeer(const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& model);
-  // For a model that failed to load here and that no peer serves: whether a
-  // peer that has not tried it (`untried_peers`: one reports it not loaded)
-  // may still load it, so its waiting work is not answered with this
-  // worker's load error yet. True while a peer holds the placement claim,
-  // or for a grace of one heartbeat interval plus two backlog reads from
-  // the oldest waiting message.
-  bool AnotherMayLoad(const std::string& model, bool untried_peers, int64_t now_ms);
+  // For a model that failed to load here: whether a peer serves it or may
+  // still load it, so its waiting work is not answered with this worker's
+  // load error yet. True while a live peer holds the placement claim or
+  // reports it loaded or loading, and, while a peer reports it not loaded
+  // (it has not tried), for a grace of one heartbeat interval plus two
+  // backlog reads from the oldest waiting message. Reads the registry.
+  bool AnotherMayLoad(const std::string& model, int64_t now_ms);
   // Answers the work waiting for a model that failed to load here with
   // its load error (terminal), at most `max` messages.
   void DrainFailed(const std::string& model, const Status& error, int max);
