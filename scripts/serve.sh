@@ -4,5 +4,5 @@
 # Extra arguments go to `shoal serve` (try --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh shoal  # the server alone; test.sh builds the rest
 exec "${SHOAL_BUILD_DIR:-build}/src/cli/shoal" serve "$@"

@@ -3,6 +3,8 @@
 # repository (generated with Debian's python3-torch), the OCR test images
 # (rendered with Debian's Pillow and DejaVu font) and a Release build in
 # ./build. Idempotent: a second run only rebuilds what changed.
+# Arguments name the CMake targets to build (default: all, tests included);
+# serve.sh builds only `shoal`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,5 +22,5 @@ echo "setup: rendering the OCR test images in testdata/ocr/"
 
 echo "setup: building in ${BUILD_DIR}/"
 cmake -S . -B "${BUILD_DIR}" -G Ninja -DCMAKE_BUILD_TYPE="${SHOAL_BUILD_TYPE:-Release}" > /dev/null
-cmake --build "${BUILD_DIR}" -j "${JOBS}"
+cmake --build "${BUILD_DIR}" -j "${JOBS}" ${1:+--target "$@"}
 echo "setup: done; the binary is ${BUILD_DIR}/src/cli/shoal"
