@@ -183,6 +183,8 @@ TEST_F(RoutesTest, EveryBadInputGetsItsStatusAndCode) {
   const BadCase cases[] = {
       {"not json", "{\"model\":", 400, "invalid_json"},
       {"not an object", "[1,2]", 400, "invalid_json"},
+      // The parser's message quotes the bad byte; the body stays valid JSON.
+      {"ill-formed UTF-8", "{\"model\":\"m\",\"input\":\"\xff\xfe\"}", 400, "invalid_json"},
       {"no model", R"({"input":"a"})", 400, "invalid_model"},
       {"model not a string", R"({"model":7,"input":"a"})", 400, "invalid_model"},
       {"unknown model", R"({"model":"nope","input":"a"})", 404, "model_not_found"},
@@ -207,6 +209,20 @@ TEST_F(RoutesTest, EveryBadInputGetsItsStatusAndCode) {
     EXPECT_EQ(ErrorCode(r), c.code) << c.name;
   }
   EXPECT_EQ(submitter_.calls, 0) << "bad input must never reach the queue";
+}
+
+TEST_F(RoutesTest, ErrorMessagesQuotingClientBytesStayValidUtf8) {
+  // A model name from the path is not parsed JSON: ill-formed bytes become
+  // U+FFFD, well-formed multi-byte characters pass unchanged.
+  auto r = Call("POST", "/v1/encode/bad\xff\xc0\xaf\xed\xa0\x80name", R"({"inputs":["a"]})");
+  EXPECT_EQ(r.status, 404) << r.body;
+  EXPECT_EQ(ErrorCode(r), "model_not_found");
+  const std::string message = json::parse(r.body)["error"]["message"];
+  EXPECT_NE(message.find("bad\uFFFD"), std::string::npos) << message;
+  EXPECT_NE(message.find("name"), std::string::npos) << message;
+  r = Call("POST", "/v1/embeddings", R"({"model":"日本語 é 🐟","input":"a"})");
+  EXPECT_EQ(r.status, 404) << r.body;
+  EXPECT_NE(json::parse(r.body)["error"]["message"].get<std::string>().find("日本語 é 🐟"), std::string::npos);
 }
 
 TEST_F(RoutesTest, QueueErrorsMapToStatusWithRetryAfter) {
