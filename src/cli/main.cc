@@ -1,11 +1,15 @@
 // The `shoal` binary: serve (embedded default), gateway, worker, models,
 // bench. The only place that reads flags and environment variables; every
 // option has both (--flag and SHOAL_FLAG), declared together below.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -271,6 +275,32 @@ int Fail(const Status& s) {
   return 1;
 }
 
+// Takes `dir`/serve.lock for the rest of the process's life: two nats-servers
+// must not share one JetStream store. The lock goes with the process
+// however it ends (flock), so a killed serve leaves nothing to clean up.
+Status LockDataDir(const std::filesystem::path& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return Unavailable("cannot create data directory " + dir.string() + ": " + ec.message());
+  const std::string path = (dir / "serve.lock").string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return Unavailable("cannot open " + path + ": " + std::strerror(errno));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    char pid[32] = {};
+    const ssize_t n = ::pread(fd, pid, sizeof pid - 1, 0);
+    ::close(fd);
+    const std::string holder = n > 0 ? " (pid " + std::string(pid, static_cast<size_t>(n)) + ")" : "";
+    return Unavailable("another shoal serve" + holder + " is using the data directory " + dir.string() +
+                           "; give this one its own --data-dir",
+                       "data_dir_in_use");
+  }
+  const std::string me = std::to_string(::getpid());
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
+    LOG_WARN("serve", "cannot write the pid into " << path << ": " << std::strerror(errno));
+  }
+  return Status::Ok();  // fd stays open (and locked) until exit
+}
+
 Result<std::unique_ptr<NatsClient>> ConnectNats(const std::string& url, const std::string& name) {
   NatsOptions o;
   o.url = url;
@@ -406,6 +436,7 @@ int main(int argc, char** argv) {
     ApplyStream(serve_stream, &serve_wk.options.stream);
     if (Status s = serve_wk.options.Validate(); !s.ok()) return Fail(s);
     if (Status s = serve_gw.Validate(); !s.ok()) return Fail(s);
+    if (Status s = LockDataDir(std::filesystem::absolute(data_dir)); !s.ok()) return Fail(s);
     NatsServerOptions ns;
     ns.port = nats_port;
     ns.data_dir = std::filesystem::absolute(data_dir).string() + "/jetstream";

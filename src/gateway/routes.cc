@@ -529,6 +529,7 @@ void Router::Encode(const std::string& model, HttpRequest&& req, HttpResponder r
   EmbedJob job;
   job.model = model;
   if (IsMsgpack(req.Header("content-type"))) {
+    if (Status st = internal::CheckMsgpackValues(req.body); !st.ok()) return respond(ErrorResponse(st));
     msgpack::object_handle handle;
     try {
       handle = msgpack::unpack(req.body.data(), req.body.size());

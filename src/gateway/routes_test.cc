@@ -9,6 +9,8 @@
 #include <msgpack.hpp>
 #include <nlohmann/json.hpp>
 
+#include "gateway/internal/http_json.h"
+
 namespace shoal {
 namespace {
 
@@ -284,6 +286,46 @@ TEST_F(RoutesTest, EncodeSpeaksJsonAndMessagePack) {
   r = Call("POST", "/v1/encode/nope", R"({"inputs":["a"]})");
   EXPECT_EQ(r.status, 404);
   EXPECT_EQ(ErrorCode(r), "model_not_found");
+}
+
+// A parsed value costs 16-24 bytes against 1-2 in the body: a body of
+// millions of tiny values is refused before it is parsed into memory.
+TEST_F(RoutesTest, BodiesWithMoreValuesThanTheBoundGet413) {
+  const uint64_t kMax = internal::kMaxRequestValues;
+  std::string zeros;
+  zeros.reserve(2 * kMax);
+  for (uint64_t i = 0; i < kMax; ++i) zeros += i == 0 ? "0" : ",0";
+  // The root object, "model", the input list and the token array are four
+  // values more: over the bound.
+  auto r = Call("POST", "/v1/embeddings", R"({"model":"m","input":[[)" + zeros + "]]}");
+  EXPECT_EQ(r.status, 413);
+  EXPECT_EQ(ErrorCode(r), "too_many_values");
+  // A large body with few values is counted and passes.
+  r = Call("POST", "/v1/embeddings", R"({"model":"m","input":")" + std::string(2 * kMax + 16, 'x') + R"("})");
+  EXPECT_EQ(r.status, 200) << r.body.substr(0, 300);
+  EXPECT_EQ(submitter_.calls, 1);
+
+  // MessagePack: {inputs: [[0, 0, ...]]}, one value over; then an array
+  // header that claims more than the bound in a body large enough to be
+  // checked.
+  const auto be32 = [](uint32_t n) {
+    return std::string{static_cast<char>(n >> 24), static_cast<char>(n >> 16), static_cast<char>(n >> 8),
+                       static_cast<char>(n)};
+  };
+  const std::string head = std::string("\x81\xa6inputs\xdd") + be32(1) + "\xdd";
+  const std::vector<std::pair<std::string, std::string>> kMsgpack = {{"content-type", "application/msgpack"}};
+  r = Call("POST", "/v1/encode/m", head + be32(static_cast<uint32_t>(kMax)) + std::string(kMax, '\0'), kMsgpack);
+  EXPECT_EQ(r.status, 413);
+  EXPECT_EQ(ErrorCode(r), "too_many_values");
+  r = Call("POST", "/v1/encode/m", head + be32(0xffffffffu) + std::string(kMax, '\0'), kMsgpack);
+  EXPECT_EQ(r.status, 413);
+  EXPECT_EQ(ErrorCode(r), "too_many_values");
+  // A large body with few values is counted and passes.
+  const uint32_t long_text = static_cast<uint32_t>(kMax) + 10;
+  r = Call("POST", "/v1/encode/m", std::string("\x81\xa6inputs\x91\xdb") + be32(long_text) + std::string(long_text, 'x'),
+           kMsgpack);
+  EXPECT_EQ(r.status, 200) << r.body.substr(0, 300);
+  EXPECT_EQ(submitter_.calls, 2) << "refused bodies never reach the queue";
 }
 
 TEST_F(RoutesTest, EveryJsonRouteAlsoSpeaksMessagePack) {

@@ -536,6 +536,27 @@ TEST(E2eServeShutdown, BadOptionExitsBeforeStartingNatsServer) {
   }
 }
 
+// Two nats-servers must not share one JetStream store: a second serve on a
+// data directory in use exits at once, naming the first, which serves on.
+TEST(E2eServeShutdown, ASecondServeOnTheSameDataDirectoryExitsAtOnce) {
+  shoal::testing::TempDir dir;
+  Shoal first = StartServe(dir.path() + "/data", {"--models", kModel, "--threads", "1"});
+  ASSERT_EQ(WaitForReadyz(first.port, 200, 60s), 200);
+  ChildOptions o;
+  o.argv = {shoal::testing::ShoalBinary(), "serve", "--data-dir", dir.path() + "/data", "--port", "0",
+            "--models-dir", shoal::testing::ModelsDir(), "--models", kModel};
+  o.stderr_path = dir.path() + "/stderr.log";
+  auto second = ChildProcess::Spawn(o);
+  auto status = second->Wait(30s);
+  ASSERT_TRUE(status.has_value()) << "the second shoal serve did not exit";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 1) << DescribeWaitStatus(*status);
+  std::ifstream err(o.stderr_path);
+  const std::string text((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("is using the data directory " + dir.path() + "/data"), std::string::npos) << text;
+  EXPECT_NE(text.find("pid " + std::to_string(first.process->pid())), std::string::npos) << text;
+  EXPECT_EQ(WaitForReadyz(first.port, 200, 10s), 200) << "the first serve stopped serving";
+}
+
 // A `shoal serve` killed outright (SIGKILL, the OOM killer) cannot stop its
 // nats-server itself: the kernel sends it SIGTERM when its parent dies.
 TEST(E2eServeShutdown, SigkillLeavesNoNatsServerBehind) {

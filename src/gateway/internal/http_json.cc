@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <random>
 
+#include <msgpack.hpp>
+
 namespace shoal::internal {
 
 using nlohmann::json;
@@ -98,14 +100,75 @@ HttpResponse JsonResponse(int status, std::string body) {
   return r;
 }
 
+namespace {
+
+struct TooManyValues {};
+
+Status TooManyValuesError(const char* format) {
+  return Status(StatusCode::kPayloadTooLarge, std::string("request body has more than ") +
+                                                  std::to_string(kMaxRequestValues) + " " + format + " values",
+                "too_many_values");
+}
+
+// Counts values while msgpack-c parses, and stops past the limit (also at
+// an array or map header that claims more than is left).
+struct MsgpackValueCounter : msgpack::null_visitor {
+  uint64_t values = 0;
+  bool over = false;
+  bool Fits(uint64_t n) {
+    if (n > kMaxRequestValues - values) over = true;
+    return !over;
+  }
+  bool Take() { return Fits(1) && ++values > 0; }
+  bool visit_nil() { return Take(); }
+  bool visit_boolean(bool) { return Take(); }
+  bool visit_positive_integer(uint64_t) { return Take(); }
+  bool visit_negative_integer(int64_t) { return Take(); }
+  bool visit_float32(float) { return Take(); }
+  bool visit_float64(double) { return Take(); }
+  bool visit_str(const char*, uint32_t) { return Take(); }
+  bool visit_bin(const char*, uint32_t) { return Take(); }
+  bool visit_ext(const char*, uint32_t) { return Take(); }
+  bool start_array(uint32_t n) { return Take() && Fits(n); }
+  bool start_map(uint32_t n) { return Take() && Fits(uint64_t{2} * n); }
+  void parse_error(size_t, size_t) {}
+  void insufficient_bytes(size_t, size_t) {}
+};
+
+}  // namespace
+
 Status ParseJsonObject(const std::string& text, json* out) {
   try {
-    *out = json::parse(text);
+    // A JSON value takes at least two bytes with its separator, so only a
+    // body over twice the limit can hold too many; only such a body pays
+    // for counting.
+    if (text.size() / 2 <= kMaxRequestValues) {
+      *out = json::parse(text);
+    } else {
+      size_t values = 0;
+      *out = json::parse(text, [&values](int, json::parse_event_t event, json&) {
+        if (event == json::parse_event_t::value || event == json::parse_event_t::object_start ||
+            event == json::parse_event_t::array_start) {
+          if (++values > kMaxRequestValues) throw TooManyValues{};
+        }
+        return true;
+      });
+    }
+  } catch (const TooManyValues&) {
+    return TooManyValuesError("JSON");
   } catch (const json::exception& e) {
     return InvalidArgument(std::string("request body is not valid JSON: ") + e.what(), "invalid_json");
   }
   if (!out->is_object()) return InvalidArgument("request body must be a JSON object", "invalid_json");
   return Status::Ok();
+}
+
+Status CheckMsgpackValues(std::string_view body) {
+  if (body.size() <= kMaxRequestValues) return Status::Ok();  // a value takes a byte at least
+  MsgpackValueCounter counter;
+  std::size_t offset = 0;
+  (void)msgpack::parse(body.data(), body.size(), offset, counter);  // errors: the decoder's to report
+  return counter.over ? TooManyValuesError("MessagePack") : Status::Ok();
 }
 
 std::string ResponseId(std::string_view prefix) {

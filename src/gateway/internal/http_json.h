@@ -2,6 +2,7 @@
 // for the hot paths (no DOM for a response of floats), nlohmann for input.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -20,8 +21,17 @@ void AppendFloats(std::string& out, const float* v, int n);
 void AppendFloat(std::string& out, float v);
 // A 200-style response with a JSON body.
 HttpResponse JsonResponse(int status, std::string body);
-// Parses `text` into a JSON object; InvalidArgument "invalid_json" otherwise.
+// The most values (scalars, arrays and maps, at any depth) a request body
+// may hold. A parsed value costs 16 (JSON) to 24 (MessagePack) bytes or
+// more, against one or two in the body: without a bound, a 64 MiB array of
+// zeros took the gateway and worker to 2.4 GB.
+inline constexpr uint64_t kMaxRequestValues = uint64_t{1} << 22;
+// Parses `text` into a JSON object; InvalidArgument "invalid_json"
+// otherwise, PayloadTooLarge "too_many_values" past kMaxRequestValues.
 Status ParseJsonObject(const std::string& text, nlohmann::json* out);
+// PayloadTooLarge "too_many_values" if the MessagePack `body` holds more
+// than kMaxRequestValues values; OK otherwise (also when it is malformed).
+Status CheckMsgpackValues(std::string_view body);
 // A fresh id for a response body ("<prefix>-<32 hex digits>").
 std::string ResponseId(std::string_view prefix);
 
