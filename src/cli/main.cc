@@ -275,10 +275,12 @@ int Fail(const Status& s) {
   return 1;
 }
 
-// Takes `dir`/serve.lock for the rest of the process's life: two nats-servers
-// must not share one JetStream store. The lock goes with the process
-// however it ends (flock), so a killed serve leaves nothing to clean up.
-Status LockDataDir(const std::filesystem::path& dir) {
+// Takes `dir`/serve.lock for the rest of the process's life and returns its
+// descriptor: two nats-servers must not share one JetStream store. The
+// lock goes with the process however it ends (flock), so a killed serve
+// leaves nothing to clean up; the nats-server inherits the descriptor, so
+// the lock also lasts until that server has exited.
+Result<int> LockDataDir(const std::filesystem::path& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return Unavailable("cannot create data directory " + dir.string() + ": " + ec.message());
@@ -286,6 +288,11 @@ Status LockDataDir(const std::filesystem::path& dir) {
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return Unavailable("cannot open " + path + ": " + std::strerror(errno));
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK) {
+      const std::string why = std::strerror(errno);
+      ::close(fd);
+      return Unavailable("cannot lock " + path + ": " + why);
+    }
     char pid[32] = {};
     const ssize_t n = ::pread(fd, pid, sizeof pid - 1, 0);
     ::close(fd);
@@ -298,7 +305,7 @@ Status LockDataDir(const std::filesystem::path& dir) {
   if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
     LOG_WARN("serve", "cannot write the pid into " << path << ": " << std::strerror(errno));
   }
-  return Status::Ok();  // fd stays open (and locked) until exit
+  return fd;  // stays open (and locked) until exit
 }
 
 Result<std::unique_ptr<NatsClient>> ConnectNats(const std::string& url, const std::string& name) {
@@ -436,8 +443,10 @@ int main(int argc, char** argv) {
     ApplyStream(serve_stream, &serve_wk.options.stream);
     if (Status s = serve_wk.options.Validate(); !s.ok()) return Fail(s);
     if (Status s = serve_gw.Validate(); !s.ok()) return Fail(s);
-    if (Status s = LockDataDir(std::filesystem::absolute(data_dir)); !s.ok()) return Fail(s);
+    auto lock_fd = LockDataDir(std::filesystem::absolute(data_dir));
+    if (!lock_fd.ok()) return Fail(lock_fd.status());
     NatsServerOptions ns;
+    ns.inherit_fd = *lock_fd;
     ns.port = nats_port;
     ns.data_dir = std::filesystem::absolute(data_dir).string() + "/jetstream";
     ns.die_with_parent = true;  // started on the main thread: a killed shoal serve takes it along

@@ -197,6 +197,8 @@ TEST_F(OcrRoutesTest, EveryBadInputGetsItsStatusAndCode) {
       {"/v1/ocr/ocr", R"({"image": "data:image/png,abc"})", "application/json", 400, "invalid_image"},
       {"/v1/ocr/ocr", "not json", "application/json", 400, "invalid_json"},
       {"/v1/ocr/ocr", "\xc1", "application/msgpack", 400, "invalid_msgpack"},
+      {"/v1/ocr/ocr", "\x81\xa6images\xdd\xff\xff\xff\xff"s, "application/msgpack", 400, "invalid_msgpack"},
+      {"/v1/ocr/ocr", "\x81\xa6images"s + std::string(1000, '\x91'), "application/msgpack", 400, "nesting_too_deep"},
       {"/v1/ocr/ocr", Msgpack({}, true), "application/msgpack", 400, "invalid_image"},
       {"/v1/ocr/ocr", Msgpack({kPng, kPng, kPng, kPng, kPng}, true), "application/msgpack", 400, "too_many_inputs"},
       {"/v1/ocr/ocr", "--a\r\nContent-Disposition: form-data; name=\"x\"\r\n\r\nv\r\n--a--", "multipart/form-data; boundary=a",

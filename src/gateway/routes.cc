@@ -209,6 +209,7 @@ bool NativeMsgpackRoute(std::string_view path) {
 // A MessagePack request body for a JSON route, as JSON text: the handlers
 // parse one format. Binary fields have no JSON form and fail validation.
 Status MsgpackBodyToJson(std::string* body) {
+  RETURN_IF_ERROR(internal::CheckMsgpackBody(*body));
   json j = json::from_msgpack(*body, /*strict=*/true, /*allow_exceptions=*/false);
   if (j.is_discarded())
     return InvalidArgument("request body is not valid MessagePack", "invalid_msgpack");
@@ -529,7 +530,7 @@ void Router::Encode(const std::string& model, HttpRequest&& req, HttpResponder r
   EmbedJob job;
   job.model = model;
   if (IsMsgpack(req.Header("content-type"))) {
-    if (Status st = internal::CheckMsgpackValues(req.body); !st.ok()) return respond(ErrorResponse(st));
+    if (Status st = internal::CheckMsgpackBody(req.body); !st.ok()) return respond(ErrorResponse(st));
     msgpack::object_handle handle;
     try {
       handle = msgpack::unpack(req.body.data(), req.body.size());

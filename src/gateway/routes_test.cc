@@ -317,15 +317,48 @@ TEST_F(RoutesTest, BodiesWithMoreValuesThanTheBoundGet413) {
   r = Call("POST", "/v1/encode/m", head + be32(static_cast<uint32_t>(kMax)) + std::string(kMax, '\0'), kMsgpack);
   EXPECT_EQ(r.status, 413);
   EXPECT_EQ(ErrorCode(r), "too_many_values");
-  r = Call("POST", "/v1/encode/m", head + be32(0xffffffffu) + std::string(kMax, '\0'), kMsgpack);
-  EXPECT_EQ(r.status, 413);
-  EXPECT_EQ(ErrorCode(r), "too_many_values");
+  // A header that claims more elements than the body has bytes is refused
+  // before msgpack-c reserves room for them (24 bytes each).
+  for (const std::string& body : {head + be32(0xffffffffu), head + be32(0xffffffffu) + std::string(kMax, '\0')}) {
+    r = Call("POST", "/v1/encode/m", body, kMsgpack);
+    EXPECT_EQ(r.status, 400);
+    EXPECT_EQ(ErrorCode(r), "invalid_msgpack");
+  }
   // A large body with few values is counted and passes.
   const uint32_t long_text = static_cast<uint32_t>(kMax) + 10;
   r = Call("POST", "/v1/encode/m", std::string("\x81\xa6inputs\x91\xdb") + be32(long_text) + std::string(long_text, 'x'),
            kMsgpack);
   EXPECT_EQ(r.status, 200) << r.body.substr(0, 300);
   EXPECT_EQ(submitter_.calls, 2) << "refused bodies never reach the queue";
+}
+
+// Nesting deep enough to exhaust the stack of a recursive encoder or
+// decoder is refused, in JSON and in MessagePack, on every route.
+TEST_F(RoutesTest, BodiesNestedDeeperThanTheBoundGet400) {
+  const int kDepth = internal::kMaxRequestDepth;
+  const auto nested_json = [](int depth) {
+    return R"({"model":"m","input":)" + std::string(depth, '[') + "1" + std::string(depth, ']') + "}";
+  };
+  // The root object is one level: kDepth - 1 arrays inside it are allowed
+  // (and rejected by validation), one more is not.
+  auto r = Call("POST", "/v1/embeddings", nested_json(kDepth - 1));
+  EXPECT_EQ(ErrorCode(r), "invalid_input") << r.body;
+  r = Call("POST", "/v1/embeddings", nested_json(kDepth));
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(ErrorCode(r), "nesting_too_deep");
+  r = Call("POST", "/v1/chat/completions", R"({"model":"m","messages":)" + std::string(1 << 20, '[') + "}");
+  EXPECT_EQ(ErrorCode(r), "nesting_too_deep");
+
+  // 1 MiB of 0x91 (an array of one element, nested): it would overflow
+  // the stack of a recursive MessagePack reader.
+  const std::vector<std::pair<std::string, std::string>> kMsgpack = {{"content-type", "application/msgpack"}};
+  const std::string deep = "\x81\xa5input" + std::string(1 << 20, '\x91') + "\x01";
+  for (const char* path : {"/v1/embeddings", "/v1/encode/m", "/v1/rerank"}) {  // OCR: ocr_routes_test
+    r = Call("POST", path, deep, kMsgpack);
+    EXPECT_EQ(r.status, 400) << path;
+    EXPECT_EQ(ErrorCode(r), "nesting_too_deep") << path;
+  }
+  EXPECT_EQ(submitter_.calls, 0);
 }
 
 TEST_F(RoutesTest, EveryJsonRouteAlsoSpeaksMessagePack) {

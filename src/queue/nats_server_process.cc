@@ -60,7 +60,7 @@ namespace {
 // with `die_with_parent`, PR_SET_PDEATHSIG (which posix_spawn cannot set).
 // Fork and exec, with a close-on-exec pipe that carries the errno of a
 // failed exec back. Returns 0 or that errno.
-int Spawn(std::vector<char*>& argv, const std::string& log, bool die_with_parent, pid_t* pid) {
+int Spawn(std::vector<char*>& argv, const std::string& log, bool die_with_parent, int inherit_fd, pid_t* pid) {
   int pipefd[2];
   if (::pipe2(pipefd, O_CLOEXEC) != 0) return errno;
   const pid_t parent = ::getpid();
@@ -78,6 +78,10 @@ int Spawn(std::vector<char*>& argv, const std::string& log, bool die_with_parent
     if (die_with_parent) {
       ::prctl(PR_SET_PDEATHSIG, SIGTERM);
       if (::getppid() != parent) ::_exit(127);  // the parent died already
+    }
+    if (inherit_fd >= 0) {
+      const int flags = ::fcntl(inherit_fd, F_GETFD);
+      if (flags >= 0) ::fcntl(inherit_fd, F_SETFD, flags & ~FD_CLOEXEC);
     }
     const int in = ::open("/dev/null", O_RDONLY);
     const int out = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
@@ -128,7 +132,7 @@ Result<std::unique_ptr<NatsServerProcess>> NatsServerProcess::Start(const NatsSe
   argv.push_back(nullptr);
 
   pid_t pid = -1;
-  int rc = Spawn(argv, log, o.die_with_parent, &pid);
+  int rc = Spawn(argv, log, o.die_with_parent, o.inherit_fd, &pid);
   if (rc != 0) {
     return Unavailable("cannot start " + o.binary + " (is the nats-server package installed? "
                        "run scripts/install-deps.sh): " + std::strerror(rc));

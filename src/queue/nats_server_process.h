@@ -25,6 +25,9 @@ struct NatsServerOptions {
   // for a Start() on a thread that lives as long as the server should
   // (the main thread).
   bool die_with_parent = false;
+  // A close-on-exec descriptor the server keeps open, e.g. a lock that must
+  // last as long as the server does. -1: none.
+  int inherit_fd = -1;
   Status Validate() const;
 };
 

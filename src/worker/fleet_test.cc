@@ -87,6 +87,19 @@ class FleetTest : public ::testing::Test {
     return EmbedAsync(model, text).get();
   }
 
+  // Sends `n` requests for `model` at once; each must get the terminal
+  // model_load_failed, well before its deadline.
+  void ExpectEveryCallerGetsTheLoadError(const std::string& model, int n) {
+    std::vector<std::future<Result<EmbedResult>>> calls;
+    for (int i = 0; i < n; ++i) calls.push_back(EmbedAsync(model, "doomed " + std::to_string(i)));
+    for (auto& f : calls) {
+      ASSERT_EQ(f.wait_for(25s), std::future_status::ready) << "a caller waited for its deadline instead";
+      auto r = f.get();
+      EXPECT_EQ(r.status().code(), StatusCode::kBadGateway) << r.status().ToString();
+      EXPECT_EQ(r.status().reason(), "model_load_failed");
+    }
+  }
+
   static ModelState StateOf(Worker& w, const std::string& model) {
     for (const ModelStatus& s : w.manager().Statuses())
       if (s.name == model) return s.state;
@@ -171,14 +184,7 @@ TEST_F(FleetTest, LoadFailureReachesEveryWaitingCallerOnceAsATerminalError) {
   MakeFleetRepository(repo_.path(), {"tiny-a"}, {"broken"});
   Member m = Start(Options());
   ASSERT_NE(m.worker, nullptr);
-  std::vector<std::future<Result<EmbedResult>>> calls;
-  for (int i = 0; i < 8; ++i) calls.push_back(EmbedAsync("broken", "doomed " + std::to_string(i)));
-  for (auto& f : calls) {
-    ASSERT_EQ(f.wait_for(25s), std::future_status::ready) << "a caller waited for its deadline instead";
-    auto r = f.get();
-    EXPECT_EQ(r.status().code(), StatusCode::kBadGateway) << r.status().ToString();
-    EXPECT_EQ(r.status().reason(), "model_load_failed");
-  }
+  ExpectEveryCallerGetsTheLoadError("broken", 8);
   EXPECT_EQ(m.Counter("shoal_worker_model_loads_total", {{"model", "broken"}, {"result", "error"}}), 1);
   EXPECT_EQ(StateOf(*m.worker, "broken"), ModelState::kFailed);
   // Nothing is left to be redelivered, and healthy models still serve.
@@ -248,13 +254,7 @@ TEST_F(FleetTest, AFailedModelThatNoPeerHasRoomForStillAnswersItsCallers) {
   ASSERT_NE(broken.worker, nullptr);
   ASSERT_NE(good.worker, nullptr);
   std::this_thread::sleep_for(400ms);  // each has read the other's heartbeat
-  std::vector<std::future<Result<EmbedResult>>> calls;
-  for (int i = 0; i < 4; ++i) calls.push_back(EmbedAsync("flaky", "no room " + std::to_string(i)));
-  for (auto& f : calls) {
-    ASSERT_EQ(f.wait_for(25s), std::future_status::ready) << "a caller waited for its deadline instead";
-    auto r = f.get();
-    EXPECT_EQ(r.status().reason(), "model_load_failed") << r.status().ToString();
-  }
+  ExpectEveryCallerGetsTheLoadError("flaky", 4);
   EXPECT_EQ(broken.Counter("shoal_worker_model_loads_total", {{"model", "flaky"}, {"result", "error"}}), 1);
   EXPECT_EQ(StateOf(*good.worker, "flaky"), ModelState::kNotLoaded);
 }
@@ -268,13 +268,7 @@ TEST_F(FleetTest, AModelBrokenEverywhereGivesItsCallersTheErrorAfterAtMostOneTry
   ASSERT_NE(w1.worker, nullptr);
   ASSERT_NE(w2.worker, nullptr);
   std::this_thread::sleep_for(400ms);  // each has read the other's heartbeat
-  std::vector<std::future<Result<EmbedResult>>> calls;
-  for (int i = 0; i < 8; ++i) calls.push_back(EmbedAsync("broken", "doomed " + std::to_string(i)));
-  for (auto& f : calls) {
-    ASSERT_EQ(f.wait_for(25s), std::future_status::ready) << "a caller waited for its deadline instead";
-    auto r = f.get();
-    EXPECT_EQ(r.status().reason(), "model_load_failed") << r.status().ToString();
-  }
+  ExpectEveryCallerGetsTheLoadError("broken", 8);
   const Labels error = {{"model", "broken"}, {"result", "error"}};
   EXPECT_LE(w1.Counter("shoal_worker_model_loads_total", error), 1);
   EXPECT_LE(w2.Counter("shoal_worker_model_loads_total", error), 1);

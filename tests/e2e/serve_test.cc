@@ -555,6 +555,11 @@ TEST(E2eServeShutdown, ASecondServeOnTheSameDataDirectoryExitsAtOnce) {
   EXPECT_NE(text.find("is using the data directory " + dir.path() + "/data"), std::string::npos) << text;
   EXPECT_NE(text.find("pid " + std::to_string(first.process->pid())), std::string::npos) << text;
   EXPECT_EQ(WaitForReadyz(first.port, 200, 10s), 200) << "the first serve stopped serving";
+  // Once the first has stopped (with its nats-server), the directory is free.
+  first.process->Signal(SIGTERM);
+  ASSERT_TRUE(first.process->Wait(30s).has_value());
+  Shoal third = StartServe(dir.path() + "/data", {"--models", kModel, "--threads", "1"});
+  EXPECT_EQ(WaitForReadyz(third.port, 200, 60s), 200);
 }
 
 // A `shoal serve` killed outright (SIGKILL, the OOM killer) cannot stop its

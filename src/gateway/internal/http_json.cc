@@ -102,7 +102,10 @@ HttpResponse JsonResponse(int status, std::string body) {
 
 namespace {
 
-struct TooManyValues {};
+// Thrown from the JSON parser's callback to stop it.
+struct StopParse {
+  Status status;
+};
 
 Status TooManyValuesError(const char* format) {
   return Status(StatusCode::kPayloadTooLarge, std::string("request body has more than ") +
@@ -110,16 +113,42 @@ Status TooManyValuesError(const char* format) {
                 "too_many_values");
 }
 
-// Counts values while msgpack-c parses, and stops past the limit (also at
-// an array or map header that claims more than is left).
-struct MsgpackValueCounter : msgpack::null_visitor {
+Status TooDeepError(const char* format) {
+  return InvalidArgument(std::string("request body nests ") + format + " arrays and objects more than " +
+                             std::to_string(kMaxRequestDepth) + " deep",
+                         "nesting_too_deep");
+}
+
+// Walks a MessagePack body without building it: counts values, tracks
+// nesting, and stops at the first bound crossed or at an array or map
+// header that claims more elements than the body has bytes (each takes one
+// at least), before msgpack-c would reserve room for them.
+struct MsgpackBodyCheck : msgpack::null_visitor {
+  explicit MsgpackBodyCheck(size_t body_bytes) : body_bytes(body_bytes) {}
+  const uint64_t body_bytes;
   uint64_t values = 0;
-  bool over = false;
-  bool Fits(uint64_t n) {
-    if (n > kMaxRequestValues - values) over = true;
-    return !over;
+  int depth = 0;
+  Status status;
+  bool Stop(Status s) {
+    status = std::move(s);
+    return false;
   }
-  bool Take() { return Fits(1) && ++values > 0; }
+  bool Take() {
+    if (++values > kMaxRequestValues) return Stop(TooManyValuesError("MessagePack"));
+    return true;
+  }
+  bool Open(uint64_t elements) {
+    if (!Take()) return false;
+    if (++depth > kMaxRequestDepth) return Stop(TooDeepError("MessagePack"));
+    if (elements > body_bytes) {
+      return Stop(InvalidArgument("request body is not valid MessagePack: a header claims " +
+                                      std::to_string(elements) + " elements in " + std::to_string(body_bytes) +
+                                      " bytes",
+                                  "invalid_msgpack"));
+    }
+    if (elements > kMaxRequestValues - values) return Stop(TooManyValuesError("MessagePack"));
+    return true;
+  }
   bool visit_nil() { return Take(); }
   bool visit_boolean(bool) { return Take(); }
   bool visit_positive_integer(uint64_t) { return Take(); }
@@ -129,8 +158,10 @@ struct MsgpackValueCounter : msgpack::null_visitor {
   bool visit_str(const char*, uint32_t) { return Take(); }
   bool visit_bin(const char*, uint32_t) { return Take(); }
   bool visit_ext(const char*, uint32_t) { return Take(); }
-  bool start_array(uint32_t n) { return Take() && Fits(n); }
-  bool start_map(uint32_t n) { return Take() && Fits(uint64_t{2} * n); }
+  bool start_array(uint32_t n) { return Open(n); }
+  bool end_array() { return --depth, true; }
+  bool start_map(uint32_t n) { return Open(uint64_t{2} * n); }
+  bool end_map() { return --depth, true; }
   void parse_error(size_t, size_t) {}
   void insufficient_bytes(size_t, size_t) {}
 };
@@ -139,23 +170,28 @@ struct MsgpackValueCounter : msgpack::null_visitor {
 
 Status ParseJsonObject(const std::string& text, json* out) {
   try {
-    // A JSON value takes at least two bytes with its separator, so only a
-    // body over twice the limit can hold too many; only such a body pays
-    // for counting.
-    if (text.size() / 2 <= kMaxRequestValues) {
-      *out = json::parse(text);
-    } else {
-      size_t values = 0;
-      *out = json::parse(text, [&values](int, json::parse_event_t event, json&) {
-        if (event == json::parse_event_t::value || event == json::parse_event_t::object_start ||
-            event == json::parse_event_t::array_start) {
-          if (++values > kMaxRequestValues) throw TooManyValues{};
-        }
-        return true;
-      });
-    }
-  } catch (const TooManyValues&) {
-    return TooManyValuesError("JSON");
+    uint64_t values = 0;
+    int depth = 0;
+    *out = json::parse(text, [&](int, json::parse_event_t event, json&) {
+      switch (event) {
+        case json::parse_event_t::object_start:
+        case json::parse_event_t::array_start:
+          if (++depth > kMaxRequestDepth) throw StopParse{TooDeepError("JSON")};
+          [[fallthrough]];
+        case json::parse_event_t::value:
+          if (++values > kMaxRequestValues) throw StopParse{TooManyValuesError("JSON")};
+          break;
+        case json::parse_event_t::object_end:
+        case json::parse_event_t::array_end:
+          --depth;
+          break;
+        case json::parse_event_t::key:
+          break;
+      }
+      return true;
+    });
+  } catch (const StopParse& stop) {
+    return stop.status;
   } catch (const json::exception& e) {
     return InvalidArgument(std::string("request body is not valid JSON: ") + e.what(), "invalid_json");
   }
@@ -163,12 +199,11 @@ Status ParseJsonObject(const std::string& text, json* out) {
   return Status::Ok();
 }
 
-Status CheckMsgpackValues(std::string_view body) {
-  if (body.size() <= kMaxRequestValues) return Status::Ok();  // a value takes a byte at least
-  MsgpackValueCounter counter;
+Status CheckMsgpackBody(std::string_view body) {
+  MsgpackBodyCheck check(body.size());
   std::size_t offset = 0;
-  (void)msgpack::parse(body.data(), body.size(), offset, counter);  // errors: the decoder's to report
-  return counter.over ? TooManyValuesError("MessagePack") : Status::Ok();
+  (void)msgpack::parse(body.data(), body.size(), offset, check);  // errors: the decoder's to report
+  return check.status;
 }
 
 std::string ResponseId(std::string_view prefix) {

@@ -21,17 +21,26 @@ void AppendFloats(std::string& out, const float* v, int n);
 void AppendFloat(std::string& out, float v);
 // A 200-style response with a JSON body.
 HttpResponse JsonResponse(int status, std::string body);
-// The most values (scalars, arrays and maps, at any depth) a request body
-// may hold. A parsed value costs 16 (JSON) to 24 (MessagePack) bytes or
-// more, against one or two in the body: without a bound, a 64 MiB array of
-// zeros took the gateway and worker to 2.4 GB.
+// The most values (scalars, arrays and objects, at any depth) a request
+// body may hold. A decoded value costs 16 (JSON) to 24 (MessagePack) bytes
+// or more, against one or two in the body: without a bound, a 64 MiB array
+// of zeros took the gateway and worker to 2.4 GB.
 inline constexpr uint64_t kMaxRequestValues = uint64_t{1} << 22;
-// Parses `text` into a JSON object; InvalidArgument "invalid_json"
-// otherwise, PayloadTooLarge "too_many_values" past kMaxRequestValues.
+// The deepest nesting of arrays and objects a request body may have: the
+// encoders and decoders that recurse (nlohmann's MessagePack reader and
+// writer, dump) would otherwise run out of stack.
+inline constexpr int kMaxRequestDepth = 64;
+// Parses `text` into a JSON object. InvalidArgument "invalid_json" when it
+// is not one, "nesting_too_deep" past kMaxRequestDepth; PayloadTooLarge
+// "too_many_values" past kMaxRequestValues.
 Status ParseJsonObject(const std::string& text, nlohmann::json* out);
-// PayloadTooLarge "too_many_values" if the MessagePack `body` holds more
-// than kMaxRequestValues values; OK otherwise (also when it is malformed).
-Status CheckMsgpackValues(std::string_view body);
+// Walks a MessagePack body before it is decoded: PayloadTooLarge
+// "too_many_values" past kMaxRequestValues, InvalidArgument
+// "nesting_too_deep" past kMaxRequestDepth, or "invalid_msgpack" for an
+// array or map that claims more elements than the body has bytes. OK
+// otherwise, also when it is malformed in another way (the decoder says
+// so).
+Status CheckMsgpackBody(std::string_view body);
 // A fresh id for a response body ("<prefix>-<32 hex digits>").
 std::string ResponseId(std::string_view prefix);
 
