@@ -9,8 +9,8 @@ namespace {
 
 FleetSnapshot Fleet(const std::vector<std::string>& heartbeats) {
   FleetSnapshot s;
-  s.models["m"] = CatalogModel{"m", "embed", 4, 16, true, "{}"};
-  s.models["other"] = CatalogModel{"other", "embed", 4, 16, true, "{}"};
+  s.models["m"] = CatalogModel{"m", "embed", 4, 16, true, "{}", {}};
+  s.models["other"] = CatalogModel{"other", "embed", 4, 16, true, "{}", {}};
   for (const auto& hb : heartbeats) {
     WorkerInfo w;
     EXPECT_TRUE(ParseWorkerHeartbeat(hb, &w)) << hb;

@@ -351,7 +351,7 @@ TEST_F(TinyBert, MemoryCoversParameters) {
 TEST_F(TinyBert, BadBatchesAreInvalidArgument) {
   auto rt = Load(config_);
   ASSERT_NE(rt, nullptr);
-  auto mismatched = rt->Run(TokenBatch{2, 3, {101, 1, 102}, {1, 1, 1}});
+  auto mismatched = rt->Run(TokenBatch{2, 3, {101, 1, 102}, {1, 1, 1}, {}, 0});
   EXPECT_EQ(mismatched.status().code(), StatusCode::kInvalidArgument);
   auto empty = rt->Run(TokenBatch{});
   EXPECT_EQ(empty.status().code(), StatusCode::kInvalidArgument);
