@@ -445,6 +445,8 @@ int main(int argc, char** argv) {
     if (Status s = serve_gw.Validate(); !s.ok()) return Fail(s);
     auto lock_fd = LockDataDir(std::filesystem::absolute(data_dir));
     if (!lock_fd.ok()) return Fail(lock_fd.status());
+    // A port in use fails here, not after every model has loaded.
+    if (Status s = HttpServer::CheckAddress(serve_gw.http); !s.ok()) return Fail(s);
     NatsServerOptions ns;
     ns.inherit_fd = *lock_fd;
     ns.port = nats_port;

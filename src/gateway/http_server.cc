@@ -541,40 +541,48 @@ void HttpServer::Impl::Connection::Close() {
   server_.Remove(this);
 }
 
-Status HttpServer::Impl::Listen() {
+namespace {
+
+// Resolves options.host, then opens, binds and listens `acceptor` on it;
+// `*port` gets the bound port.
+Status OpenListener(net::io_context& ioc, tcp::acceptor& acceptor, const HttpServerOptions& options, int* port) {
   error_code ec;
   tcp::endpoint endpoint;
-  net::ip::address address = net::ip::make_address(options_.host, ec);
+  net::ip::address address = net::ip::make_address(options.host, ec);
   if (!ec) {
-    endpoint = tcp::endpoint(address, static_cast<unsigned short>(options_.port));
+    endpoint = tcp::endpoint(address, static_cast<unsigned short>(options.port));
   } else {
-    tcp::resolver resolver(ioc_);
-    auto results = resolver.resolve(options_.host, std::to_string(options_.port),
+    tcp::resolver resolver(ioc);
+    auto results = resolver.resolve(options.host, std::to_string(options.port),
                                     tcp::resolver::passive, ec);
     if (ec || results.empty()) {
-      return Unavailable("cannot resolve HTTP host '" + options_.host +
+      return Unavailable("cannot resolve HTTP host '" + options.host +
                          "': " + (ec ? ec.message() : "no addresses"));
     }
     endpoint = results.begin()->endpoint();
   }
   const std::string where =
-      options_.host + ":" + std::to_string(options_.port);
+      options.host + ":" + std::to_string(options.port);
   auto fail = [&](const char* what) {
     error_code ignored;
-    acceptor_.close(ignored);
+    acceptor.close(ignored);
     return Unavailable(std::string("cannot ") + what + " HTTP address " + where +
                        ": " + ec.message());
   };
-  if (acceptor_.open(endpoint.protocol(), ec)) return fail("open");
-  if (acceptor_.set_option(net::socket_base::reuse_address(true), ec))
+  if (acceptor.open(endpoint.protocol(), ec)) return fail("open");
+  if (acceptor.set_option(net::socket_base::reuse_address(true), ec))
     return fail("configure");
-  if (acceptor_.bind(endpoint, ec)) return fail("bind");
-  if (acceptor_.listen(net::socket_base::max_listen_connections, ec))
+  if (acceptor.bind(endpoint, ec)) return fail("bind");
+  if (acceptor.listen(net::socket_base::max_listen_connections, ec))
     return fail("listen on");
-  port_ = acceptor_.local_endpoint(ec).port();
+  *port = acceptor.local_endpoint(ec).port();
   if (ec) return fail("query");
   return Status::Ok();
 }
+
+}  // namespace
+
+Status HttpServer::Impl::Listen() { return OpenListener(ioc_, acceptor_, options_, &port_); }
 
 void HttpServer::Impl::Start() {
   work_.emplace(ioc_.get_executor());
@@ -671,6 +679,14 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Create(const HttpServerOptions& 
   RETURN_IF_ERROR(impl->Listen());
   impl->Start();
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
+}
+
+Status HttpServer::CheckAddress(const HttpServerOptions& options) {
+  RETURN_IF_ERROR(options.Validate());
+  net::io_context ioc;
+  tcp::acceptor acceptor(ioc);
+  int port = 0;
+  return OpenListener(ioc, acceptor, options, &port);  // closed again as it goes
 }
 
 HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -44,6 +44,12 @@ class HttpServer {
   static Result<std::unique_ptr<HttpServer>> Create(
       const HttpServerOptions& options, HttpHandler handler);
 
+  // Binds and listens on options' address once and closes it again, so a
+  // program can fail before it starts anything else: the errors Create
+  // would give now. (Another process may still take the address between
+  // the two.)
+  static Status CheckAddress(const HttpServerOptions& options);
+
   ~HttpServer();  // calls Stop()
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;

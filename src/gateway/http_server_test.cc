@@ -540,6 +540,12 @@ TEST(HttpServer, BindingAPortInUseFails) {
   EXPECT_EQ(b.status().code(), StatusCode::kUnavailable);
   EXPECT_THAT(b.status().message(), HasSubstr(std::to_string(a->port())));
   EXPECT_THAT(b.status().message(), HasSubstr("in use"));
+  // CheckAddress says the same without keeping the address; a free one
+  // passes and stays free.
+  EXPECT_EQ(HttpServer::CheckAddress(options).message(), b.status().message());
+  a.reset();
+  EXPECT_TRUE(HttpServer::CheckAddress(options).ok());
+  EXPECT_TRUE(HttpServer::Create(options, Echo).ok());
 }
 
 TEST(HttpServer, ResolvesHostNames) {
