@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "tokenize/internal/basic_tokenizer.h"
-#include "tokenize/internal/utf8.h"
+#include "common/utf8.h"
 
 namespace shoal {
 namespace {
@@ -88,7 +88,7 @@ Result<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromFile(
   std::string text = std::move(buffer).str();
   std::string_view view = text;
   if (view.starts_with("\xEF\xBB\xBF")) view.remove_prefix(3);
-  if (!tokenize_internal::IsValidUtf8(view)) {
+  if (!IsValidUtf8(view)) {
     return InvalidArgument("vocab file is not valid UTF-8: " + vocab_path);
   }
   auto result = FromVocab(SplitLines(view), options);
@@ -107,7 +107,7 @@ Result<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromVocab(
     return InvalidArgument("vocabulary has more than 2^31-1 tokens");
   }
   for (size_t i = 0; i < vocab.size(); ++i) {
-    if (!tokenize_internal::IsValidUtf8(vocab[i])) {
+    if (!IsValidUtf8(vocab[i])) {
       return InvalidArgument("vocabulary token " + std::to_string(i) +
                              " is not valid UTF-8");
     }

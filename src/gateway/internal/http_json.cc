@@ -8,39 +8,11 @@
 
 #include <msgpack.hpp>
 
+#include "common/utf8.h"
+
 namespace shoal::internal {
 
 using nlohmann::json;
-
-namespace {
-
-// Length of the well-formed UTF-8 sequence that starts at s[i] (no overlong
-// forms, no surrogates, nothing above U+10FFFF), or 0.
-size_t Utf8SequenceLength(std::string_view s, size_t i) {
-  const auto c = static_cast<unsigned char>(s[i]);
-  size_t n = 0;
-  uint32_t cp = 0;
-  if (c >= 0xC2 && c <= 0xDF) {
-    n = 2, cp = c & 0x1Fu;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    n = 3, cp = c & 0x0Fu;
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    n = 4, cp = c & 0x07u;
-  } else {
-    return 0;
-  }
-  if (s.size() - i < n) return 0;
-  for (size_t k = 1; k < n; ++k) {
-    const auto d = static_cast<unsigned char>(s[i + k]);
-    if ((d & 0xC0u) != 0x80u) return 0;
-    cp = (cp << 6) | (d & 0x3Fu);
-  }
-  if (n == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) return 0;
-  if (n == 4 && (cp < 0x10000 || cp > 0x10FFFF)) return 0;
-  return n;
-}
-
-}  // namespace
 
 void AppendJsonString(std::string& out, std::string_view s) {
   out.push_back('"');
@@ -49,13 +21,9 @@ void AppendJsonString(std::string& out, std::string_view s) {
     if (c >= 0x80) {
       // Messages can quote a client's bytes: a byte that is not part of
       // well-formed UTF-8 becomes U+FFFD, so the body stays valid JSON.
-      const size_t n = Utf8SequenceLength(s, i);
-      if (n == 0) {
-        out += "\xEF\xBF\xBD";
-      } else {
-        out.append(s.substr(i, n));
-        i += n - 1;
-      }
+      size_t next = i;
+      AppendUtf8(DecodeUtf8(s, &next), &out);
+      i = next - 1;
       continue;
     }
     switch (c) {

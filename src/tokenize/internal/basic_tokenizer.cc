@@ -2,7 +2,7 @@
 
 #include <utility>
 
-#include "tokenize/internal/utf8.h"
+#include "common/utf8.h"
 
 namespace shoal::tokenize_internal {
 

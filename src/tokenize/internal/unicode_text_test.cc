@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "tokenize/internal/utf8.h"
+#include "common/utf8.h"
 
 namespace shoal::tokenize_internal {
 namespace {

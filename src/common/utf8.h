@@ -8,7 +8,7 @@
 #include <string>
 #include <string_view>
 
-namespace shoal::tokenize_internal {
+namespace shoal {
 
 inline constexpr char32_t kReplacementChar = 0xFFFD;
 
@@ -81,4 +81,4 @@ inline void AppendUtf8(char32_t cp, std::string* out) {
   }
 }
 
-}  // namespace shoal::tokenize_internal
+}  // namespace shoal
