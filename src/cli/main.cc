@@ -26,6 +26,7 @@
 #include "gateway/routes.h"
 #include "queue/nats_client.h"
 #include "queue/nats_server_process.h"
+#include "runtime/runtime.h"
 #include "worker/worker.h"
 
 namespace shoal {
@@ -148,6 +149,8 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
   Opt(app, "--omp-wait-policy", w.omp_wait_policy, "SHOAL_OMP_WAIT_POLICY",
       "OpenMP idle threads: inherit (OMP_WAIT_POLICY as set), passive, or active (only on a machine dedicated to this worker)")
       ->check(CLI::IsMember({"inherit", "passive", "active"}));
+  Opt(app, "--device", w.options.device, "SHOAL_DEVICE",
+      "Where TorchScript models run: cpu, cuda or cuda:N (needs a libtorch with CUDA); the memory budget is this device's");
   Opt(app, "--memory-budget", w.memory_budget, "SHOAL_MEMORY_BUDGET",
       "Memory for resident models on this device, e.g. 2GiB, 512MiB, 3000000000 (0: unlimited)");
   Opt(app, "--max-models", w.options.max_models, "SHOAL_MAX_MODELS", "Most models resident at once (0: unlimited)");
@@ -234,7 +237,8 @@ Status ApplyWorkerFlags(WorkerFlags& w) {
   ASSIGN_OR_RETURN(w.options.memory_budget_bytes, ParseBytes(w.memory_budget));
   w.options.pinned = SplitCsv(w.pin_csv);
   w.options.preload = w.preload_csv == "none" ? std::vector<std::string>{} : SplitCsv(w.preload_csv);
-  return Status::Ok();
+  // A GPU this build cannot use fails before anything starts.
+  return CheckComputeDevice(w.options.device);
 }
 
 // Blocks SIGINT/SIGTERM in every thread (call before starting any), then

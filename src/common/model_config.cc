@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/device.h"
+
 namespace shoal {
 namespace {
 
@@ -26,6 +28,7 @@ Status ModelConfig::Validate() const {
                            "' (embed, score, classify, ocr or generate)");
   if (!activation.empty() && activation != "none" && activation != "sigmoid" && activation != "softmax")
     return InvalidArgument("model " + name + ": activation must be 'none', 'sigmoid' or 'softmax'");
+  if (auto d = ParseDevice(device); !d.ok()) return InvalidArgument("model " + name + ": " + d.status().message(), "invalid_device");
   if (task == "score" && dim > 1)
     return InvalidArgument("model " + name + ": a score model returns one value per pair (dim 1)");
   if (!labels.empty() && dim > 0 && static_cast<int>(labels.size()) != dim)

@@ -79,6 +79,9 @@ struct ModelConfig {
   std::string activation;
   std::vector<std::string> labels;  // classify: one name per output column
   int intra_op_threads = 0;         // 0: worker default
+  // Where a "torchscript" model runs: "cpu" or "cuda[:N]". Set by the
+  // worker (--device), not read from shoal.json: a worker serves one device.
+  std::string device = "cpu";
   TokenizerConfig tokenizer;
   BatchingConfig batching;
   ProcessConfig process;            // runtime "process" only

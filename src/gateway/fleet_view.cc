@@ -19,6 +19,7 @@ bool ParseWorkerHeartbeat(const std::string& json_text, WorkerInfo* out) {
     out->max_models = j.value("max_models", 0);
     out->host = j.value("host", "");
     out->device_slots = std::max(1, j.value("device_slots", 1));
+    out->device = j.value("device", "cpu");
     out->busy_seconds = j.value("busy_seconds", 0.0);
     out->heartbeat_unix_ms = j.value("heartbeat_unix_ms", int64_t{0});
     out->started_unix_ms = j.value("started_unix_ms", int64_t{0});

@@ -49,6 +49,7 @@ struct WorkerInfo {
   int max_models = 0;
   std::string host;
   int device_slots = 1;
+  std::string device = "cpu";  // where its TorchScript models run ("cpu", "cuda:N")
   // Cumulative seconds its device slots spent running forward passes, as
   // of its last heartbeat (monotonically increasing while it lives).
   double busy_seconds = 0;

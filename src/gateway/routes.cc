@@ -666,6 +666,7 @@ HttpResponse Router::Workers() const {
                     {"object", "worker"},
                     {"host", w.host},
                     {"busy_seconds", w.busy_seconds},
+                    {"device", w.device},
                     {"device_slots", w.device_slots},
                     {"memory_used_bytes", w.memory_used_bytes},
                     {"memory_budget_bytes", w.memory_budget_bytes},

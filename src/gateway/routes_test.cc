@@ -617,7 +617,7 @@ TEST_F(RoutesTest, WorkersListsBusySecondsAndSlotsForUtilisation) {
   auto empty = json::parse(Call("GET", "/v1/workers", "").body);
   EXPECT_EQ(empty["object"], "list");
   EXPECT_TRUE(empty["data"].empty());
-  AddWorker(R"({"id":"w1","host":"h","device_slots":2,"busy_seconds":12.5,"heartbeat_unix_ms":7,
+  AddWorker(R"({"id":"w1","host":"h","device":"cuda:1","device_slots":2,"busy_seconds":12.5,"heartbeat_unix_ms":7,
                 "models":[{"name":"m","state":"loaded"},{"name":"rr","state":"not_loaded"}]})");
   AddWorker(R"({"id":"w2","models":[]})");  // an older worker: no busy_seconds
   auto r = Call("GET", "/v1/workers", "");
@@ -629,9 +629,11 @@ TEST_F(RoutesTest, WorkersListsBusySecondsAndSlotsForUtilisation) {
   EXPECT_EQ(w1["object"], "worker");
   EXPECT_DOUBLE_EQ(w1["busy_seconds"].get<double>(), 12.5);
   EXPECT_EQ(w1["device_slots"], 2);
+  EXPECT_EQ(w1["device"], "cuda:1");
   EXPECT_EQ(w1["models_loaded"], json::array({"m"}));
   EXPECT_EQ(j["data"][1]["busy_seconds"], 0);
   EXPECT_EQ(j["data"][1]["device_slots"], 1);
+  EXPECT_EQ(j["data"][1]["device"], "cpu");
   EXPECT_EQ(Call("POST", "/v1/workers", "").status, 405);
 }
 

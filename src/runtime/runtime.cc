@@ -52,6 +52,8 @@ Status ParseItemError(std::string_view doc) {
   }
 }
 
+Status CheckComputeDevice(const std::string& device) { return CheckTorchDevice(device); }
+
 Result<std::unique_ptr<Runtime>> CreateRuntime(const std::string& kind) {
   if (kind == "torchscript") {
     return std::unique_ptr<Runtime>(std::make_unique<TorchScriptRuntime>());

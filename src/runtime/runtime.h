@@ -101,6 +101,11 @@ std::string ItemError(const Status& status);
 // The error an ItemError document carries; OK for any other document.
 Status ParseItemError(std::string_view doc);
 
+// Whether this build can run models on `device` ("cpu", "cuda[:N]"; see
+// ModelConfig::device): kUnavailable (reason device_unavailable) for a GPU
+// when libtorch has no CUDA or does not see it.
+Status CheckComputeDevice(const std::string& device);
+
 // Makes an unloaded runtime for config.runtime ("torchscript" | "process" |
 // "openai" | "sim" | "null").
 Result<std::unique_ptr<Runtime>> CreateRuntime(const std::string& kind);

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/cpu_quota.h"
+#include "common/device.h"
 #include "common/log.h"
 #include "common/process_memory.h"
 #include "runtime/runtime.h"
@@ -48,6 +49,7 @@ Status WorkerOptions::Validate() const {
   if (heartbeat_interval_ms < 100) return InvalidArgument("worker: heartbeat_interval_ms must be >= 100");
   if (heartbeat_ttl_ms <= heartbeat_interval_ms)
     return InvalidArgument("worker: heartbeat_ttl_ms must exceed heartbeat_interval_ms");
+  if (auto d = ParseDevice(device); !d.ok()) return InvalidArgument("worker: " + d.status().message(), "invalid_device");
   if (memory_budget_bytes < 0) return InvalidArgument("worker: memory_budget_bytes must be >= 0");
   if (max_models < 0) return InvalidArgument("worker: max_models must be >= 0");
   if (device_slots < 0) return InvalidArgument("worker: device_slots must be >= 0");
@@ -119,9 +121,12 @@ void Worker::PrepareProcess(const WorkerOptions& options) {
 Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, NatsClient* client,
                                                MetricsRegistry* metrics, const Clock* clock) {
   RETURN_IF_ERROR(options.Validate());
+  // A GPU this build cannot use fails the start, not every model's load.
+  RETURN_IF_ERROR(CheckComputeDevice(options.device));
   if (clock == nullptr) clock = SystemClock::Get();
   auto w = std::unique_ptr<Worker>(new Worker());
   w->options_ = options;
+  w->options_.device = ParseDevice(options.device)->ToString();
   w->host_ = HostName();
   w->id_ = options.worker_id.empty() ? DefaultWorkerId(w->host_) : options.worker_id;
   w->client_ = client;
@@ -153,6 +158,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   if (selected.empty()) return NotFound("no models in repository " + options.model_repository);
   for (ModelConfig& config : selected) {
     if (!options.runtime_override.empty()) config.runtime = options.runtime_override;
+    if (config.runtime == "torchscript") config.device = w->options_.device;
     if (options.intra_op_threads > 0) config.intra_op_threads = options.intra_op_threads;
     if (options.max_batch_tokens > 0) config.batching.max_batch_tokens = options.max_batch_tokens;
     if (options.max_batch_size > 0) config.batching.max_batch_size = options.max_batch_size;
@@ -426,6 +432,7 @@ std::string Worker::HeartbeatJson() const {
             {"heartbeat_unix_ms", SystemClock::Get()->NowUnixMs()},
             {"memory_used_bytes", manager_->memory_used_bytes()},
             {"memory_budget_bytes", options_.memory_budget_bytes},
+            {"device", options_.device},
             {"max_models", options_.max_models},
             {"device_slots", scheduler_->slots()},
             {"busy_seconds", busy_seconds()},

@@ -61,6 +61,10 @@ struct WorkerOptions {
   int64_t max_wait_us = -1;
 
   // The fleet on this device.
+  // Where TorchScript models run: "cpu" or "cuda[:N]" (a libtorch with
+  // CUDA). Other runtimes compute where they always do. The memory budget
+  // is this device's.
+  std::string device = "cpu";
   int64_t memory_budget_bytes = 0;   // 0: unlimited
   int max_models = 0;                // resident models; 0: unlimited
   std::string eviction = "lru";      // which idle model goes first: "lru" or "gdsf" (see EvictionPolicy)

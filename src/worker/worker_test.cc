@@ -221,6 +221,7 @@ TEST_F(WorkerTest, RegistersHeartbeatAndCatalog) {
   auto hb = (*workers)->Get(worker_->id());
   ASSERT_TRUE(hb.ok());
   EXPECT_NE(hb->find("\"tiny-bert\""), std::string::npos);
+  EXPECT_NE(hb->find("\"device\":\"cpu\""), std::string::npos) << *hb;
   auto models = KvBucket::Open(*client_, wire::kModelsBucket, 0);
   ASSERT_TRUE(models.ok());
   auto entry = (*models)->Get("tiny-bert");
@@ -228,6 +229,30 @@ TEST_F(WorkerTest, RegistersHeartbeatAndCatalog) {
   EXPECT_NE(entry->find("\"dim\":64"), std::string::npos);
   worker_->Stop();
   EXPECT_EQ((*workers)->Get(worker_->id()).status().code(), StatusCode::kNotFound);
+}
+
+// A GPU the build cannot use fails the worker's start with the reason, not
+// each model's load later; a malformed device name is refused as such.
+TEST_F(WorkerTest, ADeviceThisBuildCannotUseFailsTheStart) {
+  WorkerOptions wo;
+  wo.model_repository = ModelsDir();
+  wo.models = {"tiny-bert"};
+  wo.worker_id = "gpu-less";
+  wo.device = "cuda:255";  // no libtorch sees 256 GPUs
+  auto w = Worker::Create(wo, client_.get(), &metrics_);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kUnavailable) << w.status().ToString();
+  EXPECT_EQ(w.status().reason(), "device_unavailable");
+  EXPECT_NE(w.status().message().find("cuda:255"), std::string::npos) << w.status().message();
+  wo.device = "gpu";
+  w = Worker::Create(wo, client_.get(), &metrics_);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument) << w.status().ToString();
+  EXPECT_EQ(w.status().reason(), "invalid_device");
+  // Neither registered itself.
+  auto workers = KvBucket::Open(*client_, wire::kWorkersBucket, 6000);
+  ASSERT_TRUE(workers.ok());
+  EXPECT_EQ((*workers)->Get("gpu-less").status().code(), StatusCode::kNotFound);
 }
 
 TEST_F(WorkerTest, NoWorkerMeansDeadlineExceeded) {

@@ -516,12 +516,20 @@ TEST(E2eServeShutdown, SigtermExitsZeroAndStopsNatsServer) {
 }
 
 // A bad option value is an error before anything starts: exit 1 with an
-// invalid_argument error naming the option, and no nats-server was started
-// (its JetStream directory was never made).
+// error naming the option, and no nats-server was started (its JetStream
+// directory was never made). A GPU the build's libtorch cannot use (here
+// one past any machine's) is such a value too.
 TEST(E2eServeShutdown, BadOptionExitsBeforeStartingNatsServer) {
-  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
-      {{"--turn-quantum-ms", "-5"}, "turn_quantum_ms"}, {{"--device-slots", "-1"}, "device_slots"}};
-  for (const auto& [bad, named] : cases) {
+  struct Case {
+    std::vector<std::string> bad;
+    std::string code;
+    std::string named;
+  };
+  const std::vector<Case> cases = {{{"--turn-quantum-ms", "-5"}, "invalid_argument", "turn_quantum_ms"},
+                                   {{"--device-slots", "-1"}, "invalid_argument", "device_slots"},
+                                   {{"--device", "gpu"}, "invalid_argument", "bad device 'gpu'"},
+                                   {{"--device", "cuda:255"}, "unavailable", "device cuda:255"}};
+  for (const auto& [bad, code, named] : cases) {
     shoal::testing::TempDir dir;
     ChildOptions o;
     o.argv = {shoal::testing::ShoalBinary(), "serve", "--data-dir", dir.path() + "/data", "--port", "0",
@@ -534,7 +542,7 @@ TEST(E2eServeShutdown, BadOptionExitsBeforeStartingNatsServer) {
     EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 1) << bad[0] << ": " << DescribeWaitStatus(*status);
     std::ifstream err(o.stderr_path);
     const std::string text((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
-    EXPECT_NE(text.find("invalid_argument"), std::string::npos) << text;
+    EXPECT_NE(text.find(code), std::string::npos) << text;
     EXPECT_NE(text.find(named), std::string::npos) << text;
     EXPECT_FALSE(std::filesystem::exists(dir.path() + "/data/jetstream")) << bad[0] << " started a nats-server first";
   }

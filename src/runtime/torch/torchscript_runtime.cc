@@ -9,10 +9,13 @@
 
 #include <ATen/Parallel.h>
 #include <omp.h>
+#include <torch/cuda.h>
 #include <torch/script.h>
 
+#include "common/device.h"
 #include "common/process_memory.h"
 #include "runtime/internal/batch_check.h"
+#include "runtime/torch/cuda_memory.h"
 #include "runtime/torch/huge_pages.h"
 
 namespace shoal {
@@ -60,9 +63,28 @@ Status FromException(const std::string& what, std::exception_ptr e) {
 
 }  // namespace
 
+Status CheckTorchDevice(const std::string& device) {
+  ASSIGN_OR_RETURN(const Device d, ParseDevice(device));
+  if (!d.cuda) return Status::Ok();
+  if (!BuiltWithCuda()) {
+    return Unavailable("device " + d.ToString() +
+                           ": this build of Shoal uses a libtorch without CUDA (Debian's libtorch is CPU-only); "
+                           "build it against a CUDA libtorch (docs/operations.md, \"GPU workers\")",
+                       "device_unavailable");
+  }
+  const int64_t count = static_cast<int64_t>(torch::cuda::device_count());
+  if (d.index >= count) {
+    return Unavailable("device " + d.ToString() + " is not available: libtorch sees " + std::to_string(count) +
+                           " CUDA device(s)",
+                       "device_unavailable");
+  }
+  return Status::Ok();
+}
+
 struct TorchScriptRuntime::Impl {
   ModelConfig config;
   torch::jit::Module module;
+  torch::Device device{torch::kCPU};
   bool loaded = false;
   int dim = 0;
   int64_t vocab_size = 0;  // 0: unknown, only negative ids are rejected
@@ -88,6 +110,13 @@ struct TorchScriptRuntime::Impl {
   // the count at the thread's first parallel op); omp_set_num_threads then
   // changes only this thread's count, where at::set_num_threads would also
   // rebuild libtorch's process-wide thread pool whenever the count changes.
+  // Drops the module; on a GPU, also hands the allocator's now unused cached
+  // blocks back to the driver.
+  void Release() {
+    module = torch::jit::Module();
+    if (device.is_cuda()) CudaReleaseCachedMemory();
+  }
+
   static void ThreadsForPass(int n) {
     if (at::get_num_threads() != n) omp_set_num_threads(n);
   }
@@ -97,16 +126,19 @@ struct TorchScriptRuntime::Impl {
     // from_blob borrows the caller's buffers; the traced graph only reads them.
     const auto ids = torch::from_blob(const_cast<int64_t*>(batch.input_ids.data()),
                                       {batch.rows, batch.seq_len}, torch::kInt64);
-    const auto mask = torch::from_blob(const_cast<int64_t*>(batch.attention_mask.data()),
-                                       {batch.rows, batch.seq_len}, torch::kInt64);
+    const auto mask_cpu = torch::from_blob(const_cast<int64_t*>(batch.attention_mask.data()),
+                                           {batch.rows, batch.seq_len}, torch::kInt64);
     c10::InferenceMode guard;
-    std::vector<c10::IValue> inputs = {ids, mask};
+    // On a GPU the inputs are copied over (to(kCPU) is a no-op on the CPU).
+    const auto mask = mask_cpu.to(device);
+    std::vector<c10::IValue> inputs = {ids.to(device), mask};
     if (takes_token_types) {
       if (batch.token_type_ids.empty()) {
-        inputs.emplace_back(torch::zeros_like(ids));
+        inputs.emplace_back(torch::zeros({batch.rows, batch.seq_len}, torch::TensorOptions(torch::kInt64).device(device)));
       } else {
         inputs.emplace_back(torch::from_blob(const_cast<int64_t*>(batch.token_type_ids.data()),
-                                             {batch.rows, batch.seq_len}, torch::kInt64));
+                                             {batch.rows, batch.seq_len}, torch::kInt64)
+                                .to(device));
       }
     }
     const c10::IValue out = module.forward(std::move(inputs));
@@ -182,6 +214,8 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
   if (config.dim < 0 || config.intra_op_threads < 0) {
     return InvalidArgument("model " + config.name + ": dim and intra_op_threads must be >= 0");
   }
+  RETURN_IF_ERROR(CheckTorchDevice(config.device));
+  const Device where = ParseDevice(config.device).value();
   const std::string path = config.ModelPath();
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec)) {
@@ -194,9 +228,14 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
   s.threads_applied_on = {};
   s.ApplyThreads();
 
+  s.device = where.cuda ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(where.index))
+                       : torch::Device(torch::kCPU);
   const int64_t rss_before = ResidentBytes();
+  const int64_t gpu_before = where.cuda ? CudaAllocatedBytes(where.index) : 0;
   try {
-    {
+    if (where.cuda) {
+      s.module = torch::jit::load(path, s.device);  // weights straight to the GPU
+    } else {
       const LargeTensorsOnHugePages weights_on_huge_pages;  // when the worker turned them on
       s.module = torch::jit::load(path, torch::kCPU);
     }
@@ -204,7 +243,7 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
     // The schema's first argument is `self`.
     s.takes_token_types = s.module.get_method("forward").function().getSchema().arguments().size() >= 4;
   } catch (...) {
-    s.module = torch::jit::Module();
+    s.Release();
     return FromException("model " + config.name + ": cannot load " + path,
                          std::current_exception());
   }
@@ -230,12 +269,12 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
                            std::current_exception());
   }
   if (!pooled.ok()) {
-    s.module = torch::jit::Module();
+    s.Release();
     return pooled.status();
   }
   const int out_dim = static_cast<int>(pooled->size(1));
   if (config.dim > 0 && out_dim != config.dim) {
-    s.module = torch::jit::Module();
+    s.Release();
     return InvalidArgument("model " + config.name + ": shoal.json says dim " +
                            std::to_string(config.dim) + " but the model returns " +
                            std::to_string(out_dim));
@@ -256,7 +295,11 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
   int64_t param_bytes = 0;
   for (const auto& p : s.module.parameters()) param_bytes += p.nbytes();
   for (const auto& b : s.module.buffers()) param_bytes += b.nbytes();
-  s.memory_bytes = std::max(ResidentBytes() - rss_before, param_bytes);
+  // What the load and warm-up left resident: process memory on the CPU;
+  // on a GPU, the CUDA allocator's live bytes on the device (its cache of
+  // freed blocks is shared by every model on the device and not counted).
+  const int64_t grown = where.cuda ? CudaAllocatedBytes(where.index) - gpu_before : ResidentBytes() - rss_before;
+  s.memory_bytes = std::max(grown, param_bytes);
   s.loaded = true;
   return Status::Ok();
 }
@@ -276,6 +319,7 @@ Result<Embeddings> TorchScriptRuntime::Run(const TokenBatch& batch) {
     s.ApplyThreads();
     Impl::ThreadsForPass(batch.threads > 0 ? batch.threads : s.threads);
     ASSIGN_OR_RETURN(at::Tensor pooled, s.Forward(batch));
+    if (pooled.is_cuda()) pooled = pooled.to(torch::kCPU);
     Embeddings out;
     out.rows = batch.rows;
     out.dim = static_cast<int>(pooled.size(1));
@@ -288,10 +332,12 @@ Result<Embeddings> TorchScriptRuntime::Run(const TokenBatch& batch) {
 }
 
 void TorchScriptRuntime::Unload() {
-  impl_->module = torch::jit::Module();
+  impl_->Release();
   impl_->loaded = false;
   impl_->memory_bytes = 0;
 }
+
+bool TorchScriptRuntime::TakesThreadCount() const { return !impl_->device.is_cuda(); }
 
 int64_t TorchScriptRuntime::MemoryBytes() const { return impl_->memory_bytes; }
 

@@ -1,5 +1,6 @@
 // TorchScriptRuntime ("torchscript"): runs a TorchScript encoder in-process
-// with libtorch on CPU. The model takes (input_ids i64 [B,T], attention_mask
+// with libtorch, on the CPU or on the CUDA GPU named by ModelConfig::device
+// (when libtorch has CUDA). The model takes (input_ids i64 [B,T], attention_mask
 // i64 [B,T]) and returns last_hidden_state [B,T,H] (a tensor, the first
 // element of a tuple, or a dict entry), or already-pooled [B,H]. Pooling and
 // L2 normalisation follow the ModelConfig. libtorch headers stay inside the
@@ -13,31 +14,41 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "runtime/runtime.h"
 
 namespace shoal {
+
+// Whether TorchScript models can run on `device` ("cpu", "cuda[:N]"): OK for
+// the CPU; for a GPU, kUnavailable (reason device_unavailable) when this
+// build's libtorch has no CUDA or does not see that device; kInvalidArgument
+// for a malformed name.
+Status CheckTorchDevice(const std::string& device);
 
 class TorchScriptRuntime final : public Runtime {
  public:
   TorchScriptRuntime();
   ~TorchScriptRuntime() override;
 
-  // Loads config.ModelPath(), sets intra-op threads (config.intra_op_threads,
-  // or one per hardware thread when 0), runs one warm-up forward and records
-  // the resident memory it cost. Blocks for the load (0.1-1 s for MiniLM).
+  // Loads config.ModelPath() onto config.device, sets intra-op threads
+  // (config.intra_op_threads, or one per hardware thread when 0), runs
+  // warm-up forwards and records the memory it cost. Blocks for the load (0.1-1 s for MiniLM).
   // kNotFound: no model file; kInvalidArgument: bad config or the model's
-  // width disagrees with config.dim; kInternal: libtorch failed to load or run.
+  // width disagrees with config.dim; kUnavailable: the device is not there
+  // (see CheckTorchDevice); kInternal: libtorch failed to load or run.
   Status Load(const ModelConfig& config) override;
   // One forward pass; blocks for its duration. kInvalidArgument for bad
   // shapes, seq_len over max_seq_len or token ids the model rejects;
   // kUnavailable before Load(); kInternal for other libtorch failures.
   Result<Embeddings> Run(const TokenBatch& batch) override;
-  bool TakesThreadCount() const override { return true; }
+  // True on the CPU; on a GPU a pass takes the whole device.
+  bool TakesThreadCount() const override;
   void Unload() override;
-  // Growth of process RSS across load and warm-up, at least the size of the
-  // model's parameters and buffers. Activations of large batches are not
-  // included.
+  // What load and warm-up left resident, at least the size of the model's
+  // parameters and buffers: growth of process RSS on the CPU; on a GPU, growth
+  // of the bytes the CUDA caching allocator has allocated on the device.
+  // Activations of large batches are not included.
   int64_t MemoryBytes() const override;
   int Dim() const override;
 

@@ -16,11 +16,13 @@
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 #include <torch/script.h>
 #include <unistd.h>
 
 #include "common/model_config.h"
 #include "common/process_memory.h"
+#include "runtime/torch/cuda_memory.h"
 #include "runtime/torch/huge_pages.h"
 
 namespace shoal {
@@ -346,6 +348,57 @@ TEST_F(TinyBert, MemoryCoversParameters) {
   // 2.1M float parameters.
   EXPECT_GE(rt->MemoryBytes(), 8'000'000);
   EXPECT_LT(rt->MemoryBytes(), 1'000'000'000);
+}
+
+// One past the last GPU libtorch sees: on a CPU-only libtorch (Debian's)
+// cuda:0, refused because the build has no CUDA; with CUDA, a device that
+// is not there. Either way the load fails with the reason and the same
+// runtime still loads on the CPU afterwards.
+TEST_F(TinyBert, ADeviceLibtorchCannotUseIsRefusedAtLoad) {
+  const int missing = static_cast<int>(torch::cuda::device_count());
+  ModelConfig on_gpu = config_;
+  on_gpu.device = "cuda:" + std::to_string(missing);
+  TorchScriptRuntime rt;
+  const Status st = rt.Load(on_gpu);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  EXPECT_EQ(st.reason(), "device_unavailable");
+  EXPECT_NE(st.message().find(on_gpu.device), std::string::npos) << st.message();
+  if (!BuiltWithCuda()) EXPECT_NE(st.message().find("without CUDA"), std::string::npos) << st.message();
+  EXPECT_EQ(CheckTorchDevice(on_gpu.device).reason(), "device_unavailable");
+  EXPECT_EQ(CheckTorchDevice("gpu").reason(), "invalid_device");
+  EXPECT_TRUE(CheckTorchDevice("cpu").ok());
+  ASSERT_TRUE(rt.Load(config_).ok());
+  EXPECT_TRUE(rt.TakesThreadCount());
+  EXPECT_TRUE(rt.Run(Batch({{101, 102}})).ok());
+}
+
+// Runs only where libtorch has CUDA and sees a GPU (skipped on Debian's
+// CPU-only libtorch): the model runs on cuda:0, gives the CPU's embeddings,
+// is measured by the CUDA allocator and gives its memory back on unload.
+TEST_F(TinyBert, OnAGpuMatchesTheCpuAndIsMeasuredByTheCudaAllocator) {
+  if (!BuiltWithCuda() || !torch::cuda::is_available()) GTEST_SKIP() << "no CUDA libtorch or no GPU here";
+  auto cpu = Load(config_);
+  ASSERT_NE(cpu, nullptr);
+  ModelConfig on_gpu = config_;
+  on_gpu.device = "cuda:0";
+  const int64_t before = CudaAllocatedBytes(0);
+  auto gpu = Load(on_gpu);
+  ASSERT_NE(gpu, nullptr);
+  EXPECT_FALSE(gpu->TakesThreadCount());  // a pass takes the whole device
+  // 2.1M float parameters, on the device.
+  EXPECT_GE(gpu->MemoryBytes(), 8'000'000);
+  EXPECT_LT(gpu->MemoryBytes(), 1'000'000'000);
+  EXPECT_GE(CudaAllocatedBytes(0) - before, 8'000'000);
+  std::mt19937 rng(7);
+  std::vector<std::vector<int64_t>> rows;
+  for (int len : {5, 17, 64, 3}) rows.push_back(RandomSentence(rng, len));
+  auto a = cpu->Run(Batch(rows));
+  auto b = gpu->Run(Batch(rows));
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << " / " << b.status().ToString();
+  ASSERT_EQ(b->rows, 4);
+  for (int r = 0; r < 4; ++r) EXPECT_LT(MaxAbsDiff(Row(*a, r), Row(*b, r)), 1e-3) << "row " << r;
+  gpu->Unload();
+  EXPECT_LT(CudaAllocatedBytes(0) - before, 1'000'000) << "the model's tensors outlived its unload";
 }
 
 TEST_F(TinyBert, BadBatchesAreInvalidArgument) {
