@@ -163,6 +163,27 @@ TEST_F(FleetTest, BudgetForTwoEvictsLeastRecentlyUsedAndNeverThePinnedModel) {
   EXPECT_EQ(m.Counter("shoal_worker_model_loads_total", {{"model", "pinned"}, {"result", "ok"}}), 1);
 }
 
+// A cold model that finds no room (every resident model pinned) waits,
+// and the worker says why once, not on every demand poll (50 ms here).
+TEST_F(FleetTest, AModelWithNoRoomIsLoggedOncePerEpisodeNotOnEveryPoll) {
+  MakeFleetRepository(repo_.path(), {"pinned", "tiny-a"});
+  WorkerOptions wo = Options();
+  wo.pinned = {"pinned"};
+  wo.max_models = 1;
+  Member m = Start(wo);
+  ASSERT_NE(m.worker, nullptr);
+  ::testing::internal::CaptureStderr();
+  auto r = EmbedAsync("tiny-a", "no room", 1500).get();  // about 30 polls
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().ToString();
+  EXPECT_EQ(StateOf(*m.worker, "tiny-a"), ModelState::kNotLoaded);
+  size_t lines = 0;
+  for (size_t at = log.find("cannot load tiny-a on demand"); at != std::string::npos;
+       at = log.find("cannot load tiny-a on demand", at + 1))
+    ++lines;
+  EXPECT_EQ(lines, 1u) << log;
+}
+
 TEST_F(FleetTest, ManyConcurrentColdRequestsCauseExactlyOneLoadAcrossTwoWorkers) {
   MakeFleetRepository(repo_.path(), {"tiny-a"});
   Member w1 = Start(Options());

@@ -654,7 +654,11 @@ void Worker::PollDemand() {
     // use, so a model with work in the queue is not the one evicted. (Extra
     // replicas are decided by the workers that do not have it, below.)
     if (st.state == ModelState::kLoaded) manager_->Touch(model);
-    if (st.state == ModelState::kLoading || st.state == ModelState::kLoaded) continue;
+    if (st.state == ModelState::kLoading || st.state == ModelState::kLoaded) {
+      drain_consumers_.erase(model);
+      no_room_logged_mono_us_.erase(model);
+      continue;
+    }
     if (st.state == ModelState::kFailed) {
       if (serving > 0) continue;  // served elsewhere
       if (st.retry_due) {  // retried under the placement claim, one worker at a time
@@ -724,7 +728,13 @@ void Worker::PollDemand() {
     } else if (s.reason() != "memory_being_freed") {
       // No room here (every resident model pinned or busy): let another
       // worker have the claim.
-      LOG_INFO("worker", "cannot load " << c.model << " on demand: " << s.ToString());
+      constexpr int64_t kNoRoomLogEveryUs = 30'000'000;
+      const auto logged = no_room_logged_mono_us_.find(c.model);
+      if (logged == no_room_logged_mono_us_.end() || now_mono - logged->second >= kNoRoomLogEveryUs) {
+        LOG_INFO("worker", "cannot load " << c.model << " on demand: " << s.ToString()
+                                          << " (logged at most every 30 s while it lasts)");
+        no_room_logged_mono_us_[c.model] = now_mono;
+      }
       const std::string key = wire::ModelKvKey(c.model) + "." + std::to_string(c.replica);
       (void)placement_kv_->Delete(key);
       held_claims_.erase(key);

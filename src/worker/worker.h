@@ -257,7 +257,12 @@ class Worker {
   std::map<std::string, Backlog> backlog_;  // guarded by backlog_mu_; by model, fixed keys
 
   // Demand thread only.
+  // Subscriptions that answer a failed model's waiting work with its load
+  // error; dropped once the model loads here (the durable consumer stays).
   std::map<std::string, std::unique_ptr<PullConsumer>> drain_consumers_;
+  // model -> when "cannot load ... on demand" was last logged, so a model
+  // that finds no room logs once per 30 s, not on every demand poll.
+  std::map<std::string, int64_t> no_room_logged_mono_us_;
   std::map<std::string, std::vector<PeerModel>> peers_;
   std::map<std::string, std::string> held_claims_;  // claim key -> model
   int64_t peers_read_mono_us_ = 0;
