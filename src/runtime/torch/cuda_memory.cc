@@ -1,6 +1,8 @@
 #include "runtime/torch/cuda_memory.h"
 
 #ifdef SHOAL_WITH_CUDA
+#include <exception>
+
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
@@ -10,16 +12,16 @@ namespace shoal {
 
 bool BuiltWithCuda() { return true; }
 
-// Index 0 of each StatArray is StatType::AGGREGATE (both pools).
+// Index 0 of each StatArray is StatType::AGGREGATE (both pools). The
+// allocator throws for a device it has not set up (CUDA not started yet).
 int64_t CudaAllocatedBytes(int device) {
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
-  return stats.allocated_bytes[0].current;
+  try {
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(device).allocated_bytes[0].current;
+  } catch (const std::exception&) {
+    return -1;
+  }
 }
 
-int64_t CudaReservedBytes(int device) {
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
-  return stats.reserved_bytes[0].current;
-}
 
 void CudaReleaseCachedMemory() { c10::cuda::CUDACachingAllocator::emptyCache(); }
 
@@ -27,7 +29,6 @@ void CudaReleaseCachedMemory() { c10::cuda::CUDACachingAllocator::emptyCache(); 
 
 bool BuiltWithCuda() { return false; }
 int64_t CudaAllocatedBytes(int) { return -1; }
-int64_t CudaReservedBytes(int) { return -1; }
 void CudaReleaseCachedMemory() {}
 
 #endif

@@ -61,6 +61,25 @@ Status FromException(const std::string& what, std::exception_ptr e) {
   }
 }
 
+// Parameter names (suffixes) of token embedding tables in common exports:
+// BERT-style encoders, LLaMA/OPT-style, GPT-2-style and others.
+constexpr const char* kEmbeddingTableNames[] = {"word_embeddings.weight", "embed_tokens.weight", "wte.weight",
+                                                "tok_embeddings.weight", "token_embedding.weight"};
+
+// The number of rows of the module's token embedding table; 0: not found.
+int64_t VocabSize(const torch::jit::Module& module) {
+  for (const auto& p : module.named_parameters()) {
+    if (p.value.dim() != 2) continue;
+    const std::string& name = p.name;
+    for (const std::string_view table : kEmbeddingTableNames) {
+      const bool nested = name.size() > table.size() && name.ends_with(table) &&
+                          name[name.size() - table.size() - 1] == '.';
+      if (name == table || nested) return p.value.size(0);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 Status CheckTorchDevice(const std::string& device) {
@@ -231,10 +250,20 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
   s.device = where.cuda ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(where.index))
                        : torch::Device(torch::kCPU);
   const int64_t rss_before = ResidentBytes();
-  const int64_t gpu_before = where.cuda ? CudaAllocatedBytes(where.index) : 0;
+  int64_t gpu_before = -1;
   try {
     if (where.cuda) {
-      s.module = torch::jit::load(path, s.device);  // weights straight to the GPU
+      // CUDA starts lazily: its context, the caching allocator and this
+      // thread's cuBLAS handle with its workspace come with the first ops on
+      // the device. Start them before measuring: none of it is the model's.
+      {
+        c10::InferenceMode guard;
+        const auto a = torch::ones({64, 64}, torch::TensorOptions(torch::kFloat32).device(s.device));
+        (void)a.matmul(a).sum().item<float>();
+      }
+      gpu_before = CudaAllocatedBytes(where.index);
+      // Each tensor is read into host memory and copied to the device.
+      s.module = torch::jit::load(path, s.device);
     } else {
       const LargeTensorsOnHugePages weights_on_huge_pages;  // when the worker turned them on
       s.module = torch::jit::load(path, torch::kCPU);
@@ -282,14 +311,16 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
   s.dim = out_dim;
   // Out-of-range ids fail deep inside the interpreter with a generic error;
   // when the embedding table is recognisable, reject them up front instead.
-  s.vocab_size = 0;
-  for (const auto& p : s.module.named_parameters()) {
-    const std::string& name = p.name;
-    if (name.size() >= 22 && name.compare(name.size() - 22, 22, "word_embeddings.weight") == 0 &&
-        p.value.dim() == 2) {
-      s.vocab_size = p.value.size(0);
-      break;
-    }
+  // On a GPU this is required: there an id out of range trips a device-side
+  // assert, which leaves the process's CUDA context unusable.
+  s.vocab_size = VocabSize(s.module);
+  if (where.cuda && s.vocab_size == 0) {
+    s.Release();
+    std::string names;
+    for (const char* table : kEmbeddingTableNames) names += std::string(names.empty() ? "" : ", ") + "*." + table;
+    return InvalidArgument("model " + config.name + ": on a GPU its token embedding table must be known, so that "
+                               "out-of-range ids are refused before the pass; no 2-D parameter is named " + names,
+                           "vocabulary_unknown");
   }
 
   int64_t param_bytes = 0;
@@ -298,7 +329,11 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
   // What the load and warm-up left resident: process memory on the CPU;
   // on a GPU, the CUDA allocator's live bytes on the device (its cache of
   // freed blocks is shared by every model on the device and not counted).
-  const int64_t grown = where.cuda ? CudaAllocatedBytes(where.index) - gpu_before : ResidentBytes() - rss_before;
+  int64_t grown = ResidentBytes() - rss_before;
+  if (where.cuda) {
+    const int64_t gpu_after = CudaAllocatedBytes(where.index);
+    grown = gpu_before >= 0 && gpu_after >= 0 ? gpu_after - gpu_before : 0;
+  }
   s.memory_bytes = std::max(grown, param_bytes);
   s.loaded = true;
   return Status::Ok();
