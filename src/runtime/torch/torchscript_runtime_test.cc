@@ -394,6 +394,7 @@ TEST_F(TinyBert, OnAGpuMatchesTheCpuAndIsMeasuredByTheCudaAllocator) {
   EXPECT_GE(gpu->MemoryBytes(), 8'000'000);
   EXPECT_LT(gpu->MemoryBytes(), 1'000'000'000);
   EXPECT_GE(CudaAllocatedBytes(0) - before, 8'000'000);
+  RecordProperty("gpu_footprint_bytes", std::to_string(gpu->MemoryBytes()));
   std::mt19937 rng(7);
   std::vector<std::vector<int64_t>> rows;
   for (int len : {5, 17, 64, 3}) rows.push_back(RandomSentence(rng, len));
