@@ -63,6 +63,11 @@ Result<std::unique_ptr<Dispatcher>> Dispatcher::Create(const DispatcherOptions& 
   d->client_ = client;
   d->clock_ = clock ? clock : SystemClock::Get();
   d->id_ = options.gateway_id.empty() ? RandomId() : wire::ModelToToken(options.gateway_id);
+  // Request ids are unique to this process even under a fixed --gateway-id:
+  // a restarted gateway counting from 0 again would reuse ids whose work
+  // JetStream still deduplicates (Nats-Msg-Id, 2 minutes) or still holds,
+  // and its callers would get 504s or an earlier caller's answer.
+  d->request_prefix_ = options.gateway_id.empty() ? d->id_ + "-" : d->id_ + "-" + RandomId().substr(0, 8) + "-";
   d->reply_subject_ = "_SHOAL.gw." + d->id_ + ".r";
   d->ack_prefix_ = "_SHOAL.gw." + d->id_ + ".a.";
   d->published_ = metrics->GetCounter("shoal_gateway_chunks_published_total", "Work messages published.");
@@ -107,6 +112,12 @@ void Dispatcher::Stop() {
   }
   timer_cv_.notify_all();
   if (timer_.joinable()) timer_.join();
+  // Unsubscribed here, not in the destructor: a reply (or one fetched from
+  // the blob store) must not reach this dispatcher once its owner goes on
+  // to free what the handlers use (the gateway's blob offload, its router).
+  // Resetting waits for a handler that is running.
+  load_sub_.reset();
+  sub_.reset();
   for (auto& id : ids) Complete(id, Unavailable("gateway is shutting down"));
 }
 
@@ -155,10 +166,19 @@ void Dispatcher::SubmitEmbed(EmbedJob job, EmbedCallback done) {
     }
     chunks.push_back({{{wire::EncodeWorkBody(body)}}, estimate, static_cast<int64_t>(end - begin)});
   }
-  auto assemble = [done = std::move(done)](Parts parts) {
+  std::vector<int64_t> chunk_rows;
+  for (const Chunk& c : chunks) chunk_rows.push_back(c.rows);
+  auto assemble = [done = std::move(done), chunk_rows = std::move(chunk_rows)](Parts parts) {
     if (!parts.ok()) return done(parts.status());
     EmbedResult r;
-    for (const auto& part : *parts) {
+    for (size_t c = 0; c < parts->size(); ++c) {
+      const auto& part = (*parts)[c];
+      // The routes index rows by input: a reply (from a worker of another
+      // version, say) with rows for other inputs than the chunk's is an error.
+      if (part.rows != chunk_rows[c] || part.dim <= 0)
+        return done(Internal("a worker returned " + std::to_string(part.rows) + " rows of width " +
+                             std::to_string(part.dim) + " for a chunk of " + std::to_string(chunk_rows[c]) +
+                             " inputs"));
       if (r.dim == 0) r.dim = part.dim;
       if (part.dim != r.dim) return done(Internal("workers returned different embedding widths"));
       r.rows += part.rows;
@@ -209,7 +229,7 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
                         std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item) {
   if (deadline_unix_ms <= 0) deadline_unix_ms = clock_->NowUnixMs() + 30000;
   const int count = static_cast<int>(chunks.size());
-  const std::string id = id_ + "-" + std::to_string(seq_.fetch_add(1));
+  const std::string id = request_prefix_ + std::to_string(seq_.fetch_add(1));
   auto p = std::make_shared<Pending>();
   p->done = std::move(done);
   p->partial = std::move(partial);
@@ -370,7 +390,12 @@ void Dispatcher::OnMessage(natsConnection*, natsSubscription*, natsMsg* raw, voi
 void Dispatcher::HandleReplyRef(std::string ref, std::string request_id) {
   if (!offload_) {
     LOG_WARN("gateway", "a reply came by reference but this gateway has no blob store (--blob-store)");
-    return;  // the request ends at its deadline
+    if (!request_id.empty())
+      Complete(request_id, Status(StatusCode::kBadGateway,
+                                  "the reply came through the blob store, which this gateway has none of "
+                                  "(--blob-store)",
+                                  "blob_store_missing"));
+    return;
   }
   // Fetching blocks: not on the NATS callback thread.
   offload_->Post([this, ref = std::move(ref), request_id = std::move(request_id)] {

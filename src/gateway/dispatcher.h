@@ -199,6 +199,7 @@ class Dispatcher final : public WorkSubmitter {
   SubscriptionPtr load_sub_;  // push: shoal.load.>
   std::string push_nr_prefix_;    // push: _SHOAL.gw.<id>.n. (no-responders come back here)
   bool push_ = false;
+  std::string request_prefix_;  // "<id_>-" or, under a fixed gateway id, "<id_>-<random>-"
   std::atomic<uint64_t> seq_{0};
 
   mutable std::mutex push_mu_;  // guards push_workers_, rng_

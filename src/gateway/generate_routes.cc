@@ -37,6 +37,10 @@ struct SseAnswer {
   std::mutex mu;
   HttpResponder respond;                 // guarded by mu; empty once used
   std::shared_ptr<HttpBodyStream> body;  // guarded by mu; set once started
+  // Guarded by mu. Set by Done(): a partial can still come after it (the
+  // request answered at its deadline, or the gateway stopping, while the
+  // partial was on its way) and is dropped.
+  bool finished = false;
   std::string model;
   int64_t retry_after_s = 1;
 
@@ -54,11 +58,14 @@ struct SseAnswer {
   void Event(std::string_view chunk) {
     auto ev = ResultDoc(chunk, model);
     std::lock_guard<std::mutex> lock(mu);
+    if (finished) return;
     StartLocked();
     if (ev.ok()) body->Write("data: " + Dump(*ev) + "\n\n");
   }
   void Done(Result<ItemResult> result) {
     std::lock_guard<std::mutex> lock(mu);
+    if (finished) return;
+    finished = true;
     if (!result.ok()) {
       if (!body) {
         HttpResponder once = std::move(respond);

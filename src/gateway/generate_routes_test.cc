@@ -26,6 +26,7 @@ class ItemSubmitter : public WorkSubmitter {
     for (const auto& e : events)
       if (partial) partial(0, Msgpack(e));
     done_ = std::move(done);
+    partial_ = std::move(partial);
     if (hold) return;
     Finish();
   }
@@ -42,6 +43,7 @@ class ItemSubmitter : public WorkSubmitter {
   Status error;
   bool hold = false;
   ItemCallback done_;
+  PartialCallback partial_;
 };
 
 class GenerateRoutesTest : public ::testing::Test {
@@ -169,6 +171,43 @@ TEST_F(GenerateRoutesTest, AFailureMidStreamEndsWithAnErrorEvent) {
   EXPECT_NE(text.find("\"content\":\"a\""), std::string::npos) << text;
   EXPECT_NE(text.find("data: {\"error\":{\"message\":\"upstream went away\""), std::string::npos) << text;
   EXPECT_EQ(text.find("[DONE]"), std::string::npos);
+}
+
+// The queue side answers a request (its deadline, the gateway stopping)
+// while a partial for it is on its way: the late partial is dropped, not
+// sent into a response that is already gone (it used to call the spent
+// responder and end the gateway with std::bad_function_call).
+TEST_F(GenerateRoutesTest, APartialAfterTheAnswerIsDropped) {
+  for (const bool started : {false, true}) {
+    submitter_.events = started ? std::vector<json>{Chunk("a")} : std::vector<json>{};
+    submitter_.hold = true;
+    HttpRequest req;
+    req.method = "POST";
+    req.path = req.target = "/v1/chat/completions";
+    req.body = R"({"model":"gen","messages":[{}],"stream":true})";
+    int responses = 0;
+    HttpResponse r;
+    router_->Handle(std::move(req), [&](HttpResponse out) {
+      ++responses;
+      r = std::move(out);
+    });
+    EXPECT_EQ(responses, started ? 1 : 0);
+    submitter_.error = DeadlineExceeded("the request's deadline passed");
+    submitter_.Finish();
+    ASSERT_TRUE(submitter_.partial_);
+    submitter_.partial_(0, Msgpack(Chunk("late")));
+    EXPECT_EQ(responses, 1);
+    if (!started) {
+      EXPECT_EQ(r.status, 504);
+      EXPECT_FALSE(r.stream);
+      continue;
+    }
+    ASSERT_TRUE(r.stream);
+    bool closed = false;
+    const std::string text = r.stream->Take(&closed);
+    EXPECT_TRUE(closed);
+    EXPECT_EQ(text.find("late"), std::string::npos) << text;
+  }
 }
 
 TEST_F(GenerateRoutesTest, ANonStreamingUpstreamAnswersPlainJson) {

@@ -231,6 +231,103 @@ TEST_F(WorkerTest, RegistersHeartbeatAndCatalog) {
   EXPECT_EQ((*workers)->Get(worker_->id()).status().code(), StatusCode::kNotFound);
 }
 
+// A gateway restarted under the same fixed --gateway-id numbers its
+// requests anew: its first request must not be taken for the previous
+// run's first (JetStream drops a repeated Nats-Msg-Id as a duplicate for 2
+// minutes, and the caller would wait for its deadline).
+TEST_F(WorkerTest, AGatewayRestartedUnderAFixedIdIsNotDeduplicatedAway) {
+  DispatcherOptions dopt;
+  dopt.gateway_id = "fixed-gw";
+  for (int run = 0; run < 2; ++run) {
+    auto d = Dispatcher::Create(dopt, client_.get(), &metrics_);
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    EmbedJob job;
+    job.model = "tiny-bert";
+    job.texts = {run == 0 ? "the first run" : "the second run"};
+    job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 5000;
+    std::promise<Result<EmbedResult>> p;
+    auto f = p.get_future();
+    (*d)->SubmitEmbed(job, [&p](Result<EmbedResult> r) { p.set_value(std::move(r)); });
+    auto r = f.get();
+    ASSERT_TRUE(r.ok()) << "run " << run << ": " << r.status().ToString();
+    auto alone = Embed(job.texts);  // the fixture's own gateway
+    ASSERT_TRUE(alone.ok());
+    for (int k = 0; k < 64; ++k) EXPECT_NEAR(Row(*r, 0)[k], Row(*alone, 0)[k], 1e-4) << "run " << run;
+  }
+}
+
+// Once stopped, a gateway's dispatcher takes no more replies: its owner
+// goes on to free what the reply handlers use (the blob offload a reply by
+// reference is fetched through, the router its callbacks write to).
+TEST_F(WorkerTest, AStoppedDispatcherTakesNoMoreReplies) {
+  DispatcherOptions dopt;
+  dopt.gateway_id = "stopping-gw";
+  MetricsRegistry m;
+  auto d = Dispatcher::Create(dopt, client_.get(), &m);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  Counter* dropped = m.GetCounter("shoal_gateway_duplicate_replies_total", "");
+  wire::WorkReply stray;
+  stray.request_id = "stopping-gw-nobody-0";
+  const std::string subject = "_SHOAL.gw.stopping-gw.r";
+  ASSERT_TRUE(client_->Publish(subject, wire::EncodeWorkReply(stray)).ok());
+  ASSERT_TRUE(client_->Flush(2000).ok());
+  for (int i = 0; i < 200 && dropped->Value() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_EQ(dropped->Value(), 1) << "a live dispatcher drops a reply for no request of its own";
+  (*d)->Stop();
+  ASSERT_TRUE(client_->Publish(subject, wire::EncodeWorkReply(stray)).ok());
+  ASSERT_TRUE(client_->Flush(2000).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(dropped->Value(), 1) << "the stopped dispatcher still handled a reply";
+}
+
+// A reply the gateway cannot use ends its request at once, not at its
+// deadline: rows that are not the chunk's inputs' (a worker of another
+// version) get 500, a reply by reference at a gateway without a blob store
+// 502 blob_store_missing. Here the test answers the work itself.
+TEST_F(WorkerTest, RepliesTheGatewayCannotUseEndTheirRequestAtOnce) {
+  worker_->Stop();
+  auto consumer = PullConsumer::Create(*client_, "SHOAL_WORK", wire::WorkSubject("tiny-bert"),
+                                       wire::ConsumerName("tiny-bert"), ConsumerOptions{});
+  ASSERT_TRUE(consumer.ok()) << consumer.status().ToString();
+  const auto answer = [&](wire::WorkReply reply, const char* ref) {
+    auto got = (*consumer)->Fetch(1, 10000);
+    ASSERT_TRUE(got.ok() && got->size() == 1u);
+    Delivery& work = (*got)[0];
+    reply.request_id = std::string(work.Header(wire::kHdrRequestId));
+    const std::string data = wire::EncodeWorkReply(reply);
+    natsMsg* msg = nullptr;
+    ASSERT_EQ(natsMsg_Create(&msg, std::string(work.Header(wire::kHdrReplyTo)).c_str(), nullptr, data.data(),
+                             static_cast<int>(data.size())),
+              NATS_OK);
+    if (ref != nullptr) {
+      natsMsgHeader_Set(msg, wire::kHdrPayloadRef, ref);
+      natsMsgHeader_Set(msg, wire::kHdrRequestId, reply.request_id.c_str());
+    }
+    ASSERT_TRUE(client_->PublishMsg(msg).ok());
+    natsMsg_Destroy(msg);
+    ASSERT_TRUE(work.Ack().ok());
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  auto two = std::async(std::launch::async, [&] { return Embed({"one", "two"}, false, 20000); });
+  wire::WorkReply three;
+  three.rows = 3;
+  three.dim = 2;
+  three.embeddings.assign(6, 0.5f);
+  three.token_counts = {3, 3, 3};
+  answer(three, nullptr);
+  auto r = two.get();
+  EXPECT_EQ(r.status().code(), StatusCode::kInternal) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("3 rows of width 2 for a chunk of 2 inputs"), std::string::npos)
+      << r.status().message();
+
+  auto by_ref = std::async(std::launch::async, [&] { return Embed({"three"}, false, 20000); });
+  answer(wire::WorkReply{}, "file:///nowhere/0123");
+  r = by_ref.get();
+  EXPECT_EQ(r.status().code(), StatusCode::kBadGateway) << r.status().ToString();
+  EXPECT_EQ(r.status().reason(), "blob_store_missing");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(15)) << "an answer waited for its deadline";
+}
+
 // A GPU the build cannot use fails the worker's start with the reason, not
 // each model's load later; a malformed device name is refused as such.
 TEST_F(WorkerTest, ADeviceThisBuildCannotUseFailsTheStart) {
