@@ -318,6 +318,27 @@ TEST_F(FleetTest, AFailedModelIsRetriedOnDemandOnceItsRetryIsDue) {
   EXPECT_EQ(m.Counter("shoal_worker_model_loads_total", {{"model", "fixed-later"}, {"result", "ok"}}), 1);
 }
 
+// A failed model whose retry has fallen due but finds no room (every
+// resident model pinned) still gives its callers the load error at once,
+// not a wait for their deadline.
+TEST_F(FleetTest, AFailedModelWhoseRetryFindsNoRoomStillAnswersItsCallers) {
+  MakeFleetRepository(repo_.path(), {"pinned", "tiny-a"}, {"flaky"});
+  WorkerOptions wo = Options();
+  wo.pinned = {"pinned"};
+  wo.max_models = 2;
+  wo.retry_failed_after_ms = 300;
+  Member m = Start(wo);
+  ASSERT_NE(m.worker, nullptr);
+  EXPECT_EQ(Embed("flaky", "broken").status().reason(), "model_load_failed");
+  ASSERT_TRUE(m.worker->manager().Pin("tiny-a").ok());  // no room left for a retry
+  std::this_thread::sleep_for(400ms);                    // the retry is due
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = EmbedAsync("flaky", "still broken", 20000).get();
+  EXPECT_EQ(r.status().reason(), "model_load_failed") << r.status().ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s) << "the caller waited for its deadline";
+  EXPECT_EQ(StateOf(*m.worker, "tiny-a"), ModelState::kLoaded);
+}
+
 // An unloaded model's last pull may still be open at the server when new
 // work for it arrives: that work must not be delivered to the closed
 // subscription (and wait for AckWait), but reach the model once it loads

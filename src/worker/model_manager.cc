@@ -292,6 +292,12 @@ Status ModelManager::StartLoad(const std::string& name) {
   return Status::Ok();
 }
 
+Status ModelManager::LoadError(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Entry* e = Find(name);
+  return e != nullptr && e->state == ModelState::kFailed ? e->error : Status::Ok();
+}
+
 Status ModelManager::Load(const std::string& name) {
   std::unique_lock<std::mutex> lock(mu_);
   Entry* e = Find(name);
@@ -462,6 +468,12 @@ Result<ModelManager::Step> ModelManager::BeginLoadLocked(Entry& e) {
       return NoRoom("no room for model '" + e.config.name + "' (needs about " +
                     std::to_string(need) + " bytes): every resident model is pinned, in use or holding work");
     }
+    // Victims are chosen only when a loader thread is free to unload them
+    // and load this model at once: a load queued behind another would leave
+    // its victims serving for that long while shown not loaded (a peer would
+    // load a second copy of one), and its choice would be stale by its turn.
+    if (running_jobs_ + static_cast<int>(jobs_.size()) >= static_cast<int>(loader_threads_.size()))
+      return Step::kWait;
   }
   auto job = std::make_unique<Job>();
   job->entry = &e;
@@ -593,8 +605,16 @@ void ModelManager::UpdateLoadedGaugeLocked() {
 void ModelManager::UnloadVictims(std::vector<std::unique_ptr<LoadedModel>> victims,
                                  int64_t accounted_bytes, int accounted_count) {
   for (auto& v : victims) {
-    v->attachment.reset();  // stops every use of the model first
-    if (v->runtime != nullptr) v->runtime->Unload();
+    // An exception here (a runtime whose device failed) must neither end
+    // the loader thread nor leave the bytes below accounted as unloading.
+    try {
+      v->attachment.reset();  // stops every use of the model first
+      if (v->runtime != nullptr) v->runtime->Unload();
+    } catch (const std::exception& ex) {
+      LOG_ERROR("worker", "unloading " << v->config.name << ": " << ex.what());
+    } catch (...) {
+      LOG_ERROR("worker", "unloading " << v->config.name << ": unknown exception");
+    }
     v.reset();
   }
   if (accounted_bytes == 0 && accounted_count == 0) return;
@@ -613,6 +633,7 @@ void ModelManager::LoaderLoop() {
     if (jobs_.empty()) return;  // stopping, and nothing left to fail
     std::unique_ptr<Job> job = std::move(jobs_.front());
     jobs_.pop_front();
+    ++running_jobs_;
     Entry& e = *job->entry;
     lock.unlock();
 
@@ -681,6 +702,7 @@ void ModelManager::LoaderLoop() {
       job->attempt->status = e.error;
     }
     job->attempt->done = true;
+    --running_jobs_;
     UpdateLoadedGaugeLocked();
     cv_.notify_all();
     lock.unlock();

@@ -214,6 +214,9 @@ class ModelManager {
   // give, or Unavailable "memory_being_freed" while an eviction in progress
   // must finish first. For servers that answer 503 instead of waiting.
   Status StartLoad(const std::string& name);
+  // The load error (502 model_load_failed) while `name` is failed here; OK
+  // in any other state. Never starts a load, due retry or not.
+  Status LoadError(const std::string& name) const;
 
   // Loads `name` and blocks until it is loaded, retrying a failed model.
   // OK if it is already loaded.
@@ -293,6 +296,7 @@ class ModelManager {
   std::map<std::string, std::unique_ptr<Entry>> entries_;  // guarded by mu_ (map itself is fixed)
   std::vector<std::string> duplicate_names_;               // reported by Start()
   std::deque<std::unique_ptr<Job>> jobs_;                  // guarded by mu_
+  int running_jobs_ = 0;                                   // guarded by mu_; jobs a loader thread has taken
   int64_t unloading_bytes_ = 0;                            // guarded by mu_
   int unloading_count_ = 0;                                // guarded by mu_
   uint64_t use_seq_ = 0;                                   // guarded by mu_; LRU order

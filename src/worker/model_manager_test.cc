@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -94,6 +95,12 @@ class FakeLoader {
   void OnUnload(const std::string& name) {
     std::lock_guard<std::mutex> lock(mu_);
     ++unloads_[name];
+    if (throw_on_unload_.count(name)) throw std::runtime_error("CUDA error: an illegal memory access");
+  }
+  // Runtimes of `name` throw from Unload() from now on.
+  void ThrowOnUnload(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    throw_on_unload_.insert(name);
   }
   // What the runtimes of `name` report as their health from now on.
   void SetHealth(const std::string& name, Status health) {
@@ -130,6 +137,7 @@ class FakeLoader {
   std::map<std::string, int> started_;
   std::map<std::string, int> unloads_;
   std::map<std::string, Status> health_;
+  std::set<std::string> throw_on_unload_;
 };
 
 Status FakeRuntime::Health() const { return owner_->HealthOf(name_); }
@@ -556,8 +564,12 @@ TEST_F(ModelManagerTest, FailedModelIsRetriedAfterRetryInterval) {
   EXPECT_EQ(mm->Acquire("a", Far()).status().reason(), "model_load_failed");
   EXPECT_EQ(loader_.loads("a"), 1);
   clock_.AdvanceUs(1);
+  // LoadError reports the failure, due retry or not, and never retries.
+  EXPECT_EQ(mm->LoadError("a").reason(), "model_load_failed");
+  EXPECT_EQ(loader_.loads("a"), 1);
   Use(*mm, "a");
   EXPECT_EQ(loader_.loads("a"), 2);
+  EXPECT_TRUE(mm->LoadError("a").ok());
 }
 
 TEST_F(ModelManagerTest, NoRoomWhenEverythingIsPinned) {
@@ -750,6 +762,45 @@ TEST_F(ModelManagerTest, PastDeadlineStillServesALoadedModel) {
   auto mm = Make(Options(0), {Model("a", 100)});
   ASSERT_TRUE(mm->Load("a").ok());
   EXPECT_TRUE(mm->Acquire("a", clock_.NowMonoUs() - 1).ok());
+}
+
+// A runtime that throws as it unloads (a device that failed) neither ends
+// the loader thread nor leaves its bytes counted as being freed.
+TEST_F(ModelManagerTest, ARuntimeThatThrowsOnUnloadStillFreesItsRoom) {
+  auto mm = Make(Options(100), {Model("a", 100), Model("b", 100)});
+  ASSERT_TRUE(mm->Load("a").ok());
+  loader_.ThrowOnUnload("a");
+  ASSERT_TRUE(mm->Load("b").ok());  // evicts a, whose Unload throws
+  EXPECT_EQ(loader_.unloads("a"), 1);
+  EXPECT_EQ(mm->memory_used_bytes(), 100);
+  ASSERT_TRUE(mm->Unload("b").ok());
+  ASSERT_TRUE(Eventually([&] { return mm->memory_used_bytes() == 0; }));
+  ASSERT_TRUE(mm->Load("a").ok());  // the loader thread lives on
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kLoaded);
+}
+
+// A load that needs room while the loader is busy with another chooses its
+// victims only once the loader is free: a victim evicted for a queued load
+// would go on serving for the whole other load while shown not loaded.
+TEST_F(ModelManagerTest, VictimsAreChosenWhenTheLoaderIsFreeNotWhileItIsBusy) {
+  auto mm = Make(Options(200), {Model("a", 100), Model("b", 100), Model("c", 100)});
+  ASSERT_TRUE(mm->Load("a").ok());
+  loader_.Hold("b");
+  ASSERT_TRUE(mm->StartLoad("b").ok());  // fits beside a: no eviction
+  ASSERT_TRUE(loader_.WaitStarted("b", 1));
+  Status c_loaded;
+  std::thread control([&] { c_loaded = mm->Load("c"); });  // needs a's room
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kLoaded) << "evicted for a load that could not start yet";
+  EXPECT_EQ(StateOf(*mm, "c"), ModelState::kNotLoaded);
+  EXPECT_EQ(Evictions("a"), 0);
+  loader_.Open("b");
+  control.join();
+  EXPECT_TRUE(c_loaded.ok()) << c_loaded.ToString();
+  EXPECT_EQ(StateOf(*mm, "b"), ModelState::kLoaded);
+  EXPECT_EQ(StateOf(*mm, "c"), ModelState::kLoaded);
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kNotLoaded);
+  EXPECT_EQ(Evictions("a"), 1);
 }
 
 TEST_F(ModelManagerTest, StartLoadDoesNotWait) {

@@ -669,12 +669,11 @@ void Worker::PollDemand() {
         candidates.push_back({model, msgs, 0, 0, true});
         continue;
       }
-      Status s = manager_->StartLoad(model);  // the load error (a load if the retry fell due since)
-      if (s.ok()) {
-        changed = true;
-      } else if (s.reason() == "model_load_failed" && !AnotherMayLoad(model, now_ms)) {
-        DrainFailed(model, s, 256);
-      }
+      // Its error, read again: a retry that fell due since goes through the
+      // claim at the next poll, never from here (unclaimed, it could run on
+      // several workers at once).
+      Status s = manager_->LoadError(model);
+      if (!s.ok() && !AnotherMayLoad(model, now_ms)) DrainFailed(model, s, 256);
       continue;
     }
     // Not loaded here: a candidate if nobody serves it (a model that failed
@@ -742,6 +741,11 @@ void Worker::PollDemand() {
       const std::string key = wire::ModelKvKey(c.model) + "." + std::to_string(c.replica);
       (void)placement_kv_->Delete(key);
       held_claims_.erase(key);
+      // A model that failed here and whose retry finds no room: its waiting
+      // work gets the load error it had, as before the retry fell due,
+      // rather than waiting for its deadline.
+      if (Status failed = manager_->LoadError(c.model); !failed.ok() && !AnotherMayLoad(c.model, now_ms))
+        DrainFailed(c.model, failed, 256);
     }
   }
   if (changed) PublishHeartbeat();  // peers see "loading" at once
