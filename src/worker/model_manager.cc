@@ -286,7 +286,7 @@ Status ModelManager::StartLoad(const std::string& name) {
   if (e->state == ModelState::kFailed && !retry_due) return e->error;
   ASSIGN_OR_RETURN(Step step, BeginLoadLocked(*e));
   if (step == Step::kWait) {
-    return Unavailable("memory for model '" + name + "' is still being freed",
+    return Unavailable("model '" + name + "' waits for room: memory still being freed, or another load first",
                        "memory_being_freed");
   }
   return Status::Ok();

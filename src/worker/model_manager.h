@@ -211,8 +211,9 @@ class ModelManager {
 
   // Starts loading `name` if it is not loaded or loading; never waits for
   // the load. OK when loaded or loading; else the error Acquire() would
-  // give, or Unavailable "memory_being_freed" while an eviction in progress
-  // must finish first. For servers that answer 503 instead of waiting.
+  // give, or Unavailable "memory_being_freed" while it needs evictions that
+  // must wait (evictions in progress, or the loader busy with another
+  // load). For servers that answer 503 instead of waiting.
   Status StartLoad(const std::string& name);
   // The load error (502 model_load_failed) while `name` is failed here; OK
   // in any other state. Never starts a load, due retry or not.
