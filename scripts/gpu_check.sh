@@ -11,10 +11,12 @@
 #   scripts/gpu_check.sh run       # on the GPU machine, from the repository
 #                                  # root, with .gpu/ copied alongside
 #
-# `run` uses the libtorch of `python3` (TORCH_PREFIX overrides its CMake
-# prefix) and a CUDA toolkit libtorch's CMake package can find. Exit 0: every
-# selected test passed, the GPU case included (run where no GPU or no CUDA
-# libtorch is, it reports the GPU case skipped and exits 3).
+# `prepare` takes the x86_64 Debian paths of those libraries. `run` needs
+# CMake 3.25 or later, Ninja, a C++20 compiler, the libtorch of `python3`
+# (TORCH_PREFIX overrides its CMake prefix) and a CUDA toolkit libtorch's
+# CMake package can find. Exit 0: every selected test passed, the GPU case
+# included; 3: the others passed but the GPU case was skipped (no GPU or no
+# CUDA libtorch there); anything else: a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,16 +48,16 @@ PY
     cmake --build "$build" -j"$(nproc)"
     export SHOAL_MODELS_DIR="$PWD/.gpu/models"
     out=${OUT:-$build}
-    # The GPU case and the device checks first, on their own: their result is
-    # the point. Then the rest of the runtime's tests under this libtorch
+    # The GPU case and the device checks on their own, since their result
+    # is the point; then the rest of the runtime's tests under this libtorch
     # (minilm-l6 is not copied: its huge-page test is left out).
     "$build/torchscript_runtime_test" --gtest_filter='*OnAGpu*:*Device*' --gtest_output="xml:$out/gpu_case.xml" \
       | tee "$out/gpu_case.log"
+    "$build/torchscript_runtime_test" --gtest_filter='-*OnAGpu*:*Device*:*HugePages*' --gtest_output="xml:$out/rest.xml"
     if grep -q '\[  SKIPPED \]' "$out/gpu_case.log"; then
       echo "the GPU case was skipped: no CUDA libtorch or no GPU here" >&2
       exit 3
     fi
-    "$build/torchscript_runtime_test" --gtest_filter='-*OnAGpu*:*Device*:*HugePages*' --gtest_output="xml:$out/rest.xml"
     ;;
   *)
     echo "usage: $0 prepare|run" >&2

@@ -702,7 +702,6 @@ void ModelManager::LoaderLoop() {
       job->attempt->status = e.error;
     }
     job->attempt->done = true;
-    --running_jobs_;
     UpdateLoadedGaugeLocked();
     cv_.notify_all();
     lock.unlock();
@@ -712,6 +711,8 @@ void ModelManager::LoaderLoop() {
     }
     if (on_change_) on_change_();
     lock.lock();
+    --running_jobs_;  // after its evictions too: the loader is free from here
+    cv_.notify_all();
   }
 }
 

@@ -741,10 +741,16 @@ void Worker::PollDemand() {
       const std::string key = wire::ModelKvKey(c.model) + "." + std::to_string(c.replica);
       (void)placement_kv_->Delete(key);
       held_claims_.erase(key);
-      // A model that failed here and whose retry finds no room: its waiting
-      // work gets the load error it had, as before the retry fell due,
-      // rather than waiting for its deadline.
-      if (Status failed = manager_->LoadError(c.model); !failed.ok() && !AnotherMayLoad(c.model, now_ms))
+      // A model that failed here and whose retry can find no room (every
+      // resident model pinned): its waiting work gets the load error it
+      // had, as before the retry fell due, rather than waiting for its
+      // deadline. While a resident model is only busy, room may come: wait.
+      const bool only_pinned = std::none_of(here.begin(), here.end(), [](const auto& kv) {
+        return (kv.second.state == ModelState::kLoaded || kv.second.state == ModelState::kLoading) &&
+               !kv.second.pinned;
+      });
+      if (Status failed = manager_->LoadError(c.model);
+          !failed.ok() && only_pinned && !AnotherMayLoad(c.model, now_ms))
         DrainFailed(c.model, failed, 256);
     }
   }

@@ -61,17 +61,22 @@ Status FromException(const std::string& what, std::exception_ptr e) {
   }
 }
 
-// Parameter names (suffixes) of token embedding tables in common exports:
+// Parameter names (suffixes) of embedding tables in common exports:
 // BERT-style encoders, LLaMA/OPT-style, GPT-2-style and others.
-constexpr const char* kEmbeddingTableNames[] = {"word_embeddings.weight", "embed_tokens.weight", "wte.weight",
-                                                "tok_embeddings.weight", "token_embedding.weight"};
+constexpr std::string_view kEmbeddingTableNames[] = {"word_embeddings.weight", "embed_tokens.weight", "wte.weight",
+                                                     "tok_embeddings.weight", "token_embedding.weight"};
+constexpr std::string_view kPositionTableNames[] = {"position_embeddings.weight", "wpe.weight",
+                                                    "embed_positions.weight"};
+constexpr std::string_view kTokenTypeTableNames[] = {"token_type_embeddings.weight"};
 
-// The number of rows of the module's token embedding table; 0: not found.
-int64_t VocabSize(const torch::jit::Module& module) {
+// The rows of the first 2-D parameter named (or ending in ".") one of
+// `names`; 0: none.
+template <size_t N>
+int64_t TableRows(const torch::jit::Module& module, const std::string_view (&names)[N]) {
   for (const auto& p : module.named_parameters()) {
     if (p.value.dim() != 2) continue;
     const std::string& name = p.name;
-    for (const std::string_view table : kEmbeddingTableNames) {
+    for (const std::string_view table : names) {
       const bool nested = name.size() > table.size() && name.ends_with(table) &&
                           name[name.size() - table.size() - 1] == '.';
       if (name == table || nested) return p.value.size(0);
@@ -107,6 +112,7 @@ struct TorchScriptRuntime::Impl {
   bool loaded = false;
   int dim = 0;
   int64_t vocab_size = 0;  // 0: unknown, only negative ids are rejected
+  int64_t token_types = 0;  // rows of the segment table; 0: unknown, not checked
   int threads = 1;
   int64_t memory_bytes = 0;
   // forward(input_ids, attention_mask, token_type_ids): BERT-style pair
@@ -313,14 +319,25 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
   // when the embedding table is recognisable, reject them up front instead.
   // On a GPU this is required: there an id out of range trips a device-side
   // assert, which leaves the process's CUDA context unusable.
-  s.vocab_size = VocabSize(s.module);
+  // Likewise segment ids (pairs), and, on a GPU, positions past the table.
+  s.vocab_size = TableRows(s.module, kEmbeddingTableNames);
+  s.token_types = TableRows(s.module, kTokenTypeTableNames);
   if (where.cuda && s.vocab_size == 0) {
     s.Release();
     std::string names;
-    for (const char* table : kEmbeddingTableNames) names += std::string(names.empty() ? "" : ", ") + "*." + table;
+    for (const std::string_view table : kEmbeddingTableNames)
+      names += std::string(names.empty() ? "" : ", ") + "*." + std::string(table);
     return InvalidArgument("model " + config.name + ": on a GPU its token embedding table must be known, so that "
                                "out-of-range ids are refused before the pass; no 2-D parameter is named " + names,
                            "vocabulary_unknown");
+  }
+  const int64_t positions = TableRows(s.module, kPositionTableNames);
+  if (where.cuda && positions > 0 && config.max_seq_len > positions) {
+    s.Release();
+    return InvalidArgument("model " + config.name + ": max_seq_len " + std::to_string(config.max_seq_len) +
+                               " is more than its position table's " + std::to_string(positions) +
+                               " rows (on a GPU a position past it would break the device for the process)",
+                           "max_seq_len_too_large");
   }
 
   int64_t param_bytes = 0;
@@ -348,6 +365,14 @@ Result<Embeddings> TorchScriptRuntime::Run(const TokenBatch& batch) {
       return InvalidArgument("token id " + std::to_string(id) + " is outside the vocabulary of " +
                                  s.config.name + " (size " + std::to_string(s.vocab_size) + ")",
                              "token_out_of_range");
+    }
+  }
+  for (const int64_t t : batch.token_type_ids) {
+    if (t < 0 || (s.token_types > 0 && t >= s.token_types)) {
+      return InvalidArgument("segment id " + std::to_string(t) + " is outside the token type table of " +
+                                 s.config.name + " (size " + std::to_string(s.token_types) +
+                                 "): it does not take text pairs",
+                             "token_type_out_of_range");
     }
   }
   try {

@@ -626,6 +626,34 @@ TEST_F(TorchScriptFixtures, RecognisesCommonEmbeddingTableNames) {
   }
 }
 
+// Segment ids past the model's token type table (a pair sent to a model
+// with one segment, RoBERTa-style) are refused before the pass.
+TEST_F(TorchScriptFixtures, SegmentIdsOutsideTheTokenTypeTableAreRefused) {
+  torch::jit::Module types("Types");
+  types.register_parameter("weight", torch::ones({1, 8}), /*is_buffer=*/false);
+  torch::jit::Module m("Fixture");
+  m.register_module("token_type_embeddings", types);
+  m.define(
+      "def forward(self, input_ids, attention_mask, token_type_ids):\n"
+      "    return torch.embedding(self.token_type_embeddings.weight, token_type_ids)\n");
+  m.save((dir_ / "model.pt").string());
+  ModelConfig c;
+  c.name = "fixture";
+  c.dir = dir_.string();
+  c.normalize = false;
+  TorchScriptRuntime rt;
+  ASSERT_TRUE(rt.Load(c).ok());
+  TokenBatch single = Batch({{1, 2, 3}});
+  EXPECT_TRUE(rt.Run(single).ok());
+  TokenBatch pair = single;
+  pair.token_type_ids = {0, 0, 1};
+  auto out = rt.Run(pair);
+  EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument) << out.status().ToString();
+  EXPECT_EQ(out.status().reason(), "token_type_out_of_range") << out.status().ToString();
+  pair.token_type_ids = {0, 0, 0};
+  EXPECT_TRUE(rt.Run(pair).ok());
+}
+
 TEST_F(TorchScriptFixtures, MissingModelFileIsNotFound) {
   ModelConfig c;
   c.name = "missing";
