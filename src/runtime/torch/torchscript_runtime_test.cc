@@ -506,6 +506,25 @@ class TorchScriptFixtures : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
+  // Saves a module with one embedding table, submodule `table` with a
+  // [rows, 8] weight, whose forward looks `ids` ("input_ids" or
+  // "token_type_ids", which it then takes as well) up in it.
+  ModelConfig TableFixture(const std::string& table, int64_t rows, const std::string& ids) {
+    torch::jit::Module emb("Emb");
+    emb.register_parameter("weight", torch::ones({rows, 8}), /*is_buffer=*/false);
+    torch::jit::Module m("Fixture");
+    m.register_module(table, emb);
+    const std::string extra = ids == "input_ids" ? "" : ", " + ids;
+    m.define("def forward(self, input_ids, attention_mask" + extra + "):\n    return torch.embedding(self." + table +
+             ".weight, " + ids + ")\n");
+    m.save((dir_ / "model.pt").string());
+    ModelConfig c;
+    c.name = "fixture";
+    c.dir = dir_.string();
+    c.normalize = false;
+    return c;
+  }
+
   // Saves a TorchScript module whose forward(input_ids, attention_mask) is `body`.
   ModelConfig Fixture(const std::string& body, int dim = 0) {
     torch::jit::Module m("Fixture");
@@ -601,19 +620,8 @@ TEST_F(TorchScriptFixtures, IndexErrorInsideModelIsInvalidArgument) {
 TEST_F(TorchScriptFixtures, RecognisesCommonEmbeddingTableNames) {
   for (const std::string table : {"word_embeddings", "embed_tokens", "wte", "tok_embeddings", "token_embedding",
                                    "lookup"}) {
-    torch::jit::Module emb("Emb");
-    emb.register_parameter("weight", torch::ones({50, 8}), /*is_buffer=*/false);
-    torch::jit::Module m("Fixture");
-    m.register_module(table, emb);
-    m.define("def forward(self, input_ids, attention_mask):\n    return torch.embedding(self." + table +
-             ".weight, input_ids)\n");
-    m.save((dir_ / "model.pt").string());
-    ModelConfig c;
-    c.name = "fixture";
-    c.dir = dir_.string();
-    c.normalize = false;
     TorchScriptRuntime rt;
-    ASSERT_TRUE(rt.Load(c).ok()) << table;
+    ASSERT_TRUE(rt.Load(TableFixture(table, 50, "input_ids")).ok()) << table;
     EXPECT_TRUE(rt.Run(Batch({{1, 49}})).ok()) << table;
     auto out = rt.Run(Batch({{1, 50}}));
     EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument) << table << ": " << out.status().ToString();
@@ -629,20 +637,8 @@ TEST_F(TorchScriptFixtures, RecognisesCommonEmbeddingTableNames) {
 // Segment ids past the model's token type table (a pair sent to a model
 // with one segment, RoBERTa-style) are refused before the pass.
 TEST_F(TorchScriptFixtures, SegmentIdsOutsideTheTokenTypeTableAreRefused) {
-  torch::jit::Module types("Types");
-  types.register_parameter("weight", torch::ones({1, 8}), /*is_buffer=*/false);
-  torch::jit::Module m("Fixture");
-  m.register_module("token_type_embeddings", types);
-  m.define(
-      "def forward(self, input_ids, attention_mask, token_type_ids):\n"
-      "    return torch.embedding(self.token_type_embeddings.weight, token_type_ids)\n");
-  m.save((dir_ / "model.pt").string());
-  ModelConfig c;
-  c.name = "fixture";
-  c.dir = dir_.string();
-  c.normalize = false;
   TorchScriptRuntime rt;
-  ASSERT_TRUE(rt.Load(c).ok());
+  ASSERT_TRUE(rt.Load(TableFixture("token_type_embeddings", 1, "token_type_ids")).ok());
   TokenBatch single = Batch({{1, 2, 3}});
   EXPECT_TRUE(rt.Run(single).ok());
   TokenBatch pair = single;
