@@ -147,6 +147,11 @@ TEST_F(FleetTest, BudgetForTwoEvictsLeastRecentlyUsedAndNeverThePinnedModel) {
 
   ASSERT_TRUE(Embed("tiny-a", "one").ok());
   ASSERT_TRUE(Embed("tiny-b", "two").ok());
+  // Work still in the stream counts as use (demand touches its model), and
+  // b's message leaves the stream only when its ack lands, after its reply:
+  // let it go and a demand poll pass before a's use, which must be the later.
+  ASSERT_TRUE(Eventually([&] { return GetStreamState(*client_, "SHOAL_WORK")->msgs == 0; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(3 * wo.demand_poll_ms));
   ASSERT_TRUE(Embed("tiny-a", "a again: now b is the least recently used").ok());
   ASSERT_TRUE(Embed("tiny-c", "three").ok());
   EXPECT_EQ(StateOf(w, "tiny-b"), ModelState::kNotLoaded);
