@@ -709,10 +709,14 @@ void ModelManager::LoaderLoop() {
       const int count = static_cast<int>(over_budget.size());
       UnloadVictims(std::move(over_budget), over_budget_bytes, count);
     }
+    // The loader is free from here: after the job's evictions, and before
+    // the change is announced, since demand starts the next load on it.
+    lock.lock();
+    --running_jobs_;
+    cv_.notify_all();
+    lock.unlock();
     if (on_change_) on_change_();
     lock.lock();
-    --running_jobs_;  // after its evictions too: the loader is free from here
-    cv_.notify_all();
   }
 }
 

@@ -781,6 +781,29 @@ TEST_F(ModelManagerTest, ARuntimeThatThrowsOnUnloadStillFreesItsRoom) {
   EXPECT_EQ(StateOf(*mm, "a"), ModelState::kLoaded);
 }
 
+// The change hook (on which the worker's demand starts its next load) runs
+// once the loader is free: a load started from it chooses its victims at
+// once, instead of being told to wait for the loader it is announced by.
+TEST_F(ModelManagerTest, ALoadStartedWhenALoadIsAnnouncedDoesNotWaitForThatLoader) {
+  // Declared before the manager: its hook may run until the manager is gone.
+  bool fired = false;  // the hook's own (one loader thread)
+  Status c_started;
+  std::atomic<bool> tried{false};
+  auto mm = Make(Options(200), {Model("a", 100), Model("b", 100), Model("c", 100)});
+  mm->SetOnChange([&] {  // before any load: the loader thread calls it
+    if (fired || !mm->IsLoaded("b")) return;
+    fired = true;
+    c_started = mm->StartLoad("c");  // needs a's room
+    tried = true;
+  });
+  ASSERT_TRUE(mm->Load("a").ok());
+  ASSERT_TRUE(mm->Load("b").ok());
+  ASSERT_TRUE(Eventually([&] { return tried.load(); }));
+  EXPECT_TRUE(c_started.ok()) << c_started.ToString();
+  ASSERT_TRUE(Eventually([&] { return mm->IsLoaded("c"); }));
+  EXPECT_EQ(Evictions("a"), 1);
+}
+
 // A load that needs room while the loader is busy with another chooses its
 // victims only once the loader is free: a victim evicted for a queued load
 // would go on serving for the whole other load while shown not loaded.
