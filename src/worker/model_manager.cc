@@ -703,18 +703,21 @@ void ModelManager::LoaderLoop() {
     }
     job->attempt->done = true;
     UpdateLoadedGaugeLocked();
+    // The loader is free once the job's evictions are done too, and before
+    // the change is announced (demand starts the next load on it); with no
+    // evictions left, in the same step as the outcome, so whoever sees the
+    // outcome finds the loader free.
+    if (over_budget.empty()) --running_jobs_;
     cv_.notify_all();
     lock.unlock();
     if (!over_budget.empty()) {
       const int count = static_cast<int>(over_budget.size());
       UnloadVictims(std::move(over_budget), over_budget_bytes, count);
+      lock.lock();
+      --running_jobs_;
+      cv_.notify_all();
+      lock.unlock();
     }
-    // The loader is free from here: after the job's evictions, and before
-    // the change is announced, since demand starts the next load on it.
-    lock.lock();
-    --running_jobs_;
-    cv_.notify_all();
-    lock.unlock();
     if (on_change_) on_change_();
     lock.lock();
   }
