@@ -82,6 +82,10 @@ class Runtime {
   virtual void Unload() = 0;
   // Resident memory attributed to this model, measured at load time.
   virtual int64_t MemoryBytes() const = 0;
+  // Whether the model's footprint is host memory, so the worker may take
+  // the process's memory growth during the load over MemoryBytes(). False
+  // for a model on a GPU: its budget is the GPU's. Known after Load().
+  virtual bool FootprintIsHostMemory() const { return true; }
   // Embedding width, known after Load().
   virtual int Dim() const = 0;
   // False while the runtime cannot take batches for a while (an

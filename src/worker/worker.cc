@@ -323,9 +323,9 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   // not show in the resident set). On a GPU, the runtime's count alone: the
   // budget is GPU memory, and the host memory a GPU load touches (the CUDA
   // context, the file read before its copy to the device) is not the GPU's.
-  const bool on_gpu = config.runtime == "torchscript" && config.device != "cpu";
-  const int64_t measured =
-      on_gpu ? runtime->MemoryBytes() : std::max<int64_t>(ResidentBytes() - rss_before, runtime->MemoryBytes());
+  const int64_t measured = runtime->FootprintIsHostMemory()
+                               ? std::max<int64_t>(ResidentBytes() - rss_before, runtime->MemoryBytes())
+                               : runtime->MemoryBytes();
 
   ModelConfig c = config;
   if (c.dim == 0) {

@@ -26,6 +26,7 @@ class ForwardingRuntime : public Runtime {
   bool TakesThreadCount() const override { return inner_->TakesThreadCount(); }
   void Unload() override { inner_->Unload(); }
   int64_t MemoryBytes() const override { return inner_->MemoryBytes(); }
+  bool FootprintIsHostMemory() const override { return inner_->FootprintIsHostMemory(); }
   int Dim() const override { return inner_->Dim(); }
   bool Available() const override { return inner_->Available(); }
   Status Health() const override { return inner_->Health(); }

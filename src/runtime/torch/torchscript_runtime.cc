@@ -399,6 +399,8 @@ void TorchScriptRuntime::Unload() {
 
 bool TorchScriptRuntime::TakesThreadCount() const { return !impl_->device.is_cuda(); }
 
+bool TorchScriptRuntime::FootprintIsHostMemory() const { return !impl_->device.is_cuda(); }
+
 int64_t TorchScriptRuntime::MemoryBytes() const { return impl_->memory_bytes; }
 
 int TorchScriptRuntime::Dim() const { return impl_->dim; }

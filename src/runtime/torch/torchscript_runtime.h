@@ -50,6 +50,8 @@ class TorchScriptRuntime final : public Runtime {
   // of the bytes the CUDA caching allocator has allocated on the device.
   // Activations of large batches are not included.
   int64_t MemoryBytes() const override;
+  // False on a GPU.
+  bool FootprintIsHostMemory() const override;
   int Dim() const override;
 
  private:
