@@ -6,6 +6,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -274,6 +275,22 @@ void ApplyOmpWaitPolicy(const std::string& policy, char** argv) {
   LOG_WARN("shoal", "cannot re-execute to apply --omp-wait-policy; continuing without it");
 }
 
+// Set when a worker's device has failed for the rest of the process
+// (WorkerOptions::on_device_fault): the process then stops as on SIGTERM
+// and exits 1, so that its supervisor starts a fresh one.
+std::atomic<bool> g_device_failed{false};
+
+void StopAfterDeviceFault(const Status&) {
+  g_device_failed = true;
+  ::kill(::getpid(), SIGTERM);  // to the process: WaitForSignal() takes it
+}
+
+int ExitCode(const char* component) {
+  if (!g_device_failed) return 0;
+  LOG_ERROR(component, "exiting 1: the device failed; a fresh process can use it again");
+  return 1;
+}
+
 int Fail(const Status& s) {
   LOG_ERROR("shoal", s.ToString());
   return 1;
@@ -462,6 +479,7 @@ int main(int argc, char** argv) {
     auto client = ConnectNats((*server)->url(), "shoal-serve");
     if (!client.ok()) return Fail(client.status());
     MetricsRegistry metrics;
+    serve_wk.options.on_device_fault = StopAfterDeviceFault;
     auto w = Worker::Create(serve_wk.options, client->get(), &metrics);
     if (!w.ok()) return Fail(w.status());
     auto g = Gateway::Create(serve_gw, client->get(), &metrics);
@@ -484,7 +502,7 @@ int main(int argc, char** argv) {
     client->reset();
     (*server)->Stop();
     LOG_INFO("serve", "stopped");
-    return 0;
+    return ExitCode("serve");
   }
 
   if (gateway->parsed()) {
@@ -522,6 +540,7 @@ int main(int argc, char** argv) {
       auto client = ConnectNats(wk_common.nats_url, "shoal-worker");
       if (!client.ok()) return Fail(client.status());
       WorkerOptions o = wk.options;
+      o.on_device_fault = StopAfterDeviceFault;
       if (sim_workers > 1) o.worker_id = base_id + "-" + std::to_string(k);
       auto w = Worker::Create(o, client->get(), &metrics);
       if (!w.ok()) return Fail(w.status());
@@ -542,7 +561,7 @@ int main(int argc, char** argv) {
     LOG_INFO("worker", "signal " << sig << ": shutting down");
     for (auto& one : workers) one->Stop();
     workers.clear();
-    return 0;
+    return ExitCode("worker");
   }
   return 0;
 }

@@ -97,6 +97,13 @@ class Runtime {
   // worker then unloads the model and marks it failed, so callers get a
   // terminal error instead of waiting for their deadline. Thread-safe.
   virtual Status Health() const { return Status::Ok(); }
+  // Not OK (reason device_fault) once the device this runtime computes on
+  // is unusable for the rest of the process, whichever model broke it: a
+  // CUDA error such as a device-side assert leaves the process's CUDA
+  // context failing every later call. Its model servers stop pulling at
+  // once (Available() is false too); the worker leaves the registry and
+  // asks to be restarted (WorkerOptions::on_device_fault). Thread-safe.
+  virtual Status DeviceHealth() const { return Status::Ok(); }
 };
 
 // The result document of one input that failed on its own (see RunItems):

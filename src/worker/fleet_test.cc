@@ -824,6 +824,74 @@ TEST_F(FleetTest, ARuntimeThatWillNotRestartFailsTheModelAndItsCallers) {
   EXPECT_FALSE(m.worker->manager().IsLoaded("once"));
 }
 
+// A device that fails during a pass, as a CUDA device-side assert leaves a
+// GPU for the rest of the process: that pass fails with device_fault, and
+// so would every later one.
+class FailingDeviceRuntime final : public shoal::testing::ForwardingRuntime {
+ public:
+  FailingDeviceRuntime(std::unique_ptr<Runtime> inner, std::shared_ptr<std::atomic<bool>> failed)
+      : ForwardingRuntime(std::move(inner)), failed_(std::move(failed)) {}
+  Result<Embeddings> Run(const TokenBatch&) override {
+    *failed_ = true;
+    return Fault();
+  }
+  bool Available() const override { return !*failed_; }
+  Status DeviceHealth() const override { return *failed_ ? Fault() : Status::Ok(); }
+
+ private:
+  static Status Fault() {
+    return Unavailable("device cuda:0 failed: CUDA error: device-side assert triggered", "device_fault");
+  }
+  std::shared_ptr<std::atomic<bool>> failed_;
+};
+
+// A worker whose device fails loses no work and gives its callers no error:
+// the work goes back to the queue, the worker leaves the registry at once
+// (not when its heartbeat expires) and asks to be restarted once, and a
+// healthy worker takes the model on demand and answers every caller.
+TEST_F(FleetTest, AWorkerWhoseDeviceFailsHandsItsWorkOnAndAsksToBeRestarted) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"});
+  auto failed = std::make_shared<std::atomic<bool>>(false);
+  auto fault = std::make_shared<std::promise<Status>>();
+  auto fault_seen = fault->get_future();
+  auto fault_calls = std::make_shared<std::atomic<int>>(0);
+  WorkerOptions broken = Options();
+  broken.preload = {"all"};
+  broken.heartbeat_ttl_ms = 60000;  // the registry would show it for a minute
+  broken.runtime_factory = [failed](const ModelConfig& c) -> Result<std::unique_ptr<Runtime>> {
+    ASSIGN_OR_RETURN(auto inner, CreateRuntime(c.runtime));
+    return std::unique_ptr<Runtime>(std::make_unique<FailingDeviceRuntime>(std::move(inner), failed));
+  };
+  broken.on_device_fault = [fault, fault_calls](const Status& s) {
+    if (fault_calls->fetch_add(1) == 0) fault->set_value(s);
+  };
+  Member a = Start(broken);
+  ASSERT_NE(a.worker, nullptr);
+  ASSERT_TRUE(a.worker->manager().IsLoaded("tiny-a"));
+
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  for (int i = 0; i < 6; ++i) calls.push_back(EmbedAsync("tiny-a", "sentence " + std::to_string(i)));
+  ASSERT_EQ(fault_seen.wait_for(10s), std::future_status::ready) << "the worker never reported its device";
+  const Status reported = fault_seen.get();
+  EXPECT_EQ(reported.reason(), "device_fault") << reported.ToString();
+  auto kv = KvBucket::Bind(*client_, wire::kWorkersBucket);
+  ASSERT_TRUE(kv.ok());
+  EXPECT_FALSE((*kv)->Get(a.worker->id()).ok()) << "the failed worker is still in the registry";
+
+  Member b = Start(Options());
+  ASSERT_NE(b.worker, nullptr);
+  for (auto& call : calls) {
+    ASSERT_EQ(call.wait_for(25s), std::future_status::ready) << "a caller waited for its deadline";
+    auto r = call.get();
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+  }
+  EXPECT_TRUE(b.worker->manager().IsLoaded("tiny-a"));
+  EXPECT_GE(a.Counter("shoal_worker_handed_back_total", {{"model", "tiny-a"}}), 1);
+  EXPECT_EQ(a.Counter("shoal_worker_device_faults_total", {}), 1);
+  a.worker->Stop();
+  EXPECT_EQ(fault_calls->load(), 1);
+}
+
 // The simulated accelerator behind a real worker: the same queue path, no
 // model compute.
 TEST_F(FleetTest, SimRuntimeServesThroughTheQueue) {

@@ -219,7 +219,10 @@ Status ModelManager::Start() {
     Entry& e = *Find(name);
     Status s = WaitLoadedLocked(lock, e, kNoDeadline, /*retry_failed=*/true, /*count_wait=*/false);
     if (!s.ok()) {
-      return Status(s.code(), "pinned model '" + name + "': " + s.message(), s.reason());
+      // Estimated footprints (file size, before a first load) that do not
+      // fit are the same misconfiguration as measured ones that do not.
+      const std::string reason = s.reason() == "no_room_for_model" ? "pinned_models_exceed_budget" : s.reason();
+      return Status(s.code(), "pinned model '" + name + "': " + s.message(), reason);
     }
     TouchLocked(e);
   }
@@ -359,6 +362,17 @@ std::vector<std::string> ModelManager::FailUnhealthy() {
   UnloadVictims(std::move(victims), bytes, count);
   if (!failed.empty() && on_change_) on_change_();
   return failed;
+}
+
+Status ModelManager::DeviceHealth() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!device_fault_.ok()) return device_fault_;
+  for (const auto& [name, e] : entries_) {
+    if (e->state != ModelState::kLoaded || !e->model || !e->model->runtime) continue;
+    Status fault = e->model->runtime->DeviceHealth();
+    if (!fault.ok()) return fault;
+  }
+  return Status::Ok();
 }
 
 Status ModelManager::Pin(const std::string& name) {
@@ -690,6 +704,12 @@ void ModelManager::LoaderLoop() {
       }
     } else if (stop) {
       e.state = ModelState::kNotLoaded;
+      job->attempt->status = loaded.status();
+    } else if (loaded.status().reason() == "device_fault") {
+      // Not the model's failure: the device's, for the rest of the process.
+      // Its work stays queued for other workers (see DeviceHealth).
+      e.state = ModelState::kNotLoaded;
+      if (device_fault_.ok()) device_fault_ = loaded.status();
       job->attempt->status = loaded.status();
     } else {
       e.state = ModelState::kFailed;

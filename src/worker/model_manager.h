@@ -236,6 +236,12 @@ class ModelManager {
   // retries follow the failed-model rules above. Blocks while their
   // runtimes unload. Returns the names of the models it failed.
   std::vector<std::string> FailUnhealthy();
+  // Not OK (reason device_fault) once the device has failed for the rest
+  // of the process: a loaded model's runtime says so
+  // (Runtime::DeviceHealth), or a load failed with that reason (such a
+  // model goes back to kNotLoaded, not kFailed: its callers are not given
+  // an error that is not the model's). Thread-safe.
+  Status DeviceHealth() const;
 
   // Pins `name`, loading it (blocking) if needed; on a load failure the model
   // is left unpinned and the error returned. Idempotent.
@@ -303,6 +309,7 @@ class ModelManager {
   uint64_t use_seq_ = 0;                                   // guarded by mu_; LRU order
   double gdsf_inflation_ = 0;                              // guarded by mu_; L of EvictionPolicy::kGdsf
   bool stopping_ = false;                                  // guarded by mu_
+  Status device_fault_;                                    // guarded by mu_; see DeviceHealth()
   std::vector<std::thread> loader_threads_;
 };
 

@@ -63,6 +63,7 @@ class FakeLoader {
   struct Spec {
     int64_t bytes = 100;
     bool fail = false;
+    bool device_fault = false;  // the load breaks the device (Unavailable, device_fault)
     bool report_via_runtime = false;  // leave LoadedModel::memory_bytes at 0
   };
 
@@ -121,6 +122,9 @@ class FakeLoader {
       const Spec spec = specs_[config.name];
       lock.unlock();
       if (spec.fail) return NotFound("no such file: " + config.ModelPath());
+      if (spec.device_fault)
+        return Unavailable("device cuda:0 failed: CUDA error: an illegal memory access was encountered",
+                           "device_fault");
       auto m = std::make_unique<LoadedModel>();
       m->config = config;
       m->runtime = std::make_unique<FakeRuntime>(this, config.name, spec.bytes);
@@ -492,6 +496,26 @@ TEST_F(ModelManagerTest, AModelWhoseRuntimeGaveUpIsUnloadedAndFailedPinnedOrNot)
   EXPECT_EQ(loader_.loads("a"), 2);
 }
 
+// A load that breaks the device is the device's failure, not the model's:
+// the model is not loaded (its waiting work stays for other workers, not
+// answered with model_load_failed) and the manager reports the device.
+TEST_F(ModelManagerTest, ALoadThatBreaksTheDeviceIsNotTheModelsFailure) {
+  ModelConfig a = Model("a", 100), b = Model("b", 100);
+  auto mm = Make(Options(0), {a, b});
+  ASSERT_TRUE(mm->Load("b").ok());
+  EXPECT_TRUE(mm->DeviceHealth().ok());
+  loader_.Set("a", {.device_fault = true});
+  Status s = mm->Load("a");
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_EQ(s.reason(), "device_fault");
+  EXPECT_EQ(StatusOf(*mm, "a").state, ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->LoadError("a").ok()) << mm->LoadError("a").ToString();
+  EXPECT_EQ(Loads("a", "error"), 0);
+  const Status device = mm->DeviceHealth();
+  EXPECT_EQ(device.reason(), "device_fault") << device.ToString();
+  EXPECT_NE(device.message().find("illegal memory access"), std::string::npos) << device.message();
+}
+
 TEST_F(ModelManagerTest, LoadFailureReachesEveryWaiterOnceThenFailsFast) {
   ModelConfig a = Model("a", 100);
   loader_.Set("a", {.fail = true});
@@ -860,6 +884,14 @@ TEST_F(ModelManagerTest, StartRejectsBadPinnedSets) {
     Status s = mm->Start();
     EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
     EXPECT_EQ(s.reason(), "pinned_models_exceed_budget");
+  }
+  {
+    // Estimates (file sizes) that do not fit: the same error, naming the model.
+    auto mm = Make(Options(300, {"x", "y"}), {Model("x", 100, 200), Model("y", 100, 250)});
+    Status s = mm->Start();
+    EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+    EXPECT_EQ(s.reason(), "pinned_models_exceed_budget") << s.ToString();
+    EXPECT_NE(s.message().find("pinned model 'y'"), std::string::npos) << s.message();
   }
   {
     auto mm = Make(Options(0), {Model("a", 100), Model("a", 100)});

@@ -179,6 +179,9 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
                                        "Placement claims for cold models, by result.", {{"result", "won"}});
   w->claims_lost_ = metrics->GetCounter("shoal_worker_placement_claims_total",
                                         "Placement claims for cold models, by result.", {{"result", "lost"}});
+  w->device_faults_ = metrics->GetCounter("shoal_worker_device_faults_total",
+                                          "Times this worker's device failed for the rest of the process "
+                                          "(the worker then stops; at most 1).");
   w->drained_ = metrics->GetCounter("shoal_worker_load_failed_answers_total",
                                     "Waiting work answered with a model's load error.");
 
@@ -501,6 +504,8 @@ void Worker::OnPush(natsConnection*, natsSubscription*, natsMsg* msg, void* clos
 }
 
 void Worker::PublishHeartbeat() {
+  std::lock_guard<std::mutex> lock(publish_mu_);
+  if (device_faulted_) return;  // gone from the registry for good
   Status s = workers_kv_->Put(id_, HeartbeatJson());
   if (!s.ok()) LOG_WARN("worker", "heartbeat failed: " << s.ToString());
 }
@@ -593,7 +598,30 @@ void Worker::DemandLoop() {
   }
 }
 
+bool Worker::DeviceFaulted() {
+  if (device_faulted_) return true;
+  const Status fault = manager_->DeviceHealth();
+  if (fault.ok()) return false;
+  {
+    std::lock_guard<std::mutex> lock(publish_mu_);  // a heartbeat being published lands first
+    device_faulted_ = true;
+  }
+  LOG_ERROR("worker", "device " << options_.device << " has failed: " << fault.message()
+                                << "; this worker takes no more work and leaves the registry");
+  // Peers must not wait for this worker's heartbeat to expire, or for its
+  // claims, before they load its models: its work is theirs now.
+  for (const auto& [key, model] : held_claims_) (void)placement_kv_->Delete(key);
+  held_claims_.clear();
+  (void)workers_kv_->Delete(id_);
+  device_faults_->Inc();
+  if (options_.on_device_fault) options_.on_device_fault(fault);
+  return true;
+}
+
 void Worker::PollDemand() {
+  // Nothing loads on a failed device, and no waiting work is answered with
+  // an error that is not the model's: other workers serve it.
+  if (DeviceFaulted()) return;
   // A model whose runtime gave up for good is failed, not left loaded and
   // idle: its waiting work gets model_load_failed below (unless a worker
   // that has it loaded serves it). The manager's change hook announces it.

@@ -109,6 +109,14 @@ struct WorkerOptions {
   // heap for the next load. Process-wide. false: glibc's defaults.
   bool keep_freed_memory = true;
 
+  // Called once, on the worker's demand thread, when its device fails for
+  // the rest of the process (ModelManager::DeviceHealth: a CUDA error that
+  // leaves the context unusable). By then the worker has stopped pulling
+  // and loading and has left the registry, so peers take its models on
+  // demand; work it held goes back to the queue. The owner should Stop()
+  // it and end the process non-zero so that its supervisor starts a fresh
+  // one (`shoal worker` and `shoal serve` exit 1). Empty: only logged.
+  std::function<void(const Status& fault)> on_device_fault;
   // Makes the runtime for a model; default CreateRuntime(config.runtime).
   // Tests inject fakes here.
   std::function<Result<std::unique_ptr<Runtime>>(const ModelConfig&)> runtime_factory;
@@ -198,6 +206,10 @@ class Worker {
   std::string ModelStatusJson(const std::string& model) const;
   void DemandLoop();
   void PollDemand();
+  // Whether the device has failed (see WorkerOptions::on_device_fault).
+  // The first time: leaves the registry, frees its placement claims and
+  // calls on_device_fault. Demand thread only.
+  bool DeviceFaulted();
   // Live peers' model states (every model their heartbeats list, with its
   // state name), by model, excluding this worker. Cached.
   const std::map<std::string, std::vector<PeerModel>>& Peers(bool fresh);
@@ -269,6 +281,8 @@ class Worker {
   int64_t oldest_read_mono_us_ = 0;
 
   std::atomic<bool> stop_{false};
+  std::mutex publish_mu_;  // held while a heartbeat is published
+  std::atomic<bool> device_faulted_{false};  // set under publish_mu_; no more heartbeats, loads or drains
   std::mutex hb_mu_;
   std::condition_variable hb_cv_;
   bool hb_now_ = false;      // guarded by hb_mu_: publish a heartbeat at once
@@ -278,6 +292,7 @@ class Worker {
   std::thread load_report_;
   Counter* claims_won_ = nullptr;
   Counter* claims_lost_ = nullptr;
+  Counter* device_faults_ = nullptr;
   Counter* drained_ = nullptr;
 };
 

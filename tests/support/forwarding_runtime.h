@@ -30,6 +30,7 @@ class ForwardingRuntime : public Runtime {
   int Dim() const override { return inner_->Dim(); }
   bool Available() const override { return inner_->Available(); }
   Status Health() const override { return inner_->Health(); }
+  Status DeviceHealth() const override { return inner_->DeviceHealth(); }
 
  protected:
   Runtime& inner() { return *inner_; }

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include <ATen/Parallel.h>
@@ -13,6 +15,7 @@
 #include <torch/script.h>
 
 #include "common/device.h"
+#include "common/log.h"
 #include "common/process_memory.h"
 #include "runtime/internal/batch_check.h"
 #include "runtime/torch/cuda_memory.h"
@@ -42,6 +45,19 @@ Status Classify(const std::string& what, const std::string& msg) {
     return InvalidArgument(what + ": " + msg);
   }
   return Internal(what + ": " + msg);
+}
+
+// The whole text of what libtorch threw (Summary shortens it for callers).
+std::string ExceptionText(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::Error& ex) {
+    return ex.what_without_backtrace();
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return {};
+  }
 }
 
 // libtorch throws; this is the edge where exceptions become Status.
@@ -85,7 +101,53 @@ int64_t TableRows(const torch::jit::Module& module, const std::string_view (&nam
   return 0;
 }
 
+// CUDA devices that have failed in this process, by index: their context
+// stays failed for every model on them, so the first fault is kept for the
+// life of the process.
+class DeviceFaults {
+ public:
+  static DeviceFaults& Get() {
+    static DeviceFaults faults;
+    return faults;
+  }
+  // Keeps the first fault of `index`; returns the kept one.
+  Status Record(int index, const Status& fault) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return faults_.emplace(index, fault).first->second;
+  }
+  Status Of(int index) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = faults_.find(index);
+    return it == faults_.end() ? Status::Ok() : it->second;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<int, Status> faults_;
+};
+
 }  // namespace
+
+namespace internal {
+
+std::string DeviceFaultLine(std::string_view text) {
+  constexpr std::string_view kSticky[] = {"CUBLAS_STATUS_EXECUTION_FAILED", "CUBLAS_STATUS_INTERNAL_ERROR",
+                                          "CUDNN_STATUS_EXECUTION_FAILED", "CUDNN_STATUS_INTERNAL_ERROR"};
+  while (!text.empty()) {
+    const size_t newline = text.find('\n');
+    const std::string_view line = text.substr(0, newline);
+    const size_t cuda = line.find("CUDA error");
+    if (cuda != std::string_view::npos && line.find("out of memory", cuda) == std::string_view::npos)
+      return std::string(line);
+    for (const std::string_view sticky : kSticky)
+      if (line.find(sticky) != std::string_view::npos) return std::string(line);
+    if (newline == std::string_view::npos) break;
+    text.remove_prefix(newline + 1);
+  }
+  return {};
+}
+
+}  // namespace internal
 
 Status CheckTorchDevice(const std::string& device) {
   ASSIGN_OR_RETURN(const Device d, ParseDevice(device));
@@ -137,9 +199,36 @@ struct TorchScriptRuntime::Impl {
   // rebuild libtorch's process-wide thread pool whenever the count changes.
   // Drops the module; on a GPU, also hands the allocator's now unused cached
   // blocks back to the driver.
+  // After a device fault the cache stays: the process is about to end.
   void Release() {
     module = torch::jit::Module();
-    if (device.is_cuda()) CudaReleaseCachedMemory();
+    if (!device.is_cuda() || !Fault().ok()) return;
+    try {
+      CudaReleaseCachedMemory();
+    } catch (const std::exception& e) {
+      LOG_WARN("torchscript", "emptying the CUDA cache of " << device.str() << ": " << e.what());
+    }
+  }
+
+  // The fault of this runtime's GPU; OK on the CPU or while the GPU works.
+  Status Fault() const {
+    return device.is_cuda() ? DeviceFaults::Get().Of(device.index()) : Status::Ok();
+  }
+
+  // What a libtorch exception means for the caller: FromException's status,
+  // or, for a CUDA error that leaves the context unusable, the device's
+  // fault (recorded first).
+  Status Failed(const std::string& what, std::exception_ptr e) const {
+    const Status failed = FromException(what, e);
+    if (!device.is_cuda()) return failed;
+    const std::string line = internal::DeviceFaultLine(ExceptionText(e));
+    if (line.empty()) return failed;
+    const Status fault = DeviceFaults::Get().Record(
+        device.index(), Unavailable(what + ": device " + device.str() +
+                                        " failed, and this process cannot use it again: " + line,
+                                    "device_fault"));
+    LOG_ERROR("torchscript", fault.message());
+    return fault;
   }
 
   static void ThreadsForPass(int n) {
@@ -255,6 +344,7 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
 
   s.device = where.cuda ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(where.index))
                        : torch::Device(torch::kCPU);
+  RETURN_IF_ERROR(s.Fault());
   const int64_t rss_before = ResidentBytes();
   int64_t gpu_before = -1;
   try {
@@ -278,9 +368,9 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
     // The schema's first argument is `self`.
     s.takes_token_types = s.module.get_method("forward").function().getSchema().arguments().size() >= 4;
   } catch (...) {
+    const Status failed = s.Failed("model " + config.name + ": cannot load " + path, std::current_exception());
     s.Release();
-    return FromException("model " + config.name + ": cannot load " + path,
-                         std::current_exception());
+    return failed;
   }
 
   // Warm-up: the profiling graph executor records shapes on the first call
@@ -300,8 +390,7 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
     pooled = s.Forward(warm);
     if (pooled.ok()) pooled = s.Forward(warm);
   } catch (...) {
-    pooled = FromException("model " + config.name + ": warm-up forward failed",
-                           std::current_exception());
+    pooled = s.Failed("model " + config.name + ": warm-up forward failed", std::current_exception());
   }
   if (!pooled.ok()) {
     s.Release();
@@ -359,6 +448,7 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
 Result<Embeddings> TorchScriptRuntime::Run(const TokenBatch& batch) {
   Impl& s = *impl_;
   if (!s.loaded) return Unavailable("torchscript runtime: model not loaded", "model_not_loaded");
+  RETURN_IF_ERROR(s.Fault());
   RETURN_IF_ERROR(internal::CheckBatch(batch, s.config.max_seq_len));
   for (const int64_t id : batch.input_ids) {
     if (id < 0 || (s.vocab_size > 0 && id >= s.vocab_size)) {
@@ -387,7 +477,7 @@ Result<Embeddings> TorchScriptRuntime::Run(const TokenBatch& batch) {
     std::memcpy(out.data.data(), pooled.data_ptr<float>(), out.data.size() * sizeof(float));
     return out;
   } catch (...) {
-    return FromException("model " + s.config.name + ": forward failed", std::current_exception());
+    return s.Failed("model " + s.config.name + ": forward failed", std::current_exception());
   }
 }
 
@@ -404,5 +494,9 @@ bool TorchScriptRuntime::FootprintIsHostMemory() const { return !impl_->device.i
 int64_t TorchScriptRuntime::MemoryBytes() const { return impl_->memory_bytes; }
 
 int TorchScriptRuntime::Dim() const { return impl_->dim; }
+
+bool TorchScriptRuntime::Available() const { return impl_->Fault().ok(); }
+
+Status TorchScriptRuntime::DeviceHealth() const { return impl_->Fault(); }
 
 }  // namespace shoal

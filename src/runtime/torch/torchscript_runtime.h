@@ -15,6 +15,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "runtime/runtime.h"
 
@@ -53,10 +54,28 @@ class TorchScriptRuntime final : public Runtime {
   // False on a GPU.
   bool FootprintIsHostMemory() const override;
   int Dim() const override;
+  // On a GPU, false once the device has failed in this process (see
+  // DeviceHealth); always true on the CPU.
+  bool Available() const override;
+  // Not OK (kUnavailable, reason device_fault) once any model's pass or
+  // load on this runtime's GPU has hit a CUDA error that leaves the
+  // process's CUDA context unusable (internal::IsDeviceFault). Later passes
+  // and loads on that GPU return the same at once, without touching it.
+  Status DeviceHealth() const override;
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+namespace internal {
+// The line of a libtorch error's full text (TorchScript traceback and CUDA
+// hints included) that reports a CUDA error leaving the process's CUDA
+// context failing every later call ("sticky"): "CUDA error: ..." (a
+// device-side assert, an illegal memory access, a launch failure) other
+// than out of memory, which the allocator recovers from, or a failed cuBLAS
+// or cuDNN execution. Empty when there is none.
+std::string DeviceFaultLine(std::string_view text);
+}  // namespace internal
 
 }  // namespace shoal

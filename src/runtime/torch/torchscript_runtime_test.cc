@@ -698,5 +698,40 @@ TEST_F(TorchScriptFixtures, BadPoolingIsInvalidArgument) {
   EXPECT_EQ(rt.Load(c).code(), StatusCode::kInvalidArgument);
 }
 
+// A CUDA error that leaves the process's context unusable stops the
+// runtime's GPU for good; only such errors do. libtorch puts it in the
+// middle of its text: a TorchScript traceback before, CUDA's hints after.
+TEST(DeviceFault, OnlyCudaErrorsThatBreakTheContextAreDeviceFaults) {
+  using internal::DeviceFaultLine;
+  EXPECT_EQ(DeviceFaultLine("The following operation failed in the TorchScript interpreter.\n"
+                            "Traceback of TorchScript, serialized code (most recent call last):\n"
+                            "RuntimeError: CUDA error: device-side assert triggered\n"
+                            "CUDA kernel errors might be asynchronously reported at some other API call.\n"
+                            "For debugging consider passing CUDA_LAUNCH_BLOCKING=1.\n"),
+            "RuntimeError: CUDA error: device-side assert triggered");
+  EXPECT_EQ(DeviceFaultLine("CUDA error: an illegal memory access was encountered"),
+            "CUDA error: an illegal memory access was encountered");
+  EXPECT_FALSE(DeviceFaultLine("CUDA error: unspecified launch failure").empty());
+  EXPECT_FALSE(DeviceFaultLine("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle)`").empty());
+  EXPECT_FALSE(DeviceFaultLine("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED").empty());
+  EXPECT_EQ(DeviceFaultLine("CUDA out of memory. Tried to allocate 2.00 GiB"), "");
+  EXPECT_EQ(DeviceFaultLine("RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), "");
+  EXPECT_EQ(DeviceFaultLine("The size of tensor a (3) must match the size of tensor b (4)"), "");
+  EXPECT_EQ(DeviceFaultLine("index out of range in self"), "");
+}
+
+// On the CPU the same text is the failure of one pass: the runtime goes on.
+TEST_F(TorchScriptFixtures, ACudaErrorTextOnTheCpuIsNotADeviceFault) {
+  TorchScriptRuntime rt;
+  ASSERT_TRUE(rt.Load(Fixture("    assert input_ids.size(0) < 3, 'CUDA error: device-side assert triggered'\n" +
+                              std::string(kHidden) + "    return h\n"))
+                  .ok());
+  auto out = rt.Run(Batch({{1}, {2}, {3}}));
+  EXPECT_EQ(out.status().code(), StatusCode::kInternal) << out.status().ToString();
+  EXPECT_TRUE(rt.Available());
+  EXPECT_TRUE(rt.DeviceHealth().ok()) << rt.DeviceHealth().ToString();
+  EXPECT_TRUE(rt.Run(Batch({{1}, {2}})).ok());
+}
+
 }  // namespace
 }  // namespace shoal
