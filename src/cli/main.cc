@@ -2,6 +2,7 @@
 // bench. The only place that reads flags and environment variables; every
 // option has both (--flag and SHOAL_FLAG), declared together below.
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <unistd.h>
@@ -244,7 +245,10 @@ Status ApplyWorkerFlags(WorkerFlags& w) {
 
 // Blocks SIGINT/SIGTERM in every thread (call before starting any), then
 // WaitForSignal() receives them synchronously.
+pthread_t g_main_thread;  // the thread that calls WaitForSignal()
+
 void BlockSignals() {
+  g_main_thread = pthread_self();
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
@@ -282,7 +286,10 @@ std::atomic<bool> g_device_failed{false};
 
 void StopAfterDeviceFault(const Status&) {
   g_device_failed = true;
-  ::kill(::getpid(), SIGTERM);  // to the process: WaitForSignal() takes it
+  // To the main thread, which waits for it: a signal to the process could
+  // reach a thread that does not block it and end the process by SIGTERM,
+  // which supervisors count as a clean stop.
+  pthread_kill(g_main_thread, SIGTERM);
 }
 
 int ExitCode(const char* component) {

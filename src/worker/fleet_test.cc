@@ -43,7 +43,7 @@ using namespace std::chrono_literals;
 
 
 class FleetTest : public ::testing::Test {
- protected:
+ public:  // shared helpers below the fixture use it too
   void SetUp() override {
     NatsOptions no;
     no.url = server_.url();
@@ -824,13 +824,19 @@ TEST_F(FleetTest, ARuntimeThatWillNotRestartFailsTheModelAndItsCallers) {
   EXPECT_FALSE(m.worker->manager().IsLoaded("once"));
 }
 
-// A device that fails during a pass, as a CUDA device-side assert leaves a
-// GPU for the rest of the process: that pass fails with device_fault, and
-// so would every later one.
+// A device that fails, as a CUDA device-side assert leaves a GPU for the
+// rest of the process: in the first pass (kInPass), or while the model
+// loads (kInLoad); every later pass fails with device_fault too.
 class FailingDeviceRuntime final : public shoal::testing::ForwardingRuntime {
  public:
-  FailingDeviceRuntime(std::unique_ptr<Runtime> inner, std::shared_ptr<std::atomic<bool>> failed)
-      : ForwardingRuntime(std::move(inner)), failed_(std::move(failed)) {}
+  enum When { kInPass, kInLoad };
+  FailingDeviceRuntime(std::unique_ptr<Runtime> inner, When when, std::shared_ptr<std::atomic<bool>> failed)
+      : ForwardingRuntime(std::move(inner)), when_(when), failed_(std::move(failed)) {}
+  Status Load(const ModelConfig& c) override {
+    if (when_ != kInLoad) return ForwardingRuntime::Load(c);
+    *failed_ = true;
+    return Fault();
+  }
   Result<Embeddings> Run(const TokenBatch&) override {
     *failed_ = true;
     return Fault();
@@ -842,43 +848,46 @@ class FailingDeviceRuntime final : public shoal::testing::ForwardingRuntime {
   static Status Fault() {
     return Unavailable("device cuda:0 failed: CUDA error: device-side assert triggered", "device_fault");
   }
+  When when_;
   std::shared_ptr<std::atomic<bool>> failed_;
 };
 
 // A worker whose device fails loses no work and gives its callers no error:
-// the work goes back to the queue, the worker leaves the registry at once
-// (not when its heartbeat expires) and asks to be restarted once, and a
-// healthy worker takes the model on demand and answers every caller.
-TEST_F(FleetTest, AWorkerWhoseDeviceFailsHandsItsWorkOnAndAsksToBeRestarted) {
-  MakeFleetRepository(repo_.path(), {"tiny-a"});
+// the work goes back to the queue (or stays there), the worker leaves the
+// registry at once (not when its heartbeat expires, a minute here) and for
+// good, and asks to be restarted once; a healthy worker started afterwards
+// takes the model on demand and answers every caller.
+void ExpectAFailedDeviceHandsItsWorkOn(FleetTest* test, FailingDeviceRuntime::When when) {
+  MakeFleetRepository(test->repo_.path(), {"tiny-a"});
   auto failed = std::make_shared<std::atomic<bool>>(false);
   auto fault = std::make_shared<std::promise<Status>>();
   auto fault_seen = fault->get_future();
   auto fault_calls = std::make_shared<std::atomic<int>>(0);
-  WorkerOptions broken = Options();
-  broken.preload = {"all"};
-  broken.heartbeat_ttl_ms = 60000;  // the registry would show it for a minute
-  broken.runtime_factory = [failed](const ModelConfig& c) -> Result<std::unique_ptr<Runtime>> {
+  WorkerOptions broken = test->Options();
+  broken.preload = when == FailingDeviceRuntime::kInPass ? std::vector<std::string>{"all"} : std::vector<std::string>{};
+  broken.heartbeat_ttl_ms = 60000;
+  broken.runtime_factory = [failed, when](const ModelConfig& c) -> Result<std::unique_ptr<Runtime>> {
     ASSIGN_OR_RETURN(auto inner, CreateRuntime(c.runtime));
-    return std::unique_ptr<Runtime>(std::make_unique<FailingDeviceRuntime>(std::move(inner), failed));
+    return std::unique_ptr<Runtime>(std::make_unique<FailingDeviceRuntime>(std::move(inner), when, failed));
   };
   broken.on_device_fault = [fault, fault_calls](const Status& s) {
     if (fault_calls->fetch_add(1) == 0) fault->set_value(s);
   };
-  Member a = Start(broken);
+  FleetTest::Member a = test->Start(broken);
   ASSERT_NE(a.worker, nullptr);
-  ASSERT_TRUE(a.worker->manager().IsLoaded("tiny-a"));
 
   std::vector<std::future<Result<EmbedResult>>> calls;
-  for (int i = 0; i < 6; ++i) calls.push_back(EmbedAsync("tiny-a", "sentence " + std::to_string(i)));
+  for (int i = 0; i < 6; ++i) calls.push_back(test->EmbedAsync("tiny-a", "sentence " + std::to_string(i)));
   ASSERT_EQ(fault_seen.wait_for(10s), std::future_status::ready) << "the worker never reported its device";
   const Status reported = fault_seen.get();
   EXPECT_EQ(reported.reason(), "device_fault") << reported.ToString();
-  auto kv = KvBucket::Bind(*client_, wire::kWorkersBucket);
+  auto kv = KvBucket::Bind(*test->client_, wire::kWorkersBucket);
   ASSERT_TRUE(kv.ok());
   EXPECT_FALSE((*kv)->Get(a.worker->id()).ok()) << "the failed worker is still in the registry";
+  // The device's failure is not the model's.
+  EXPECT_NE(FleetTest::StateOf(*a.worker, "tiny-a"), ModelState::kFailed);
 
-  Member b = Start(Options());
+  FleetTest::Member b = test->Start(test->Options());
   ASSERT_NE(b.worker, nullptr);
   for (auto& call : calls) {
     ASSERT_EQ(call.wait_for(25s), std::future_status::ready) << "a caller waited for its deadline";
@@ -886,10 +895,21 @@ TEST_F(FleetTest, AWorkerWhoseDeviceFailsHandsItsWorkOnAndAsksToBeRestarted) {
     EXPECT_TRUE(r.ok()) << r.status().ToString();
   }
   EXPECT_TRUE(b.worker->manager().IsLoaded("tiny-a"));
-  EXPECT_GE(a.Counter("shoal_worker_handed_back_total", {{"model", "tiny-a"}}), 1);
+  EXPECT_FALSE((*kv)->Get(a.worker->id()).ok()) << "the failed worker came back to the registry";
   EXPECT_EQ(a.Counter("shoal_worker_device_faults_total", {}), 1);
+  if (when == FailingDeviceRuntime::kInPass)
+    EXPECT_GE(a.Counter("shoal_worker_handed_back_total", {{"model", "tiny-a"}}), 1);
   a.worker->Stop();
   EXPECT_EQ(fault_calls->load(), 1);
+}
+
+TEST_F(FleetTest, AWorkerWhoseDeviceFailsInAPassHandsItsWorkOnAndAsksToBeRestarted) {
+  ExpectAFailedDeviceHandsItsWorkOn(this, FailingDeviceRuntime::kInPass);
+}
+
+// With nothing loaded, the fault shows only in the load's result.
+TEST_F(FleetTest, AWorkerWhoseDeviceFailsInALoadLeavesTheWorkToAnother) {
+  ExpectAFailedDeviceHandsItsWorkOn(this, FailingDeviceRuntime::kInLoad);
 }
 
 // The simulated accelerator behind a real worker: the same queue path, no

@@ -319,7 +319,8 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
       loaded = Internal("runtime threw");
     }
   }).join();
-  if (!loaded.ok()) return Status(loaded.code(), "loading model '" + config.name + "': " + loaded.message());
+  if (!loaded.ok())
+    return Status(loaded.code(), "loading model '" + config.name + "': " + loaded.message(), loaded.reason());
   const int64_t t_runtime = clock_->NowMonoUs();
   // The real footprint: what the load added to the process, but never less
   // than the runtime's own count (memory reused from an evicted model does
@@ -454,7 +455,8 @@ std::string Worker::LoadReportJson() const {
             {"busy_seconds", busy_seconds()},
             {"device_slots", scheduler_->slots()},
             {"interval_ms", options_.load_report_interval_ms},
-            {"models", LoadedModels()}};
+            // A failed device takes no pushed work (OnPush refuses it).
+            {"models", device_faulted_ ? std::vector<std::string>{} : LoadedModels()}};
   return j.dump();
 }
 
@@ -491,7 +493,7 @@ void Worker::OnPush(natsConnection*, natsSubscription*, natsMsg* msg, void* clos
   Status refused = Unavailable("model '" + *model + "' is not loaded on worker " + self->id_ + "; retry",
                                "model_not_loaded_here");
   std::lock_guard<std::mutex> lock(self->push_mu_);
-  if (self->push_closed_ || self->stop_) {
+  if (self->push_closed_ || self->stop_ || self->device_faulted_) {
     PublishErrorReply(*self->client_, *headers, refused, self->id_);
     return;
   }

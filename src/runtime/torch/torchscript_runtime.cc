@@ -131,16 +131,26 @@ class DeviceFaults {
 namespace internal {
 
 std::string DeviceFaultLine(std::string_view text) {
-  constexpr std::string_view kSticky[] = {"CUBLAS_STATUS_EXECUTION_FAILED", "CUBLAS_STATUS_INTERNAL_ERROR",
-                                          "CUDNN_STATUS_EXECUTION_FAILED", "CUDNN_STATUS_INTERNAL_ERROR"};
+  // CUDA's "sticky" errors: after one, every call in the context fails.
+  // Others (an invalid launch configuration, an argument, out of memory, a
+  // cuBLAS handle that could not be allocated) leave it working.
+  constexpr std::string_view kSticky[] = {
+      "device-side assert triggered",   "an illegal memory access was encountered",
+      "unspecified launch failure",     "misaligned address",
+      "an illegal instruction was encountered", "invalid program counter",
+      "hardware stack error",           "uncorrectable ECC error",
+      "the launch timed out",           "CUBLAS_STATUS_EXECUTION_FAILED",
+      "CUDNN_STATUS_EXECUTION_FAILED"};
   while (!text.empty()) {
     const size_t newline = text.find('\n');
     const std::string_view line = text.substr(0, newline);
-    const size_t cuda = line.find("CUDA error");
-    if (cuda != std::string_view::npos && line.find("out of memory", cuda) == std::string_view::npos)
-      return std::string(line);
-    for (const std::string_view sticky : kSticky)
-      if (line.find(sticky) != std::string_view::npos) return std::string(line);
+    // "CUDA error: ..." (runtime API, cuBLAS), "CUDA driver error: ..."
+    // (driver API), "cuDNN error: ...".
+    if (line.find("CUDA error") != std::string_view::npos || line.find("CUDA driver error") != std::string_view::npos ||
+        line.find("cuDNN error") != std::string_view::npos) {
+      for (const std::string_view sticky : kSticky)
+        if (line.find(sticky) != std::string_view::npos) return std::string(line);
+    }
     if (newline == std::string_view::npos) break;
     text.remove_prefix(newline + 1);
   }

@@ -71,10 +71,12 @@ class TorchScriptRuntime final : public Runtime {
 namespace internal {
 // The line of a libtorch error's full text (TorchScript traceback and CUDA
 // hints included) that reports a CUDA error leaving the process's CUDA
-// context failing every later call ("sticky"): "CUDA error: ..." (a
-// device-side assert, an illegal memory access, a launch failure) other
-// than out of memory, which the allocator recovers from, or a failed cuBLAS
-// or cuDNN execution. Empty when there is none.
+// context failing every later call ("sticky"): a device-side assert, an
+// illegal memory access or instruction, a launch failure or timeout, a
+// misaligned address, an ECC error, a failed cuBLAS or cuDNN execution,
+// from the runtime or the driver API. Empty when there is none: other CUDA
+// errors (out of memory, an invalid launch configuration or argument)
+// leave the context working.
 std::string DeviceFaultLine(std::string_view text);
 }  // namespace internal
 

@@ -712,10 +712,20 @@ TEST(DeviceFault, OnlyCudaErrorsThatBreakTheContextAreDeviceFaults) {
   EXPECT_EQ(DeviceFaultLine("CUDA error: an illegal memory access was encountered"),
             "CUDA error: an illegal memory access was encountered");
   EXPECT_FALSE(DeviceFaultLine("CUDA error: unspecified launch failure").empty());
+  EXPECT_FALSE(DeviceFaultLine("CUDA error: misaligned address").empty());
+  EXPECT_FALSE(DeviceFaultLine("CUDA driver error: an illegal memory access was encountered").empty());
   EXPECT_FALSE(DeviceFaultLine("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle)`").empty());
   EXPECT_FALSE(DeviceFaultLine("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED").empty());
+  // Errors the context survives: out of memory, a bad launch or argument, a
+  // cuBLAS handle that could not be allocated or an unsupported call.
   EXPECT_EQ(DeviceFaultLine("CUDA out of memory. Tried to allocate 2.00 GiB"), "");
   EXPECT_EQ(DeviceFaultLine("RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), "");
+  EXPECT_EQ(DeviceFaultLine("CUDA error: invalid configuration argument"), "");
+  EXPECT_EQ(DeviceFaultLine("CUDA error: too many resources requested for launch"), "");
+  EXPECT_EQ(DeviceFaultLine("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), "");
+  EXPECT_EQ(DeviceFaultLine("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasGemmEx( handle)`"), "");
+  // Named outside a CUDA error line (a model's own message): not a fault.
+  EXPECT_EQ(DeviceFaultLine("AssertionError: device-side assert triggered"), "");
   EXPECT_EQ(DeviceFaultLine("The size of tensor a (3) must match the size of tensor b (4)"), "");
   EXPECT_EQ(DeviceFaultLine("index out of range in self"), "");
 }
