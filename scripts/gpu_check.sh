@@ -51,9 +51,12 @@ PY
     # The GPU case and the device checks on their own, since their result
     # is the point; then the rest of the runtime's tests under this libtorch
     # (minilm-l6 is not copied: its huge-page test is left out).
-    "$build/torchscript_runtime_test" --gtest_filter='*OnAGpu*:*Device*' --gtest_output="xml:$out/gpu_case.xml" \
+    "$build/torchscript_runtime_test" --gtest_filter='*OnAGpu*:*Device*-*GpuFault*' --gtest_output="xml:$out/gpu_case.xml" \
       | tee "$out/gpu_case.log"
-    "$build/torchscript_runtime_test" --gtest_filter='-*OnAGpu*:*Device*:*HugePages*' --gtest_output="xml:$out/rest.xml"
+    # Breaks its process's CUDA context on purpose: a process of its own.
+    SHOAL_GPU_FAULT_TEST=1 "$build/torchscript_runtime_test" --gtest_filter='*GpuFault*' \
+      --gtest_output="xml:$out/gpu_fault.xml" | tee -a "$out/gpu_case.log"
+    "$build/torchscript_runtime_test" --gtest_filter='-*OnAGpu*:*Device*:*GpuFault*:*HugePages*' --gtest_output="xml:$out/rest.xml"
     if grep -q '\[  SKIPPED \]' "$out/gpu_case.log"; then
       echo "the GPU case was skipped: no CUDA libtorch or no GPU here" >&2
       exit 3

@@ -730,6 +730,45 @@ TEST(DeviceFault, OnlyCudaErrorsThatBreakTheContextAreDeviceFaults) {
   EXPECT_EQ(DeviceFaultLine("index out of range in self"), "");
 }
 
+// Runs only where libtorch has CUDA and sees a GPU, and only when asked
+// (SHOAL_GPU_FAULT_TEST=1, as scripts/gpu_check.sh does in a process of its
+// own): it breaks its process's CUDA context on purpose. A model that looks
+// ids up in a table the host check does not know trips a device-side
+// assert; the runtime reports its GPU failed, takes no more work, and a
+// later load on that GPU fails the same way without touching it.
+TEST_F(TorchScriptFixtures, GpuFaultADeviceSideAssertStopsTheGpuForTheProcess) {
+  if (!BuiltWithCuda() || !torch::cuda::is_available()) GTEST_SKIP() << "no CUDA libtorch or no GPU here";
+  if (std::getenv("SHOAL_GPU_FAULT_TEST") == nullptr)
+    GTEST_SKIP() << "breaks its process's CUDA context: run it on its own with SHOAL_GPU_FAULT_TEST=1";
+  torch::jit::Module words("Words");
+  words.register_parameter("weight", torch::ones({100, 8}), /*is_buffer=*/false);
+  torch::jit::Module other("Other");
+  other.register_parameter("weight", torch::ones({10, 8}), /*is_buffer=*/false);
+  torch::jit::Module m("Fixture");
+  m.register_module("word_embeddings", words);  // the vocabulary the host checks: 100 ids
+  m.register_module("other", other);            // 10 rows, looked up with the same ids
+  m.define("def forward(self, input_ids, attention_mask):\n"
+           "    return torch.embedding(self.other.weight, input_ids) + self.word_embeddings.weight[0]\n");
+  m.save((dir_ / "model.pt").string());
+  ModelConfig c;
+  c.name = "fixture";
+  c.dir = dir_.string();
+  c.normalize = false;
+  c.device = "cuda:0";
+  TorchScriptRuntime rt;
+  ASSERT_TRUE(rt.Load(c).ok());
+  ASSERT_TRUE(rt.Run(Batch({{1, 9}})).ok());
+  auto broken = rt.Run(Batch({{1, 50}}));  // inside the vocabulary, outside `other`
+  EXPECT_EQ(broken.status().code(), StatusCode::kUnavailable) << broken.status().ToString();
+  EXPECT_EQ(broken.status().reason(), "device_fault") << broken.status().ToString();
+  EXPECT_FALSE(rt.Available());
+  EXPECT_EQ(rt.DeviceHealth().reason(), "device_fault");
+  EXPECT_EQ(rt.Run(Batch({{1, 2}})).status().reason(), "device_fault");
+  TorchScriptRuntime next;
+  EXPECT_EQ(next.Load(c).reason(), "device_fault");
+  rt.Unload();
+}
+
 // On the CPU the same text is the failure of one pass: the runtime goes on.
 TEST_F(TorchScriptFixtures, ACudaErrorTextOnTheCpuIsNotADeviceFault) {
   TorchScriptRuntime rt;
