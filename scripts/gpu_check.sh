@@ -2,7 +2,8 @@
 # Checks GPU workers (docs/operations.md, "GPU workers") on a machine with a
 # GPU and a PyTorch whose libtorch has CUDA, but none of Shoal's Debian
 # packages: builds the TorchScript runtime and its tests (tests/gpu) against
-# that libtorch and runs them, the GPU case first.
+# that libtorch and runs them, the GPU cases first (the one that trips a
+# real device-side assert in a process of its own).
 #
 #   scripts/gpu_check.sh prepare   # on a machine set up by scripts/setup.sh:
 #                                  # copies what the GPU machine lacks (demo
@@ -14,8 +15,8 @@
 # `prepare` takes the x86_64 Debian paths of those libraries. `run` needs
 # CMake 3.25 or later, Ninja, a C++20 compiler, the libtorch of `python3`
 # (TORCH_PREFIX overrides its CMake prefix) and a CUDA toolkit libtorch's
-# CMake package can find. Exit 0: every selected test passed, the GPU case
-# included; 3: the others passed but the GPU case was skipped (no GPU or no
+# CMake package can find. Exit 0: every selected test passed, the GPU cases
+# included; 3: the others passed but a GPU case was skipped (no GPU or no
 # CUDA libtorch there); anything else: a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."

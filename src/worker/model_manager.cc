@@ -455,6 +455,9 @@ int ModelManager::CountLocked() const {
 }
 
 Result<ModelManager::Step> ModelManager::BeginLoadLocked(Entry& e) {
+  // Nothing loads on a failed device, and nothing is evicted for a load
+  // that would fail at once.
+  if (!device_fault_.ok()) return device_fault_;
   const int64_t need = EstimateLocked(e);
   const int64_t budget = options_.memory_budget_bytes;
   const int max_models = options_.max_models;
@@ -530,6 +533,9 @@ std::vector<ModelManager::Entry*> ModelManager::EvictableLocked(const Entry* exc
 
 int64_t ModelManager::EvictLocked(Entry& e, std::vector<std::unique_ptr<LoadedModel>>* victims,
                                   bool automatic) {
+  // A model unloaded after its pass broke the device must not take the
+  // only report of the fault with it.
+  if (device_fault_.ok() && e.model && e.model->runtime) device_fault_ = e.model->runtime->DeviceHealth();
   victims->push_back(std::move(e.model));
   if (automatic) gdsf_inflation_ = std::max(gdsf_inflation_, e.gdsf_priority);
   e.state = ModelState::kNotLoaded;

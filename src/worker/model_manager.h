@@ -238,9 +238,11 @@ class ModelManager {
   std::vector<std::string> FailUnhealthy();
   // Not OK (reason device_fault) once the device has failed for the rest
   // of the process: a loaded model's runtime says so
-  // (Runtime::DeviceHealth), or a load failed with that reason (such a
-  // model goes back to kNotLoaded, not kFailed: its callers are not given
-  // an error that is not the model's). Thread-safe.
+  // (Runtime::DeviceHealth), or said so as it was unloaded, or a load
+  // failed with that reason (such a model goes back to kNotLoaded, not
+  // kFailed: its callers are not given an error that is not the model's).
+  // Every load after that fails at once with this status, evicting
+  // nothing. Thread-safe.
   Status DeviceHealth() const;
 
   // Pins `name`, loading it (blocking) if needed; on a load failure the model

@@ -514,6 +514,10 @@ TEST_F(ModelManagerTest, ALoadThatBreaksTheDeviceIsNotTheModelsFailure) {
   const Status device = mm->DeviceHealth();
   EXPECT_EQ(device.reason(), "device_fault") << device.ToString();
   EXPECT_NE(device.message().find("illegal memory access"), std::string::npos) << device.message();
+  // Later loads fail at once, without the loader and without evicting.
+  EXPECT_EQ(mm->Load("a").reason(), "device_fault");
+  EXPECT_EQ(loader_.loads("a"), 1);
+  EXPECT_TRUE(mm->IsLoaded("b"));
 }
 
 TEST_F(ModelManagerTest, LoadFailureReachesEveryWaiterOnceThenFailsFast) {

@@ -259,9 +259,7 @@ void Worker::Stop() {
   if (heartbeat_.joinable()) heartbeat_.join();
   if (demand_.joinable()) demand_.join();
   if (load_report_.joinable()) load_report_.join();
-  // Claims of loads this worker will not finish: free them for the others.
-  for (const auto& [key, model] : held_claims_) (void)placement_kv_->Delete(key);
-  held_claims_.clear();
+  ReleaseAllClaims();
   control_sub_.reset();
   push_sub_.reset();  // no pushed work arrives after this; what was pushed is answered below
   {
@@ -566,6 +564,11 @@ bool Worker::Claim(const std::string& model, int replica) {
   return true;
 }
 
+void Worker::ReleaseAllClaims() {
+  for (const auto& [key, model] : held_claims_) (void)placement_kv_->Delete(key);
+  held_claims_.clear();
+}
+
 void Worker::ReleaseSettledClaims() {
   if (held_claims_.empty()) return;
   std::map<std::string, ModelState> states;
@@ -612,8 +615,7 @@ bool Worker::DeviceFaulted() {
                                 << "; this worker takes no more work and leaves the registry");
   // Peers must not wait for this worker's heartbeat to expire, or for its
   // claims, before they load its models: its work is theirs now.
-  for (const auto& [key, model] : held_claims_) (void)placement_kv_->Delete(key);
-  held_claims_.clear();
+  ReleaseAllClaims();
   (void)workers_kv_->Delete(id_);
   device_faults_->Inc();
   if (options_.on_device_fault) options_.on_device_fault(fault);

@@ -220,6 +220,9 @@ class Worker {
   // result: a claim must outlive only the window in which the registry does
   // not show the load yet (else a dead claimant would block failover).
   void ReleaseSettledClaims();
+  // Claims of loads this worker will not finish: frees them for the others.
+  // Demand thread, or after it has ended.
+  void ReleaseAllClaims();
   // Whether a live peer reports `model` as loaded or loading.
   static bool ServedByPeer(const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& model);
   // For a model that failed to load here: whether a peer serves it or may

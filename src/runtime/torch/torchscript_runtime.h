@@ -59,7 +59,7 @@ class TorchScriptRuntime final : public Runtime {
   bool Available() const override;
   // Not OK (kUnavailable, reason device_fault) once any model's pass or
   // load on this runtime's GPU has hit a CUDA error that leaves the
-  // process's CUDA context unusable (internal::IsDeviceFault). Later passes
+  // process's CUDA context unusable (internal::DeviceFaultLine). Later passes
   // and loads on that GPU return the same at once, without touching it.
   Status DeviceHealth() const override;
 
