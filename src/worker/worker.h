@@ -113,10 +113,11 @@ struct WorkerOptions {
   // the rest of the process (ModelManager::DeviceHealth: a CUDA error that
   // leaves the context unusable). By then the worker has stopped pulling,
   // loading and taking pushed work and has left the registry, so peers
-  // take its models on demand; work it held goes back to the queue. The owner should Stop()
-  // it and end the process non-zero so that its supervisor starts a fresh
-  // one (`shoal worker` and `shoal serve` exit 1); not from inside the
-  // callback, which runs on a thread Stop() joins. Empty: only logged.
+  // take its models on demand; work it held goes back to the queue. The
+  // owner should Stop() it and end the process non-zero so that its
+  // supervisor starts a fresh one (`shoal worker` and `shoal serve` exit
+  // 1); not from inside the callback, which runs on a thread Stop() joins.
+  // Empty: only logged.
   std::function<void(const Status& fault)> on_device_fault;
   // Makes the runtime for a model; default CreateRuntime(config.runtime).
   // Tests inject fakes here.

@@ -47,31 +47,26 @@ Status Classify(const std::string& what, const std::string& msg) {
   return Internal(what + ": " + msg);
 }
 
-// The whole text of what libtorch threw (Summary shortens it for callers).
-std::string ExceptionText(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const c10::Error& ex) {
-    return ex.what_without_backtrace();
-  } catch (const std::exception& ex) {
-    return ex.what();
-  } catch (...) {
-    return {};
-  }
-}
-
 // libtorch throws; this is the edge where exceptions become Status.
-Status FromException(const std::string& what, std::exception_ptr e) {
+// `text` (may be null) receives the whole text thrown, which the status
+// carries only in Summary's short form.
+Status FromException(const std::string& what, std::exception_ptr e, std::string* text = nullptr) {
+  std::string ignored;
+  std::string& full = text != nullptr ? *text : ignored;
   try {
     std::rethrow_exception(e);
   } catch (const c10::IndexError& ex) {
-    return InvalidArgument(what + ": " + Summary(ex.what_without_backtrace()));
+    full = ex.what_without_backtrace();
+    return InvalidArgument(what + ": " + Summary(full));
   } catch (const c10::ValueError& ex) {
-    return InvalidArgument(what + ": " + Summary(ex.what_without_backtrace()));
+    full = ex.what_without_backtrace();
+    return InvalidArgument(what + ": " + Summary(full));
   } catch (const c10::Error& ex) {
-    return Classify(what, Summary(ex.what_without_backtrace()));
+    full = ex.what_without_backtrace();
+    return Classify(what, Summary(full));
   } catch (const std::exception& ex) {
-    return Classify(what, Summary(ex.what()));
+    full = ex.what();
+    return Classify(what, Summary(full));
   } catch (...) {
     return Internal(what + ": unknown exception");
   }
@@ -229,9 +224,10 @@ struct TorchScriptRuntime::Impl {
   // or, for a CUDA error that leaves the context unusable, the device's
   // fault (recorded first).
   Status Failed(const std::string& what, std::exception_ptr e) const {
-    const Status failed = FromException(what, e);
+    std::string text;
+    const Status failed = FromException(what, e, &text);
     if (!device.is_cuda()) return failed;
-    const std::string line = internal::DeviceFaultLine(ExceptionText(e));
+    const std::string line = internal::DeviceFaultLine(text);
     if (line.empty()) return failed;
     const Status fault = DeviceFaults::Get().Record(
         device.index(), Unavailable(what + ": device " + device.str() +
