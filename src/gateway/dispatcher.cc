@@ -246,6 +246,7 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
       p->chunk_worker[c] = PickWorker(model, p->chunk_rows[c]);
       if (p->chunk_worker[c].empty()) push_fallback_->Inc();
     }
+    if (after_pick_hook_) after_pick_hook_();
   }
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -261,6 +262,7 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
   }
   timer_cv_.notify_one();
   chunks_per_request_->Observe(count);
+  if (push_ && !ChosenWorkersLive(id, *p)) return;
 
   const std::string deadline = std::to_string(deadline_unix_ms);
   for (int c = 0; c < count; ++c) {
@@ -546,6 +548,25 @@ std::string Dispatcher::PickWorker(const std::string& model, int64_t rows) {
   if (best == nullptr) return {};
   best->own_rows += rows;
   return best->id;
+}
+
+bool Dispatcher::ChosenWorkersLive(const std::string& id, const Pending& p) {
+  // A worker dropped after PickWorker chose it but before the request was
+  // registered: FailWorkerRequests scanned pending_ without this request.
+  // It erased the worker before that scan, and the scan came before the
+  // registration, so this check (after it) sees the worker gone.
+  std::string lost;
+  {
+    std::lock_guard<std::mutex> lock(push_mu_);
+    for (const auto& w : p.chunk_worker)
+      if (!w.empty() && !push_workers_.count(w)) {
+        lost = w;
+        break;
+      }
+  }
+  if (lost.empty()) return true;  // (the drop itself was counted in worker_lost_)
+  Complete(id, Unavailable("worker " + lost + " was dropped as the request was sent to it; retry", "worker_lost"));
+  return false;
 }
 
 void Dispatcher::ReleaseRows(const std::string& worker, int64_t rows) {

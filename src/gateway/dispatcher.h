@@ -147,6 +147,10 @@ class Dispatcher final : public WorkSubmitter {
   // Push mode: the workers known from load reports now (a copy).
   std::vector<PushWorkerLoad> PushWorkers() const;
   const std::string& reply_subject() const { return reply_subject_; }
+  // Tests only: runs in every push-mode submit after the workers are chosen
+  // and before the request is registered (the window a worker can be
+  // dropped in). Set before the first submit.
+  void SetAfterPickHook(std::function<void()> hook) { after_pick_hook_ = std::move(hook); }
 
  private:
   struct Pending;
@@ -187,6 +191,9 @@ class Dispatcher final : public WorkSubmitter {
   void SweepLostWorkers();
   // Fails every request with a chunk outstanding at `worker`.
   void FailWorkerRequests(const std::string& worker, const std::string& why);
+  // Push: after registering request `id`, completes it with 503 worker_lost
+  // (and returns false) when a worker chosen for it was dropped meanwhile.
+  bool ChosenWorkersLive(const std::string& id, const Pending& p);
 
   DispatcherOptions options_;
   NatsClient* client_ = nullptr;
@@ -221,6 +228,7 @@ class Dispatcher final : public WorkSubmitter {
   Counter* pushed_ = nullptr;
   Counter* push_fallback_ = nullptr;
   Counter* worker_lost_ = nullptr;
+  std::function<void()> after_pick_hook_;
 };
 
 }  // namespace shoal

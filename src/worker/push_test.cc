@@ -3,7 +3,8 @@
 // and the gateway's Dispatcher in push mode. Covers: work goes only to a
 // worker that has the model, least-loaded and p2c spread work over two
 // workers, a worker that dies while holding pushed work fails its callers
-// with 503 worker_lost (not a hang to the deadline), load reports and the
+// with 503 worker_lost (not a hang to the deadline), and so does one dropped
+// in the moment it is chosen for a request; load reports and the
 // busy_seconds each worker reports in its heartbeat.
 #include <nats/nats.h>
 
@@ -226,6 +227,48 @@ TEST_F(PushTest, WorkerLostMidPushFailsTheCallerWithWorkerLost) {
   }
   gate.cv.notify_all();
   a.worker.reset();
+}
+
+// A worker dropped (no load report for push_worker_timeout_ms) between the
+// moment a request's worker is chosen and the moment the request is
+// registered: the drop's scan of pending requests missed it, yet the caller
+// still gets 503 worker_lost at once, not a wait to its deadline. The worker
+// is wedged, not gone: its push subscription stays, so NATS sends no "no
+// responders" that would fail the request another way.
+TEST_F(PushTest, AWorkerDroppedAsItIsChosenStillFailsTheCallerWithWorkerLost) {
+  StartDispatcher("least-loaded");
+  std::atomic<int> received{0};
+  auto sub = client_->Subscribe(
+      wire::PushSubject("push-wedged", "sim-a"),
+      [](natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
+        ++*static_cast<std::atomic<int>*>(closure);
+        natsMsg_Destroy(msg);
+      },
+      &received);
+  ASSERT_TRUE(sub.ok()) << sub.status().ToString();
+  // One load report, then silence.
+  ASSERT_TRUE(client_
+                  ->Publish(wire::LoadSubject("push-wedged"),
+                            R"({"id":"push-wedged","models":["sim-a"],"outstanding_rows":0})")
+                  .ok());
+  ASSERT_TRUE(SeesWorkers("sim-a", 1));
+  std::atomic<int> hooked{0};
+  dispatcher_->SetAfterPickHook([&] {
+    if (hooked++ > 0) return;
+    // The sweep drops the silent worker (600 ms without a report) while
+    // this request, already assigned to it, is not yet registered.
+    EXPECT_TRUE(Eventually([&] { return dispatcher_->PushWorkers().empty(); }));
+  });
+  auto r = EmbedAsync("sim-a", {"to a wedged worker"}, /*timeout_ms=*/8000).get();
+  EXPECT_EQ(hooked.load(), 1);
+  ASSERT_FALSE(r.ok());
+  // Not the deadline (kDeadlineExceeded, 504).
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
+  EXPECT_EQ(r.status().reason(), "worker_lost");
+  EXPECT_EQ(GatewayCounter("shoal_gateway_push_worker_lost_total"), 1);
+  // It was answered before being sent: the wedged worker got nothing.
+  EXPECT_EQ(received.load(), 0);
+  EXPECT_EQ(dispatcher_->InFlight(), 0u);
 }
 
 TEST_F(PushTest, BusySecondsGrowWithWorkAndReachTheHeartbeat) {
