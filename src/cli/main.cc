@@ -134,6 +134,7 @@ struct WorkerFlags {
   WorkerOptions options;
   std::string models_csv;
   std::string memory_budget = "0";
+  std::string host_memory_budget = "0";
   std::string pin_csv;
   std::string preload_csv = "all";
   int metrics_port = -1;
@@ -155,6 +156,9 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
       "Where TorchScript models run: cpu, cuda or cuda:N (needs a libtorch with CUDA); the memory budget is this device's");
   Opt(app, "--memory-budget", w.memory_budget, "SHOAL_MEMORY_BUDGET",
       "Memory for resident models on this device, e.g. 2GiB, 512MiB, 3000000000 (0: unlimited)");
+  Opt(app, "--host-memory-budget", w.host_memory_budget, "SHOAL_HOST_MEMORY_BUDGET",
+      "GPU workers: memory for resident models whose runtime computes on the host (socket, OCR, OpenAI), apart "
+      "from the GPU's --memory-budget (0: unlimited)");
   Opt(app, "--max-models", w.options.max_models, "SHOAL_MAX_MODELS", "Most models resident at once (0: unlimited)");
   Opt(app, "--eviction", w.options.eviction, "SHOAL_EVICTION",
       "Which idle model goes first when a load needs room: lru (least recently used) or gdsf (uses x load time / "
@@ -237,6 +241,7 @@ Result<int64_t> ParseBytes(const std::string& text) {
 Status ApplyWorkerFlags(WorkerFlags& w) {
   w.options.models = SplitCsv(w.models_csv);
   ASSIGN_OR_RETURN(w.options.memory_budget_bytes, ParseBytes(w.memory_budget));
+  ASSIGN_OR_RETURN(w.options.host_memory_budget_bytes, ParseBytes(w.host_memory_budget));
   w.options.pinned = SplitCsv(w.pin_csv);
   w.options.preload = w.preload_csv == "none" ? std::vector<std::string>{} : SplitCsv(w.preload_csv);
   // A GPU this build cannot use fails before anything starts.

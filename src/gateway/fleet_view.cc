@@ -16,6 +16,8 @@ bool ParseWorkerHeartbeat(const std::string& json_text, WorkerInfo* out) {
     out->id = j.value("id", "");
     out->memory_used_bytes = j.value("memory_used_bytes", int64_t{0});
     out->memory_budget_bytes = j.value("memory_budget_bytes", int64_t{0});
+    out->host_memory_used_bytes = j.value("host_memory_used_bytes", int64_t{0});
+    out->host_memory_budget_bytes = j.value("host_memory_budget_bytes", int64_t{0});
     out->max_models = j.value("max_models", 0);
     out->host = j.value("host", "");
     out->device_slots = std::max(1, j.value("device_slots", 1));

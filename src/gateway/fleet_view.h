@@ -46,6 +46,9 @@ struct WorkerInfo {
   std::string id;
   int64_t memory_used_bytes = 0;
   int64_t memory_budget_bytes = 0;  // 0: unlimited
+  // A GPU worker's models in host memory (runtimes other than TorchScript).
+  int64_t host_memory_used_bytes = 0;
+  int64_t host_memory_budget_bytes = 0;  // 0: unlimited
   int max_models = 0;
   std::string host;
   int device_slots = 1;

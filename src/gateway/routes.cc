@@ -662,17 +662,22 @@ HttpResponse Router::Workers() const {
     json loaded = json::array();
     for (const auto& [name, m] : w.models)
       if (m.state == "loaded") loaded.push_back(name);
-    data.push_back({{"id", w.id},
-                    {"object", "worker"},
-                    {"host", w.host},
-                    {"busy_seconds", w.busy_seconds},
-                    {"device", w.device},
-                    {"device_slots", w.device_slots},
-                    {"memory_used_bytes", w.memory_used_bytes},
-                    {"memory_budget_bytes", w.memory_budget_bytes},
-                    {"models_loaded", loaded},
-                    {"started_unix_ms", w.started_unix_ms},
-                    {"heartbeat_unix_ms", w.heartbeat_unix_ms}});
+    json entry = {{"id", w.id},
+                  {"object", "worker"},
+                  {"host", w.host},
+                  {"busy_seconds", w.busy_seconds},
+                  {"device", w.device},
+                  {"device_slots", w.device_slots},
+                  {"memory_used_bytes", w.memory_used_bytes},
+                  {"memory_budget_bytes", w.memory_budget_bytes},
+                  {"models_loaded", loaded},
+                  {"started_unix_ms", w.started_unix_ms},
+                    {"heartbeat_unix_ms", w.heartbeat_unix_ms}};
+    if (w.device != "cpu") {
+      entry["host_memory_used_bytes"] = w.host_memory_used_bytes;
+      entry["host_memory_budget_bytes"] = w.host_memory_budget_bytes;
+    }
+    data.push_back(std::move(entry));
   }
   return JsonResponse(200, json({{"object", "list"}, {"data", data}}).dump());
 }

@@ -613,11 +613,13 @@ TEST_F(RoutesTest, EveryBadScoringInputGetsItsStatusAndCode) {
 namespace shoal {
 namespace {
 
-TEST_F(RoutesTest, WorkersListsBusySecondsAndSlotsForUtilisation) {
+TEST_F(RoutesTest, WorkersListsBusySecondsSlotsAndBudgets) {
   auto empty = json::parse(Call("GET", "/v1/workers", "").body);
   EXPECT_EQ(empty["object"], "list");
   EXPECT_TRUE(empty["data"].empty());
   AddWorker(R"({"id":"w1","host":"h","device":"cuda:1","device_slots":2,"busy_seconds":12.5,"heartbeat_unix_ms":7,
+                "memory_used_bytes":300,"memory_budget_bytes":1000,
+                "host_memory_used_bytes":40,"host_memory_budget_bytes":500,
                 "models":[{"name":"m","state":"loaded"},{"name":"rr","state":"not_loaded"}]})");
   AddWorker(R"({"id":"w2","models":[]})");  // an older worker: no busy_seconds
   auto r = Call("GET", "/v1/workers", "");
@@ -631,6 +633,12 @@ TEST_F(RoutesTest, WorkersListsBusySecondsAndSlotsForUtilisation) {
   EXPECT_EQ(w1["device_slots"], 2);
   EXPECT_EQ(w1["device"], "cuda:1");
   EXPECT_EQ(w1["models_loaded"], json::array({"m"}));
+  EXPECT_EQ(w1["memory_used_bytes"], 300);
+  EXPECT_EQ(w1["memory_budget_bytes"], 1000);
+  // A GPU worker's models in host memory have their own budget.
+  EXPECT_EQ(w1["host_memory_used_bytes"], 40);
+  EXPECT_EQ(w1["host_memory_budget_bytes"], 500);
+  EXPECT_FALSE(j["data"][1].contains("host_memory_budget_bytes"));  // a CPU worker: one budget
   EXPECT_EQ(j["data"][1]["busy_seconds"], 0);
   EXPECT_EQ(j["data"][1]["device_slots"], 1);
   EXPECT_EQ(j["data"][1]["device"], "cpu");

@@ -43,6 +43,9 @@ Result<EvictionPolicy> ParseEvictionPolicy(std::string_view name) {
 
 Status ModelManagerOptions::Validate() const {
   if (memory_budget_bytes < 0) return InvalidArgument("memory_budget_bytes must be >= 0");
+  if (host_memory_budget_bytes < 0) return InvalidArgument("host_memory_budget_bytes must be >= 0");
+  if (host_memory_budget_bytes > 0 && !in_host_memory)
+    return InvalidArgument("a host memory budget needs in_host_memory (a GPU worker's models in host memory)");
   if (max_models < 0) return InvalidArgument("max_models must be >= 0");
   if (!(file_size_factor > 0)) return InvalidArgument("file_size_factor must be > 0");
   if (retry_failed_after_us < 0) return InvalidArgument("retry_failed_after_us must be >= 0");
@@ -69,6 +72,7 @@ struct ModelManager::LoadAttempt {
 struct ModelManager::Entry {
   ModelConfig config;
   int64_t file_estimate_bytes = 0;  // model file size x factor, fixed
+  int pool = 0;                     // kDevicePool or kHostPool, fixed
   ModelState state = ModelState::kNotLoaded;
   bool pinned = false;
   std::unique_ptr<LoadedModel> model;  // set iff kLoaded
@@ -101,7 +105,7 @@ struct ModelManager::Job {
   std::vector<std::unique_ptr<LoadedModel>> victims;  // unloaded before the load
   // What the victims hold beyond the new model's reservation, accounted as
   // unloading until they are gone.
-  int64_t excess_bytes = 0;
+  PoolBytes excess_bytes{};
   int excess_count = 0;
 };
 
@@ -154,6 +158,7 @@ ModelManager::ModelManager(ModelManagerOptions options, std::vector<ModelConfig>
       e->file_estimate_bytes =
           static_cast<int64_t>(static_cast<double>(file_bytes) * options_.file_size_factor);
     }
+    e->pool = options_.in_host_memory && options_.in_host_memory(config) ? kHostPool : kDevicePool;
     const Labels l = {{"model", config.name}};
     e->loads_ok = metrics_->GetCounter("shoal_worker_model_loads_total", "Model loads, by result.",
                                        {{"model", config.name}, {"result", "ok"}});
@@ -200,7 +205,7 @@ ModelManager::~ModelManager() {
       if (e->state == ModelState::kLoaded) EvictLocked(*e, &victims, /*automatic=*/false);
     }
   }
-  UnloadVictims(std::move(victims), 0, 0);
+  UnloadVictims(std::move(victims), {}, 0);
 }
 
 Status ModelManager::Start() {
@@ -226,12 +231,13 @@ Status ModelManager::Start() {
     }
     TouchLocked(e);
   }
-  const int64_t used = UsedLocked();
-  if (options_.memory_budget_bytes > 0 && used > options_.memory_budget_bytes) {
-    return ResourceExhausted("pinned models use " + std::to_string(used) +
-                                 " bytes, over the memory budget of " +
-                                 std::to_string(options_.memory_budget_bytes),
-                             "pinned_models_exceed_budget");
+  for (const int pool : {kDevicePool, kHostPool}) {
+    const int64_t used = UsedLocked(pool);
+    if (Budget(pool) > 0 && used > Budget(pool)) {
+      return ResourceExhausted("pinned models use " + std::to_string(used) + " bytes, over the " +
+                                   BudgetName(pool) + " of " + std::to_string(Budget(pool)),
+                               "pinned_models_exceed_budget");
+    }
   }
   return Status::Ok();
 }
@@ -274,7 +280,8 @@ bool ModelManager::FitsWithoutEviction(const std::string& name) const {
   const Entry* e = Find(name);
   if (e == nullptr) return false;
   const int64_t need = EstimateLocked(*e);
-  return (options_.memory_budget_bytes == 0 || UsedLocked() + need <= options_.memory_budget_bytes) &&
+  const int64_t budget = Budget(e->pool);
+  return (budget == 0 || UsedLocked(e->pool) + need <= budget) &&
          (options_.max_models == 0 || CountLocked() < options_.max_models);
 }
 
@@ -313,7 +320,7 @@ Status ModelManager::Load(const std::string& name) {
 
 Status ModelManager::Unload(const std::string& name) {
   std::vector<std::unique_ptr<LoadedModel>> victims;
-  int64_t bytes = 0;
+  PoolBytes bytes{};
   {
     std::lock_guard<std::mutex> lock(mu_);
     Entry* e = Find(name);
@@ -328,8 +335,8 @@ Status ModelManager::Unload(const std::string& name) {
       e->error = Status::Ok();
     }
     if (e->state != ModelState::kLoaded) return Status::Ok();
-    bytes = EvictLocked(*e, &victims, /*automatic=*/false);
-    unloading_bytes_ += bytes;
+    bytes[e->pool] = EvictLocked(*e, &victims, /*automatic=*/false);
+    unloading_bytes_[e->pool] += bytes[e->pool];
     ++unloading_count_;
   }
   UnloadVictims(std::move(victims), bytes, 1);
@@ -339,14 +346,14 @@ Status ModelManager::Unload(const std::string& name) {
 std::vector<std::string> ModelManager::FailUnhealthy() {
   std::vector<std::unique_ptr<LoadedModel>> victims;
   std::vector<std::string> failed;
-  int64_t bytes = 0;
+  PoolBytes bytes{};
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [name, e] : entries_) {
       if (e->state != ModelState::kLoaded || e->leases > 0 || !e->model || !e->model->runtime) continue;
       const Status health = e->model->runtime->Health();
       if (health.ok()) continue;
-      bytes += EvictLocked(*e, &victims, /*automatic=*/false);
+      bytes[e->pool] += EvictLocked(*e, &victims, /*automatic=*/false);
       e->state = ModelState::kFailed;
       e->failed_mono_us = clock_->NowMonoUs();
       e->error = Status(StatusCode::kBadGateway, "model '" + name + "' failed: " + health.message(),
@@ -354,7 +361,7 @@ std::vector<std::string> ModelManager::FailUnhealthy() {
       e->loads_failed->Inc();  // its runtime's restarts were loads, and they failed
       failed.push_back(name);
     }
-    unloading_bytes_ += bytes;
+    for (const int pool : {kDevicePool, kHostPool}) unloading_bytes_[pool] += bytes[pool];
     unloading_count_ += static_cast<int>(victims.size());
   }
   for (const std::string& name : failed) LOG_ERROR("worker", "unloaded " << name << ": its runtime gave up");
@@ -423,7 +430,12 @@ std::vector<ModelStatus> ModelManager::Statuses() const {
 
 int64_t ModelManager::memory_used_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return UsedLocked();
+  return UsedLocked(kDevicePool);
+}
+
+int64_t ModelManager::host_memory_used_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return UsedLocked(kHostPool);
 }
 
 // ---------------------------------------------------------------------------
@@ -437,9 +449,18 @@ int64_t ModelManager::EstimateLocked(const Entry& e) const {
   return e.measured_bytes > 0 ? e.measured_bytes : e.file_estimate_bytes;
 }
 
-int64_t ModelManager::UsedLocked() const {
-  int64_t used = unloading_bytes_;
+int64_t ModelManager::Budget(int pool) const {
+  return pool == kHostPool ? options_.host_memory_budget_bytes : options_.memory_budget_bytes;
+}
+
+const char* ModelManager::BudgetName(int pool) {
+  return pool == kHostPool ? "host memory budget" : "memory budget";
+}
+
+int64_t ModelManager::UsedLocked(int pool) const {
+  int64_t used = unloading_bytes_[pool];
   for (const auto& [name, e] : entries_) {
+    if (e->pool != pool) continue;
     if (e->state == ModelState::kLoaded) used += e->measured_bytes;
     if (e->state == ModelState::kLoading) used += e->reserved_bytes;
   }
@@ -458,30 +479,37 @@ Result<ModelManager::Step> ModelManager::BeginLoadLocked(Entry& e) {
   // Nothing loads on a failed device, and nothing is evicted for a load
   // that would fail at once.
   if (!device_fault_.ok()) return device_fault_;
+  const int pool = e.pool;
   const int64_t need = EstimateLocked(e);
-  const int64_t budget = options_.memory_budget_bytes;
+  const int64_t budget = Budget(pool);
   const int max_models = options_.max_models;
   if (budget > 0 && need > budget) {
     return NoRoom("model '" + e.config.name + "' needs about " + std::to_string(need) +
-                  " bytes, more than the whole budget of " + std::to_string(budget));
+                  " bytes, more than the whole " + BudgetName(pool) + " of " + std::to_string(budget));
   }
-  auto fits = [&](int64_t used, int count) {
-    return (budget == 0 || used + need <= budget) && (max_models == 0 || count < max_models);
-  };
-  int64_t used = UsedLocked();
+  auto memory_fits = [&](int64_t used) { return budget == 0 || used + need <= budget; };
+  auto count_fits = [&](int count) { return max_models == 0 || count < max_models; };
+  auto fits = [&](int64_t used, int count) { return memory_fits(used) && count_fits(count); };
+  int64_t used = UsedLocked(pool);
   int count = CountLocked();
   std::vector<Entry*> chosen;
   if (!fits(used, count)) {
-    for (Entry* c : EvictableLocked(&e)) {
-      if (fits(used, count)) break;
-      chosen.push_back(c);
-      used -= c->measured_bytes;
+    std::vector<Entry*> evictable = EvictableLocked(&e);
+    auto choose = [&](std::vector<Entry*>::iterator it) {
+      chosen.push_back(*it);
+      if ((*it)->pool == pool) used -= (*it)->measured_bytes;
       --count;
-    }
+      return evictable.erase(it);
+    };
+    // Memory: only models of the load's own pool free it. Then, if the
+    // model count is still short, any model, in the policy's order.
+    for (auto it = evictable.begin(); it != evictable.end() && !memory_fits(used);)
+      it = (*it)->pool == pool ? choose(it) : it + 1;
+    for (auto it = evictable.begin(); it != evictable.end() && !count_fits(count);) it = choose(it);
     if (!fits(used, count)) {
       // Evictions already under way will free enough: wait for them rather
       // than fail, and evict nothing now.
-      if (fits(used - unloading_bytes_, count - unloading_count_)) return Step::kWait;
+      if (fits(used - unloading_bytes_[pool], count - unloading_count_)) return Step::kWait;
       return NoRoom("no room for model '" + e.config.name + "' (needs about " +
                     std::to_string(need) + " bytes): every resident model is pinned, in use or holding work");
     }
@@ -497,11 +525,12 @@ Result<ModelManager::Step> ModelManager::BeginLoadLocked(Entry& e) {
   // The victims' memory becomes the new model's reservation (the loader
   // thread unloads them before it loads); only what exceeds it is
   // accounted as unloading.
-  int64_t victim_bytes = 0;
-  for (Entry* c : chosen) victim_bytes += EvictLocked(*c, &job->victims, /*automatic=*/true);
-  job->excess_bytes = std::max<int64_t>(0, victim_bytes - need);
+  PoolBytes victim_bytes{};
+  for (Entry* c : chosen) victim_bytes[c->pool] += EvictLocked(*c, &job->victims, /*automatic=*/true);
+  job->excess_bytes = victim_bytes;
+  job->excess_bytes[pool] = std::max<int64_t>(0, victim_bytes[pool] - need);
   job->excess_count = std::max(0, static_cast<int>(chosen.size()) - 1);
-  unloading_bytes_ += job->excess_bytes;
+  for (const int p : {kDevicePool, kHostPool}) unloading_bytes_[p] += job->excess_bytes[p];
   unloading_count_ += job->excess_count;
   e.state = ModelState::kLoading;
   e.reserved_bytes = need;
@@ -623,7 +652,7 @@ void ModelManager::UpdateLoadedGaugeLocked() {
 }
 
 void ModelManager::UnloadVictims(std::vector<std::unique_ptr<LoadedModel>> victims,
-                                 int64_t accounted_bytes, int accounted_count) {
+                                 PoolBytes accounted_bytes, int accounted_count) {
   for (auto& v : victims) {
     // An exception here (a runtime whose device failed) must neither end
     // the loader thread nor leave the bytes below accounted as unloading.
@@ -637,10 +666,10 @@ void ModelManager::UnloadVictims(std::vector<std::unique_ptr<LoadedModel>> victi
     }
     v.reset();
   }
-  if (accounted_bytes == 0 && accounted_count == 0) return;
+  if (accounted_bytes == PoolBytes{} && accounted_count == 0) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    unloading_bytes_ -= accounted_bytes;
+    for (const int pool : {kDevicePool, kHostPool}) unloading_bytes_[pool] -= accounted_bytes[pool];
     unloading_count_ -= accounted_count;
   }
   cv_.notify_all();
@@ -680,7 +709,7 @@ void ModelManager::LoaderLoop() {
     lock.lock();
     e.reserved_bytes = 0;
     std::vector<std::unique_ptr<LoadedModel>> over_budget;
-    int64_t over_budget_bytes = 0;
+    PoolBytes over_budget_bytes{};
     if (loaded.ok()) {
       std::unique_ptr<LoadedModel> m = std::move(loaded).value();
       if (m->memory_bytes <= 0) m->memory_bytes = m->runtime ? m->runtime->MemoryBytes() : 0;
@@ -696,16 +725,17 @@ void ModelManager::LoaderLoop() {
       e.load_seconds->Observe(seconds);
       job->attempt->status = Status::Ok();
       // The estimate was low: give back the excess from idle models.
-      const int64_t budget = options_.memory_budget_bytes;
-      if (budget > 0 && UsedLocked() > budget) {
-        int64_t used = UsedLocked();
+      const int64_t budget = Budget(e.pool);
+      if (budget > 0 && UsedLocked(e.pool) > budget) {
+        int64_t used = UsedLocked(e.pool);
         for (Entry* c : EvictableLocked(&e)) {
           if (used <= budget) break;
+          if (c->pool != e.pool) continue;
           const int64_t bytes = EvictLocked(*c, &over_budget, /*automatic=*/true);
           used -= bytes;
-          over_budget_bytes += bytes;
+          over_budget_bytes[e.pool] += bytes;
         }
-        unloading_bytes_ += over_budget_bytes;
+        unloading_bytes_[e.pool] += over_budget_bytes[e.pool];
         unloading_count_ += static_cast<int>(over_budget.size());
       }
     } else if (stop) {

@@ -13,6 +13,11 @@
 //   estimate. If the measured footprint turns out larger than the estimate
 //   and the total exceeds the budget, idle unpinned models are evicted
 //   (in eviction order) until it fits again, or none is left.
+// - Pools. With ModelManagerOptions::in_host_memory set (a GPU worker),
+//   models in host memory and models in the device's have a budget each:
+//   a load counts and evicts memory only within its own. The model count
+//   is one for both: when it is what is short, the next model in eviction
+//   order goes, whichever its pool.
 // - Eviction takes only loaded, unpinned models with no live lease whose
 //   attachment holds no work (ModelAttachment::HoldsWork), in the order of
 //   the eviction policy (least recently used first by default), and only
@@ -32,6 +37,7 @@
 //   retry_failed_after_us passes.
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -73,7 +79,13 @@ std::string_view EvictionPolicyName(EvictionPolicy p);  // "lru", "gdsf"
 Result<EvictionPolicy> ParseEvictionPolicy(std::string_view name);
 
 struct ModelManagerOptions {
-  int64_t memory_budget_bytes = 0;  // 0: unlimited
+  int64_t memory_budget_bytes = 0;  // the device's memory for models; 0: unlimited
+  // A GPU worker's models whose memory is not the device's (runtimes that
+  // compute on the host) count against a budget of their own, the host
+  // memory budget, and are evicted only to make room among themselves.
+  // Unset: every model counts against memory_budget_bytes.
+  std::function<bool(const ModelConfig&)> in_host_memory;
+  int64_t host_memory_budget_bytes = 0;  // with in_host_memory; 0: unlimited
   EvictionPolicy eviction = EvictionPolicy::kLru;
   std::vector<std::string> pinned;  // loaded by Start(), never evicted
   int max_models = 0;               // resident (or loading) models; 0: unlimited
@@ -255,8 +267,12 @@ class ModelManager {
   std::vector<ModelStatus> Statuses() const;
   // Loaded footprints + loading reservations (which cover the models evicted
   // for them until they are gone) + other unloads still in progress.
+  // The device's budget (on a GPU worker: models in GPU memory).
   int64_t memory_used_bytes() const;
   int64_t memory_budget_bytes() const { return options_.memory_budget_bytes; }
+  // With in_host_memory set: the same for the models in host memory.
+  int64_t host_memory_used_bytes() const;
+  int64_t host_memory_budget_bytes() const { return options_.host_memory_budget_bytes; }
 
  private:
   friend class ModelLease;
@@ -265,16 +281,23 @@ class ModelManager {
   struct Job;
 
   enum class Step { kReady, kWait };
+  // Bytes per memory pool: [kDevicePool] and [kHostPool] (see the policies).
+  static constexpr int kDevicePool = 0;
+  static constexpr int kHostPool = 1;
+  using PoolBytes = std::array<int64_t, 2>;
 
   Entry* Find(const std::string& name) const;
   int64_t EstimateLocked(const Entry& e) const;
-  int64_t UsedLocked() const;
+  int64_t UsedLocked(int pool) const;
+  int64_t Budget(int pool) const;
+  // "memory budget" or "host memory budget", for messages.
+  static const char* BudgetName(int pool);
   int CountLocked() const;
   // Makes sure `e` is loaded or loading. kWait: an eviction in progress must
   // finish first.
   Result<Step> BeginLoadLocked(Entry& e);
   // Moves the model out of `e` onto `victims`; returns its footprint. The
-  // caller accounts it (unloading_bytes_ or a reservation).
+  // caller accounts it (unloading_bytes_ of its pool, or a reservation).
   int64_t EvictLocked(Entry& e, std::vector<std::unique_ptr<LoadedModel>>* victims, bool automatic);
   // Models automatic eviction may take (see the class comment), in the
   // order of options_.eviction; never `except`.
@@ -288,7 +311,7 @@ class ModelManager {
   void LoaderLoop();
   // Unloads victims outside the lock, then takes the accounted amounts off
   // unloading_bytes_/unloading_count_.
-  void UnloadVictims(std::vector<std::unique_ptr<LoadedModel>> victims, int64_t accounted_bytes,
+  void UnloadVictims(std::vector<std::unique_ptr<LoadedModel>> victims, PoolBytes accounted_bytes,
                      int accounted_count);
   void UpdateLoadedGaugeLocked();
 
@@ -306,7 +329,7 @@ class ModelManager {
   std::vector<std::string> duplicate_names_;               // reported by Start()
   std::deque<std::unique_ptr<Job>> jobs_;                  // guarded by mu_
   int running_jobs_ = 0;                                   // guarded by mu_; jobs a loader thread has taken
-  int64_t unloading_bytes_ = 0;                            // guarded by mu_
+  PoolBytes unloading_bytes_{};                            // guarded by mu_
   int unloading_count_ = 0;                                // guarded by mu_
   uint64_t use_seq_ = 0;                                   // guarded by mu_; LRU order
   double gdsf_inflation_ = 0;                              // guarded by mu_; L of EvictionPolicy::kGdsf

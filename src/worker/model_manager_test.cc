@@ -1079,5 +1079,99 @@ TEST_F(ModelManagerTest, FitsWithoutEvictionCountsModels) {
   EXPECT_FALSE(mm.FitsWithoutEviction("b"));
 }
 
+// A GPU worker: models on the GPU ("g*") and models whose runtime computes
+// on the host ("h*") have a budget each, and a load evicts within its own.
+class PoolsTest : public ModelManagerTest {
+ protected:
+  ModelConfig Gpu(const std::string& name, int64_t bytes) {
+    ModelConfig c = Model(name, bytes);
+    c.device = "cuda:0";
+    return c;
+  }
+  static ModelManagerOptions GpuOptions(int64_t gpu_budget, int64_t host_budget, std::vector<std::string> pinned = {},
+                                        int max_models = 0) {
+    ModelManagerOptions o = Options(gpu_budget, std::move(pinned), max_models);
+    o.in_host_memory = [](const ModelConfig& c) { return c.device != "cuda:0"; };
+    o.host_memory_budget_bytes = host_budget;
+    return o;
+  }
+};
+
+TEST_F(PoolsTest, AModelInHostMemoryNeitherFillsNorEvictsTheGpusBudget) {
+  auto mm = Make(GpuOptions(200, 300),
+                 {Gpu("g1", 100), Gpu("g2", 100), Gpu("g3", 100), Model("h1", 250), Model("h2", 250)});
+  ASSERT_TRUE(mm->Start().ok());
+  Use(*mm, "g1");
+  Use(*mm, "g2");
+  // 250 bytes of host memory: over what the GPU has left (0), within the
+  // host's 300. Before pools it evicted both GPU models.
+  Use(*mm, "h1");
+  EXPECT_TRUE(mm->IsLoaded("g1"));
+  EXPECT_TRUE(mm->IsLoaded("g2"));
+  EXPECT_EQ(mm->memory_used_bytes(), 200);
+  EXPECT_EQ(mm->host_memory_used_bytes(), 250);
+  // A second host model evicts the first, not a GPU model used less recently.
+  Use(*mm, "h2");
+  EXPECT_EQ(StateOf(*mm, "h1"), ModelState::kNotLoaded);
+  EXPECT_EQ(Evictions("h1"), 1);
+  EXPECT_TRUE(mm->IsLoaded("g1"));
+  EXPECT_TRUE(mm->IsLoaded("g2"));
+  // And a GPU model evicts the GPU's least recently used, not the host model.
+  Use(*mm, "g3");
+  EXPECT_EQ(StateOf(*mm, "g1"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("g2"));
+  EXPECT_TRUE(mm->IsLoaded("h2"));
+  EXPECT_EQ(mm->memory_used_bytes(), 200);
+  EXPECT_EQ(mm->host_memory_used_bytes(), 250);
+  EXPECT_FALSE(mm->FitsWithoutEviction("g1"));
+  // A host model larger than the host budget has no room, whatever the GPU has.
+  auto big = Make(GpuOptions(0, 100), {Model("h", 150)});
+  ASSERT_TRUE(big->Start().ok());
+  Result<ModelLease> lease = big->Acquire("h", Far());
+  EXPECT_EQ(lease.status().reason(), "no_room_for_model");
+  EXPECT_NE(lease.status().message().find("host memory budget"), std::string::npos) << lease.status().message();
+}
+
+TEST_F(PoolsTest, MemoryIsFreedInTheLoadsOwnPoolAndTheModelCountInEvictionOrder) {
+  // Room for two models in all. g1 is the least recently used, but h2 needs
+  // host memory, so h1 goes for it; only the count makes g1 go for h3.
+  auto mm = Make(GpuOptions(1000, 150, {}, /*max_models=*/2), {Gpu("g1", 100), Model("h1", 100), Model("h2", 100),
+                                                             Model("h3", 40)});
+  ASSERT_TRUE(mm->Start().ok());
+  Use(*mm, "g1");
+  Use(*mm, "h1");
+  Use(*mm, "h2");
+  EXPECT_EQ(StateOf(*mm, "h1"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("g1"));
+  EXPECT_TRUE(mm->IsLoaded("h2"));
+  // h3 fits the host's memory beside h2 (140 of 150) but not the count: the
+  // GPU model, least recently used, goes.
+  Use(*mm, "h3");
+  EXPECT_EQ(StateOf(*mm, "g1"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("h2"));
+  EXPECT_TRUE(mm->IsLoaded("h3"));
+  EXPECT_EQ(mm->memory_used_bytes(), 0);
+  EXPECT_EQ(mm->host_memory_used_bytes(), 140);
+}
+
+TEST_F(PoolsTest, PinnedModelsMustFitTheirOwnPool) {
+  // Each pool holds its pinned model; together they would exceed either.
+  auto fits = Make(GpuOptions(100, 100, {"g", "h"}), {Gpu("g", 100), Model("h", 100)});
+  EXPECT_TRUE(fits->Start().ok());
+  auto over = Make(GpuOptions(1000, 100, {"h1", "h2"}), {Model("h1", 60), Model("h2", 60)});
+  const Status s = over->Start();
+  EXPECT_EQ(s.reason(), "pinned_models_exceed_budget") << s.ToString();
+}
+
+TEST(ModelManagerOptions, AHostMemoryBudgetNeedsPools) {
+  ModelManagerOptions o;
+  o.host_memory_budget_bytes = 100;
+  EXPECT_EQ(o.Validate().code(), StatusCode::kInvalidArgument);
+  o.in_host_memory = [](const ModelConfig&) { return true; };
+  EXPECT_TRUE(o.Validate().ok());
+  o.host_memory_budget_bytes = -1;
+  EXPECT_EQ(o.Validate().code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace shoal

@@ -51,6 +51,10 @@ Status WorkerOptions::Validate() const {
     return InvalidArgument("worker: heartbeat_ttl_ms must exceed heartbeat_interval_ms");
   if (auto d = ParseDevice(device); !d.ok()) return InvalidArgument("worker: " + d.status().message(), "invalid_device");
   if (memory_budget_bytes < 0) return InvalidArgument("worker: memory_budget_bytes must be >= 0");
+  if (host_memory_budget_bytes < 0) return InvalidArgument("worker: host_memory_budget_bytes must be >= 0");
+  if (host_memory_budget_bytes > 0 && !ParseDevice(device)->cuda)
+    return InvalidArgument("worker: a host memory budget is for GPU workers; on the CPU every model counts against "
+                           "the memory budget");
   if (max_models < 0) return InvalidArgument("worker: max_models must be >= 0");
   if (device_slots < 0) return InvalidArgument("worker: device_slots must be >= 0");
   if (turn_quantum_ms < 0 || turn_quantum_ms > 3600000)
@@ -199,6 +203,12 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
 
   ModelManagerOptions mo;
   mo.memory_budget_bytes = options.memory_budget_bytes;
+  if (ParseDevice(w->options_.device)->cuda) {
+    // Only TorchScript models are given the GPU (above); the rest keep
+    // their memory on the host.
+    mo.in_host_memory = [gpu = w->options_.device](const ModelConfig& c) { return c.device != gpu; };
+    mo.host_memory_budget_bytes = options.host_memory_budget_bytes;
+  }
   mo.pinned = options.pinned;
   mo.max_models = options.max_models;
   ASSIGN_OR_RETURN(mo.eviction, ParseEvictionPolicy(options.eviction));
@@ -443,6 +453,10 @@ std::string Worker::HeartbeatJson() const {
             {"device_slots", scheduler_->slots()},
             {"busy_seconds", busy_seconds()},
             {"models", models}};
+  if (ParseDevice(options_.device)->cuda) {
+    j["host_memory_used_bytes"] = manager_->host_memory_used_bytes();
+    j["host_memory_budget_bytes"] = options_.host_memory_budget_bytes;
+  }
   return j.dump();
 }
 

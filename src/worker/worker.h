@@ -66,6 +66,10 @@ struct WorkerOptions {
   // is this device's.
   std::string device = "cpu";
   int64_t memory_budget_bytes = 0;   // 0: unlimited
+  // A GPU worker: the budget of models whose runtime computes on the host
+  // (every runtime but TorchScript), apart from the GPU's. 0: unlimited.
+  // Not for a CPU worker, whose models all share memory_budget_bytes.
+  int64_t host_memory_budget_bytes = 0;
   int max_models = 0;                // resident models; 0: unlimited
   std::string eviction = "lru";      // which idle model goes first: "lru" or "gdsf" (see EvictionPolicy)
   std::vector<std::string> pinned;   // loaded at start, never evicted

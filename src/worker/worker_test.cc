@@ -329,7 +329,8 @@ TEST_F(WorkerTest, RepliesTheGatewayCannotUseEndTheirRequestAtOnce) {
 }
 
 // A GPU the build cannot use fails the worker's start with the reason, not
-// each model's load later; a malformed device name is refused as such.
+// each model's load later; a malformed device name is refused as such, and
+// so is a host memory budget on a CPU worker.
 TEST_F(WorkerTest, ADeviceThisBuildCannotUseFailsTheStart) {
   WorkerOptions wo;
   wo.model_repository = ModelsDir();
@@ -346,7 +347,15 @@ TEST_F(WorkerTest, ADeviceThisBuildCannotUseFailsTheStart) {
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument) << w.status().ToString();
   EXPECT_EQ(w.status().reason(), "invalid_device");
-  // Neither registered itself.
+  // A host memory budget is a GPU worker's: on the CPU every model shares
+  // the one budget, and asking for two is refused rather than ignored.
+  wo.device = "cpu";
+  wo.host_memory_budget_bytes = 1 << 30;
+  w = Worker::Create(wo, client_.get(), &metrics_);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument) << w.status().ToString();
+  EXPECT_NE(w.status().message().find("host memory budget"), std::string::npos) << w.status().message();
+  // None of them registered itself.
   auto workers = KvBucket::Open(*client_, wire::kWorkersBucket, 6000);
   ASSERT_TRUE(workers.ok());
   EXPECT_EQ((*workers)->Get("gpu-less").status().code(), StatusCode::kNotFound);
