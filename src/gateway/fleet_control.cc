@@ -14,10 +14,20 @@ using nlohmann::json;
 
 bool KnownAction(const std::string& a) { return a == "load" || a == "unload" || a == "pin" || a == "unpin"; }
 
-// Room a worker has left for another model (unlimited: the largest value).
-int64_t FreeBytes(const WorkerInfo& w) {
-  if (w.memory_budget_bytes <= 0) return std::numeric_limits<int64_t>::max();
-  return w.memory_budget_bytes - w.memory_used_bytes;
+// Room a worker has left for another model (unlimited: the largest value):
+// on a GPU worker, a model whose runtime computes on the host (every
+// runtime but TorchScript) takes the host memory budget's room.
+int64_t FreeBytes(const WorkerInfo& w, bool host_model) {
+  const bool host = host_model && w.device != "cpu";
+  const int64_t budget = host ? w.host_memory_budget_bytes : w.memory_budget_bytes;
+  if (budget <= 0) return std::numeric_limits<int64_t>::max();
+  return budget - (host ? w.host_memory_used_bytes : w.memory_used_bytes);
+}
+
+// Whether the model as registered runs on a runtime other than TorchScript.
+bool HostModel(const CatalogModel& m) {
+  const json c = json::parse(m.config_json, nullptr, /*allow_exceptions=*/false);
+  return c.is_object() && c.value("runtime", "torchscript") != "torchscript";
 }
 
 int Resident(const WorkerInfo& w) {
@@ -123,8 +133,10 @@ Result<std::vector<FleetControl::Target>> FleetControl::Plan(const FleetSnapshot
   if (serving.empty()) {
     return Unavailable("no live worker serves model '" + model + "'", "no_worker");
   }
-  const WorkerInfo* best = *std::min_element(serving.begin(), serving.end(), [](const WorkerInfo* a, const WorkerInfo* b) {
-    if (FreeBytes(*a) != FreeBytes(*b)) return FreeBytes(*a) > FreeBytes(*b);
+  const bool host = HostModel(snap.models.at(model));
+  const WorkerInfo* best = *std::min_element(serving.begin(), serving.end(), [host](const WorkerInfo* a,
+                                                                                   const WorkerInfo* b) {
+    if (FreeBytes(*a, host) != FreeBytes(*b, host)) return FreeBytes(*a, host) > FreeBytes(*b, host);
     if (Resident(*a) != Resident(*b)) return Resident(*a) < Resident(*b);
     return a->id < b->id;
   });

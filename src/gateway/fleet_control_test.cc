@@ -49,6 +49,21 @@ TEST(FleetControlPlan, LoadGoesWhereItIsResidentElseToTheWorkerWithMostRoom) {
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "unpin", "m", "")), std::vector<std::string>{"a:unpin"});
 }
 
+// On GPU workers a model whose runtime computes on the host goes where the
+// host memory budget has room; a TorchScript model where the GPU's has.
+TEST(FleetControlPlan, OnGpuWorkersAHostModelGoesWhereTheHostBudgetHasRoom) {
+  auto snap = Fleet({
+      R"({"id":"gpu-full","device":"cuda:0","memory_used_bytes":900,"memory_budget_bytes":1000,
+          "host_memory_used_bytes":0,"host_memory_budget_bytes":4000,"models":[{"name":"m","state":"not_loaded"}]})",
+      R"({"id":"host-full","device":"cuda:0","memory_used_bytes":0,"memory_budget_bytes":1000,
+          "host_memory_used_bytes":3900,"host_memory_budget_bytes":4000,"models":[{"name":"m","state":"not_loaded"}]})",
+  });
+  snap.models["m"].config_json = R"({"name":"m","runtime":"torchscript"})";
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "")), std::vector<std::string>{"host-full:load"});
+  snap.models["m"].config_json = R"({"name":"m","runtime":"ocr"})";
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "")), std::vector<std::string>{"gpu-full:load"});
+}
+
 TEST(FleetControlPlan, Errors) {
   auto snap = Fleet({R"({"id":"a","models":[{"name":"other","state":"loaded"}]})"});
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "nope", "")), std::vector<std::string>{"error: model_not_found"});

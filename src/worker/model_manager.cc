@@ -510,8 +510,9 @@ Result<ModelManager::Step> ModelManager::BeginLoadLocked(Entry& e) {
       // Evictions already under way will free enough: wait for them rather
       // than fail, and evict nothing now.
       if (fits(used - unloading_bytes_[pool], count - unloading_count_)) return Step::kWait;
-      return NoRoom("no room for model '" + e.config.name + "' (needs about " +
-                    std::to_string(need) + " bytes): every resident model is pinned, in use or holding work");
+      const std::string which = options_.in_host_memory ? std::string(" in its ") + BudgetName(pool) : "";
+      return NoRoom("no room for model '" + e.config.name + "' (needs about " + std::to_string(need) +
+                    " bytes): every resident model" + which + " is pinned, in use or holding work");
     }
     // Victims are chosen only when a loader thread is free to unload them
     // and load this model at once: a load queued behind another would leave

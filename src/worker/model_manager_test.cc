@@ -1163,6 +1163,18 @@ TEST_F(PoolsTest, PinnedModelsMustFitTheirOwnPool) {
   EXPECT_EQ(s.reason(), "pinned_models_exceed_budget") << s.ToString();
 }
 
+TEST_F(PoolsTest, AnIdleModelInTheOtherPoolMakesNoRoom) {
+  auto mm = Make(GpuOptions(200, 0, {"g1"}), {Gpu("g1", 150), Gpu("g2", 100), Model("h1", 100)});
+  ASSERT_TRUE(mm->Start().ok());
+  Use(*mm, "h1");
+  Result<ModelLease> lease = mm->Acquire("g2", Far());
+  EXPECT_EQ(lease.status().reason(), "no_room_for_model");
+  EXPECT_NE(lease.status().message().find("every resident model in its memory budget is pinned"), std::string::npos)
+      << lease.status().message();
+  EXPECT_TRUE(mm->IsLoaded("h1"));
+  EXPECT_EQ(Evictions("h1"), 0);
+}
+
 TEST(ModelManagerOptions, AHostMemoryBudgetNeedsPools) {
   ModelManagerOptions o;
   o.host_memory_budget_bytes = 100;
