@@ -118,7 +118,7 @@ void Dispatcher::Stop() {
   // Resetting waits for a handler that is running.
   load_sub_.reset();
   sub_.reset();
-  for (auto& id : ids) Complete(id, Unavailable("gateway is shutting down"));
+  for (auto& id : ids) Complete(id, Unavailable("gateway is shutting down", "shutting_down"));
 }
 
 std::vector<PushWorkerLoad> Dispatcher::PushWorkers() const {
@@ -254,7 +254,7 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
       lock.unlock();
       for (int c = 0; c < count; ++c)
         if (!p->chunk_worker[c].empty()) ReleaseRows(p->chunk_worker[c], p->chunk_rows[c]);
-      p->done(Unavailable("gateway is shutting down"));
+      p->done(Unavailable("gateway is shutting down", "shutting_down"));
       return;
     }
     pending_.emplace(id, p);

@@ -1,6 +1,15 @@
 #include "gateway/gateway.h"
 
+#include "common/log.h"
+
 namespace shoal {
+namespace {
+
+// How long a stopping gateway waits for the answers of requests in flight
+// to be written before it closes their connections.
+constexpr int64_t kDrainMs = 2000;
+
+}  // namespace
 
 Status GatewayOptions::Validate() const {
   RETURN_IF_ERROR(http.Validate());
@@ -39,9 +48,13 @@ Result<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& options, 
 Gateway::~Gateway() { Stop(); }
 
 void Gateway::Stop() {
-  if (http_) http_->Stop();
+  // Requests in flight get an answer (503 shutting down, from the
+  // dispatcher and the model control) before their connections close; the
+  // drain waits for those answers to be written, within a bound.
   if (control_) control_->Stop();
   if (dispatcher_) dispatcher_->Stop();
+  if (http_ && !http_->Drain(kDrainMs)) LOG_WARN("gateway", "responses still unwritten after " << kDrainMs << " ms");
+  if (http_) http_->Stop();
   blob_.reset();  // after Stop(): no new puts are queued
   if (fleet_) fleet_->Stop();
 }

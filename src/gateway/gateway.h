@@ -35,7 +35,9 @@ class Gateway {
                                                  MetricsRegistry* metrics);
   ~Gateway();
   int port() const { return http_->port(); }
-  // Stops accepting, fails in-flight requests with 503, stops threads.
+  // Fails in-flight requests with 503 shutting_down and writes those
+  // answers (for up to 2 s), then stops accepting, closes connections and
+  // stops threads.
   void Stop();
 
  private:

@@ -89,7 +89,9 @@ class HttpServer::Impl {
 
   Status Listen();
   void Start();
+  bool Drain(int64_t timeout_ms);
   void Stop();
+  bool draining() const { return draining_.load(std::memory_order_relaxed); }
   int port() const { return port_; }
 
   const HttpServerOptions& options() const { return options_; }
@@ -116,6 +118,7 @@ class HttpServer::Impl {
   // when it closes.
   std::unordered_map<Connection*, std::shared_ptr<Connection>> connections_;  // guarded by mu_
 
+  std::atomic<bool> draining_{false};
   std::mutex stop_mu_;
   bool stopped_ = false;  // guarded by stop_mu_
   std::optional<net::executor_work_guard<net::io_context::executor_type>> work_;
@@ -143,6 +146,10 @@ class HttpServer::Impl::Connection
 
   // The connection's strand. Safe from any thread.
   const net::any_io_executor& executor() const { return executor_; }
+
+  // A request of this connection's was handed to the handler and its
+  // response is not written yet. Safe from any thread.
+  bool busy() const { return busy_.load(std::memory_order_acquire); }
 
   // Only from Stop(), with no io thread running.
   void CloseNow() {
@@ -181,6 +188,7 @@ class HttpServer::Impl::Connection
   bool continue_checked_ = false;
   bool closing_ = false;     // the connection closes after this response
   bool closed_ = false;
+  std::atomic<bool> busy_{false};  // see busy()
   std::shared_ptr<HttpBodyStream> body_stream_;  // the response being streamed
   std::string stream_out_;                       // bytes being written from it
   bool stream_writing_ = false;
@@ -240,6 +248,7 @@ class HttpServer::Impl::Reply {
 };
 
 void HttpServer::Impl::Connection::NextRequest() {
+  busy_.store(false, std::memory_order_release);
   parser_.emplace();
   parser_->body_limit(static_cast<std::uint64_t>(server_.options().max_body_bytes));
   parser_->eager(true);
@@ -325,6 +334,7 @@ void HttpServer::Impl::Connection::OnContinueWritten(error_code ec, size_t) {
 }
 
 void HttpServer::Impl::Connection::Dispatch() {
+  busy_.store(true, std::memory_order_release);
   stream_.expires_never();
   http::request<http::string_body> msg = parser_->release();
   version_ = msg.version();
@@ -381,7 +391,8 @@ void HttpServer::Impl::Connection::Respond(HttpResponse r) {
   response_.set(http::field::server, "shoal");
   if (!r.content_type.empty())
     response_.set(http::field::content_type, std::move(r.content_type));
-  bool keep_alive = keep_alive_ && !closing_;
+  // A draining server closes each connection after its response.
+  bool keep_alive = keep_alive_ && !closing_ && !server_.draining();
   for (auto& [name, value] : r.headers) {
     if (beast::iequals(name, "connection") && beast::iequals(value, "close")) {
       keep_alive = false;
@@ -538,6 +549,7 @@ void HttpServer::Impl::Connection::Close() {
   }
   error_code ignored;
   stream_.socket().close(ignored);
+  busy_.store(false, std::memory_order_release);
   server_.Remove(this);
 }
 
@@ -629,6 +641,35 @@ void HttpServer::Impl::Remove(Connection* c) {
   connections_.erase(it);
 }
 
+bool HttpServer::Impl::Drain(int64_t timeout_ms) {
+  {
+    std::lock_guard<std::mutex> stop_lock(stop_mu_);
+    if (stopped_) return true;
+    draining_ = true;
+  }
+  // The acceptor belongs to its strand while io threads run.
+  net::post(acceptor_.get_executor(), [this] {
+    error_code ignored;
+    acceptor_.close(ignored);
+    accept_retry_.cancel();
+  });
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (true) {
+    bool busy = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [ptr, c] : connections_)
+        if (c->busy()) {
+          busy = true;
+          break;
+        }
+    }
+    if (!busy) return true;
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
 void HttpServer::Impl::Stop() {
   std::lock_guard<std::mutex> stop_lock(stop_mu_);
   if (stopped_) return;
@@ -695,6 +736,7 @@ HttpServer::~HttpServer() { Stop(); }
 
 int HttpServer::port() const { return impl_->port(); }
 
+bool HttpServer::Drain(int64_t timeout_ms) { return impl_->Drain(timeout_ms); }
 void HttpServer::Stop() { impl_->Stop(); }
 
 }  // namespace shoal

@@ -57,6 +57,14 @@ class HttpServer {
   // The bound port (the one chosen when options.port was 0). Thread-safe.
   int port() const;
 
+  // Stops accepting and waits, up to `timeout_ms`, until no request is in
+  // flight: every request already handed to the handler has had its
+  // response written (the caller makes its handlers answer, e.g. with 503).
+  // Responses written meanwhile close their connections. Requests that
+  // arrive on open connections meanwhile are still handled. Returns whether
+  // none was left in flight. Must not be called from an io thread.
+  bool Drain(int64_t timeout_ms);
+
   // Stops accepting, closes every connection (responses still pending are
   // dropped) and joins the io threads. Blocks only for that join. Idempotent
   // and thread-safe, but must not be called from the handler or any other

@@ -521,6 +521,55 @@ TEST(HttpServer, StopClosesOpenConnections) {
   server->Stop();  // idempotent
 }
 
+// A drain waits for the answers of requests in flight, writes them with
+// "Connection: close", still serves requests on open connections, refuses
+// new connections, and gives up at its bound.
+TEST(HttpServer, DrainWaitsForTheAnswersInFlightThenStopCloses) {
+  ParkedResponders parked;
+  auto server = Start([&](HttpRequest&& req, HttpResponder respond) {
+    if (req.path == "/park") return parked.Park(std::move(respond));
+    respond(HttpResponse{});
+  });
+  ASSERT_TRUE(server);
+  const int port = server->port();
+  Client idle(port);
+  EXPECT_EQ(idle.RoundTrip(Client::Get("/")).result_int(), 200);
+  Client waiting(port);
+  ASSERT_FALSE(waiting.Write(Client::Get("/park")));
+  HttpResponder pending = parked.Take();
+  ASSERT_TRUE(pending);
+  // Nothing answers it: the drain gives up at its bound.
+  EXPECT_FALSE(server->Drain(50));
+  std::thread answer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    HttpResponse res;
+    res.status = 503;
+    res.body = "bye";
+    pending(std::move(res));
+  });
+  EXPECT_TRUE(server->Drain(10000));
+  answer.join();
+  Response res = waiting.Read();
+  EXPECT_EQ(res.result_int(), 503);
+  EXPECT_EQ(res.body(), "bye");
+  EXPECT_FALSE(res.keep_alive());
+  EXPECT_TRUE(waiting.PeerClosed());
+  // An open keep-alive connection is still served (and then closed).
+  Response late = idle.RoundTrip(Client::Get("/"));
+  EXPECT_EQ(late.result_int(), 200);
+  EXPECT_FALSE(late.keep_alive());
+  // No new connection is accepted.
+  {
+    net::io_context ioc;
+    tcp::socket s(ioc);
+    error_code ec;
+    s.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)), ec);
+    EXPECT_TRUE(ec) << "connected to a draining server";
+  }
+  server->Stop();
+  EXPECT_TRUE(server->Drain(10));  // after Stop: nothing to wait for
+}
+
 TEST(HttpServer, PortZeroPicksDistinctFreePorts) {
   auto a = Start(Echo);
   auto b = Start(Echo);

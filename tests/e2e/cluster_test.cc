@@ -151,6 +151,24 @@ TEST(E2eCluster, NoWorkerMeansDeadlineExceededAndNotReady) {
   EXPECT_EQ(HttpGet(gateway.port, "/healthz").status, 200);
 }
 
+// A gateway that stops answers the requests it holds (503 shutting_down)
+// instead of closing their connections unanswered; their work stays queued.
+TEST(E2eCluster, AStoppingGatewayAnswersTheRequestsItHolds) {
+  shoal::testing::TestNatsServer nats;
+  {
+    Shoal worker = StartWorker(nats.url(), {"--threads", "1"});
+    StopGracefully(worker);
+  }
+  Shoal gateway = StartGateway(nats.url());
+  ASSERT_EQ(WaitForReadyz(gateway.port, 503, 10s), 503);
+  auto held = std::async(std::launch::async, [&] { return EmbedWithTimeout(gateway.port, "held at the stop", 60000); });
+  ASSERT_EQ(WaitForQueueDepth(gateway.port, 1, 20s), 1);  // published: the gateway holds it
+  StopGracefully(gateway);
+  const HttpResult r = held.get();
+  EXPECT_EQ(r.status, 503) << r.error << r.body;
+  EXPECT_EQ(ErrorCode(r.body), "shutting_down") << r.body;
+}
+
 // A bounded queue refuses work explicitly instead of growing or dropping.
 TEST(E2eCluster, FullQueueGives429WithRetryAfter) {
   shoal::testing::TestNatsServer nats;
