@@ -304,8 +304,21 @@ void HttpServer::Impl::Connection::Parse() {
       return FailRequest(431, InvalidArgument("request headers are too large",
                                               "headers_too_large"));
     }
+    if (parser_->is_header_done()) {
+      // Only "chunked" is decoded. A body whose length cannot be told (a
+      // final coding other than chunked) is refused with 400, as RFC 9112
+      // asks, and so is any other coding (501): neither is read as an empty
+      // body followed by a second request.
+      const auto te = parser_->get().find(http::field::transfer_encoding);
+      if (te != parser_->get().end() && !beast::iequals(te->value(), "chunked")) {
+        return FailRequest(parser_->chunked() ? 501 : 400,
+                           InvalidArgument("Transfer-Encoding '" + std::string(te->value()) +
+                                               "' is not supported (only chunked)",
+                                           "unsupported_transfer_encoding"));
+      }
+    }
     if (ec && ec != http::error::need_more)
-      return FailRequest(400, InvalidArgument("malformed HTTP request: " + ec.message()));
+      return FailRequest(400, InvalidArgument("malformed HTTP request: " + ec.message(), "malformed_request"));
     if (parser_->is_done()) return Dispatch();
     if (ec == http::error::need_more || used == 0) break;
   }

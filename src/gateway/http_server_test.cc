@@ -476,10 +476,40 @@ TEST(HttpServer, MalformedRequestIs400AndCloses) {
   EXPECT_EQ(res[http::field::content_type], "application/json");
   nlohmann::json error = ErrorOf(res);
   EXPECT_EQ(error["type"], "invalid_request_error");
-  EXPECT_EQ(error["code"], "invalid_argument");
+  EXPECT_EQ(error["code"], "malformed_request");
   EXPECT_THAT(error["message"].get<std::string>(), HasSubstr("malformed HTTP request"));
   EXPECT_TRUE(client.PeerClosed());
   EXPECT_EQ(calls, 0);
+}
+
+// A transfer coding other than chunked: the body's length cannot be told
+// (400) or its coding is not decoded (501); either way the connection
+// closes, and what follows is never read as another request.
+TEST(HttpServer, TransferCodingsOtherThanChunkedAreRefusedAndClose) {
+  int calls = 0;
+  auto server = Start([&](HttpRequest&&, HttpResponder respond) {
+    ++calls;
+    respond(HttpResponse{});
+  });
+  ASSERT_TRUE(server);
+  const std::pair<std::string, int> cases[] = {{"gzip", 400}, {"gzip, chunked", 501}};
+  for (const auto& [coding, status] : cases) {
+    Client client(server->port());
+    ASSERT_FALSE(client.WriteRaw("POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: " + coding +
+                                 "\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"));
+    Response res = client.Read();
+    EXPECT_EQ(res.result_int(), status) << coding;
+    EXPECT_EQ(ErrorOf(res)["code"], "unsupported_transfer_encoding") << coding;
+    EXPECT_FALSE(res.keep_alive());
+    EXPECT_TRUE(client.PeerClosed()) << coding;
+  }
+  EXPECT_EQ(calls, 0);
+  // Chunked still works.
+  Client client(server->port());
+  ASSERT_FALSE(client.WriteRaw("POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                               "2\r\nhi\r\n0\r\n\r\n"));
+  EXPECT_EQ(client.Read().result_int(), 200);
+  EXPECT_EQ(calls, 1);
 }
 
 TEST(HttpServer, ClosesIdleConnections) {

@@ -423,7 +423,9 @@ Result<int64_t> Router::Deadline(const HttpRequest& req) const {
     int64_t v = 0;
     auto [p, ec] = std::from_chars(h.data(), h.data() + h.size(), v);
     if (ec != std::errc() || p != h.data() + h.size() || v < 1 || v > options_.max_timeout_ms)
-      return InvalidArgument("Shoal-Timeout-Ms must be an integer in [1, " + std::to_string(options_.max_timeout_ms) + "]");
+      return InvalidArgument(
+          "Shoal-Timeout-Ms must be an integer in [1, " + std::to_string(options_.max_timeout_ms) + "]",
+          "invalid_timeout");
     timeout = v;
   }
   return clock_->NowUnixMs() + timeout;

@@ -38,16 +38,20 @@ Status ParseBody(const HttpRequest& req, bool truncate_default, json* body, Embe
   return Status::Ok();
 }
 
-// `field`: a string or a non-empty array of strings, at most `max` of them.
+// `field`: a non-empty string or a non-empty array of them, at most `max`.
 Status TextList(const json& body, const char* field, int max, std::vector<std::string>* out) {
   auto it = body.find(field);
   if (it == body.end() || it->is_null())
     return InvalidArgument(std::string("'") + field + "' is required", "missing_input");
   if (it->is_string()) {
+    if (it->get_ref<const std::string&>().empty())
+      return InvalidArgument(std::string("'") + field + "' must not be an empty string", "empty_input");
     out->push_back(it->get<std::string>());
     return Status::Ok();
   }
-  if (!it->is_array() || it->empty())
+  if (it->is_array() && it->empty())
+    return InvalidArgument(std::string("'") + field + "' must not be an empty array", "empty_input");
+  if (!it->is_array())
     return InvalidArgument(std::string("'") + field + "' must be a string or a non-empty array of strings",
                            "invalid_input");
   if (static_cast<int>(it->size()) > max)
@@ -58,6 +62,9 @@ Status TextList(const json& body, const char* field, int max, std::vector<std::s
     if (!(*it)[i].is_string())
       return InvalidArgument(std::string("'") + field + "'[" + std::to_string(i) + "] must be a string",
                              "invalid_input");
+    if ((*it)[i].get_ref<const std::string&>().empty())
+      return InvalidArgument(std::string("'") + field + "'[" + std::to_string(i) + "] is an empty string",
+                             "empty_input");
     out->push_back((*it)[i].get<std::string>());
   }
   return Status::Ok();
@@ -110,6 +117,9 @@ void Router::Rerank(HttpRequest&& req, HttpResponder respond) {
       return respond(ErrorResponse(InvalidArgument(
           "documents[" + std::to_string(i) + "] must be a string or an object with a 'text' string",
           "invalid_documents")));
+    if (text->get_ref<const std::string&>().empty())
+      return respond(
+          ErrorResponse(InvalidArgument("documents[" + std::to_string(i) + "] is an empty string", "empty_input")));
     job.texts_pair.push_back(text->get<std::string>());
   }
   job.texts.assign(job.texts_pair.size(), query->get<std::string>());

@@ -449,7 +449,7 @@ std::vector<BadCase> BadCases() {
       {"dimensions_over_model", "POST", e, Embeddings("hi", {{"dimensions", kDim + 1}}), 400,
        "invalid_dimensions"},
       {"truncate_not_bool", "POST", e, Embeddings("hi", {{"truncate", "yes"}}), 400, "invalid_truncate"},
-      {"bad_timeout_header", "POST", e, Embeddings("hi"), 400, "invalid_argument", "application/json",
+      {"bad_timeout_header", "POST", e, Embeddings("hi"), 400, "invalid_timeout", "application/json",
        {{"Shoal-Timeout-Ms", "soon"}}},
   };
 }
