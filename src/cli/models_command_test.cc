@@ -378,7 +378,17 @@ TEST(SummarizeAction, AllOkMeansExitZeroAndNoResultsMeansOne) {
   EXPECT_EQ(ok->lines[1], "unpinned m on b (ok)");
   EXPECT_EQ(ui::ActionExitCode(*ok), 0);
 
+  // Unloading or unpinning a model no worker has loaded or pinned is done
+  // already; a load that no worker answered is not.
   auto none = ui::SummarizeAction(R"({"results":[]})", "unload", "m");
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->lines.at(0), "unload m: nothing to do (no live worker has it loaded)");
+  EXPECT_EQ(ui::ActionExitCode(*none), 0);
+  none = ui::SummarizeAction(R"({"results":[]})", "unpin", "m");
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->lines.at(0), "unpin m: nothing to do (no live worker has it pinned)");
+  EXPECT_EQ(ui::ActionExitCode(*none), 0);
+  none = ui::SummarizeAction(R"({"results":[]})", "load", "m");
   ASSERT_TRUE(none.ok());
   EXPECT_THAT(none->lines.at(0), HasSubstr("no worker answered"));
   EXPECT_EQ(ui::ActionExitCode(*none), 1);

@@ -18,6 +18,7 @@ struct Dispatcher::Pending {
   std::function<void(Parts)> done;
   PartialCallback partial;
   std::vector<size_t> first_item;  // per chunk: the job index of its first input (partials)
+  std::string item_name;           // see ItemJob::item_name
   int chunk_count = 0;
   int received = 0;
   int64_t deadline_unix_ms = 0;
@@ -222,11 +223,12 @@ void Dispatcher::SubmitItems(ItemJob job, ItemCallback done, PartialCallback par
     done(std::move(r));
   };
   Submit(job.model, job.deadline_unix_ms, std::move(chunks), std::move(assemble), std::move(partial),
-         std::move(first_item));
+         std::move(first_item), std::move(job.item_name));
 }
 
 void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std::vector<Chunk> chunks,
-                        std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item) {
+                        std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item,
+                        std::string item_name) {
   if (deadline_unix_ms <= 0) deadline_unix_ms = clock_->NowUnixMs() + 30000;
   const int count = static_cast<int>(chunks.size());
   const std::string id = request_prefix_ + std::to_string(seq_.fetch_add(1));
@@ -234,6 +236,7 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
   p->done = std::move(done);
   p->partial = std::move(partial);
   p->first_item = std::move(first_item);
+  p->item_name = std::move(item_name);
   p->chunk_count = count;
   p->deadline_unix_ms = deadline_unix_ms;
   p->have.assign(count, false);
@@ -465,6 +468,15 @@ void Dispatcher::HandleReply(std::string_view data) {
       if (!p->partial || !reply->status.ok() || reply->items.empty()) return;
     } else if (!reply->status.ok()) {
       error = reply->status;
+      // An input the worker found bad: say which (a chunk of an item job
+      // holds one input). Failures of the model or the fleet are not the
+      // input's.
+      const StatusCode code = error.code();
+      const bool input_error = code == StatusCode::kInvalidArgument || code == StatusCode::kUnsupportedMedia ||
+                               code == StatusCode::kUnprocessable || code == StatusCode::kPayloadTooLarge;
+      if (!p->item_name.empty() && input_error && static_cast<size_t>(c) < p->first_item.size())
+        error = Status(code, p->item_name + " " + std::to_string(p->first_item[c]) + ": " + error.message(),
+                       error.reason());
     } else {
       p->have[c] = true;
       if (!p->chunk_worker[c].empty()) {

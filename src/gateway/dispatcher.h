@@ -74,6 +74,9 @@ struct ItemJob {
   std::string model;
   std::vector<std::string> items;  // image bytes, or a MessagePack request document
   int64_t deadline_unix_ms = 0;
+  // What an input is called in the messages of errors a worker found in it
+  // ("image" gives "image 2: ..."); empty: messages as the worker wrote them.
+  std::string item_name;
 };
 
 struct ItemResult {
@@ -164,7 +167,8 @@ class Dispatcher final : public WorkSubmitter {
   Dispatcher() = default;
   // Registers the request and publishes its chunks; `done` gets the parts.
   void Submit(const std::string& model, int64_t deadline_unix_ms, std::vector<Chunk> chunks,
-              std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item);
+              std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item,
+              std::string item_name = {});
   // Publishes chunk `c` (its body `data`, or empty with `payload_ref` set);
   // on failure completes the request with the error and returns false.
   // `worker` non-empty: pushed straight to that worker instead of the queue.

@@ -358,6 +358,7 @@ void Router::Ocr(const std::string& model, HttpRequest&& req, HttpResponder resp
   ItemJob job;
   job.task = "ocr";
   job.model = model;
+  job.item_name = "image";
   if (Status st = CheckModel(model, "ocr", nullptr); !st.ok()) return respond(ErrorResponse(st, retry));
   auto deadline = Deadline(req);
   if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));

@@ -225,6 +225,24 @@ TEST_F(OcrRoutesTest, WorkerErrorsKeepTheirStatus) {
   EXPECT_EQ(Code(r), "blob_not_found");
 }
 
+// An OCR model takes images, not tokens: /v1/models gives it no width and
+// no token limit, which an embedding model has.
+TEST_F(OcrRoutesTest, ModelsListsNoTokenFieldsForOcr) {
+  HttpRequest req;
+  req.method = "GET";
+  req.path = "/v1/models";
+  HttpResponse out;
+  router_->Handle(std::move(req), [&](HttpResponse r) { out = std::move(r); });
+  ASSERT_EQ(out.status, 200) << out.body;
+  const auto j = nlohmann::json::parse(out.body);
+  ASSERT_EQ(j["data"].size(), 2u);  // by id: m, ocr
+  EXPECT_EQ(j["data"][0]["dim"], 4);
+  EXPECT_TRUE(j["data"][0].contains("max_seq_len"));
+  EXPECT_EQ(j["data"][1]["task"], "ocr");
+  EXPECT_FALSE(j["data"][1].contains("dim"));
+  EXPECT_FALSE(j["data"][1].contains("max_seq_len"));
+}
+
 TEST_F(OcrRoutesTest, OnlyPost) {
   HttpRequest req;
   req.method = "GET";

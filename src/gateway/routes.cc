@@ -89,9 +89,12 @@ Status InputsFromJson(const json& input, int max_inputs, EmbedJob* job) {
     row->reserve(arr.size());
     for (const auto& t : arr) {
       if (!t.is_number_integer()) return InvalidArgument("token arrays must hold integers", "invalid_input");
-      int64_t v = t.get<int64_t>();
-      if (v < 0 || v > INT32_MAX) return InvalidArgument("token id " + std::to_string(v) + " is out of range", "invalid_token_id");
-      row->push_back(static_cast<int32_t>(v));
+      // Unsigned values past INT64_MAX (JSON, or a MessagePack uint64) must
+      // not wrap into range.
+      const bool in_range = t.is_number_unsigned() ? t.get<uint64_t>() <= INT32_MAX
+                                                   : t.get<int64_t>() >= 0 && t.get<int64_t>() <= INT32_MAX;
+      if (!in_range) return InvalidArgument("token id " + t.dump() + " is out of range", "invalid_token_id");
+      row->push_back(static_cast<int32_t>(t.get<int64_t>()));
     }
     return Status::Ok();
   };
@@ -640,15 +643,15 @@ HttpResponse Router::Models(const std::string& only) const {
     }
     // The model's state in the fleet: the best any worker reports.
     const char* state = loaded ? "loaded" : loading ? "loading" : failed ? "failed" : "not_loaded";
-    data.push_back({{"id", name},
-                    {"object", "model"},
-                    {"owned_by", "shoal"},
-                    {"created", 0},
-                    {"task", m.task},
-                    {"dim", m.dim},
-                    {"max_seq_len", m.max_seq_len},
-                    {"state", state},
-                    {"workers", where}});
+    json entry = {{"id", name},  {"object", "model"}, {"owned_by", "shoal"},
+                  {"created", 0}, {"task", m.task},     {"state", state},
+                  {"workers", where}};
+    // Only models that take token inputs have a width and a token limit.
+    if (m.task != "ocr" && m.task != "generate") {
+      entry["dim"] = m.dim;
+      entry["max_seq_len"] = m.max_seq_len;
+    }
+    data.push_back(std::move(entry));
   }
   if (!only.empty()) {
     if (data.empty()) return ErrorResponse(NotFound("The model '" + only + "' does not exist", "model_not_found"));
@@ -695,7 +698,10 @@ void Router::ModelAction(const std::string& model, const std::string& action, Ht
     json body;
     if (Status st = ParseJsonObject(req.body, &body); !st.ok()) return respond(ErrorResponse(st));
     if (auto w = body.find("worker"); w != body.end() && !w->is_null()) {
-      if (!w->is_string()) return respond(ErrorResponse(InvalidArgument("worker must be a string", "invalid_worker")));
+      if (!w->is_string() || w->get_ref<const std::string&>().empty())
+        return respond(ErrorResponse(InvalidArgument("worker must be a non-empty string (a worker id; leave it out "
+                                                     "to act on the fleet)",
+                                                     "invalid_worker")));
       worker = w->get<std::string>();
     }
   }

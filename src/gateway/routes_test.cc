@@ -200,6 +200,10 @@ TEST_F(RoutesTest, EveryBadInputGetsItsStatusAndCode) {
       {"mixed list", R"({"model":"m","input":["a",1]})", 400, "invalid_input"},
       {"float token", R"({"model":"m","input":[[1.5]]})", 400, "invalid_input"},
       {"negative token", R"({"model":"m","input":[[-1]]})", 400, "invalid_token_id"},
+      {"token past int32", R"({"model":"m","input":[[2147483648]]})", 400, "invalid_token_id"},
+      // Past INT64_MAX: an unsigned value, which must not wrap into range.
+      {"token past int64", R"({"model":"m","input":[[9223372036854775808]]})", 400, "invalid_token_id"},
+      {"token 2^64 - 1", R"({"model":"m","input":[[18446744073709551615]]})", 400, "invalid_token_id"},
       {"too many inputs", R"({"model":"m","input":["a","b","c","d","e","f","g","h","i"]})", 400, "too_many_inputs"},
       {"bad encoding", R"({"model":"m","input":"a","encoding_format":"int8"})", 400, "invalid_encoding_format"},
       {"bad dimensions", R"({"model":"m","input":"a","dimensions":0})", 400, "invalid_dimensions"},
@@ -460,6 +464,12 @@ TEST_F(RoutesTest, ModelActionsGoToTheControllerAndReportEveryWorker) {
   r = Call("POST", "/v1/models/m/load", R"({"worker":5})");
   EXPECT_EQ(r.status, 400);
   EXPECT_EQ(ErrorCode(r), "invalid_worker");
+  // An empty id is not "the whole fleet".
+  const size_t asked = control.asked.size();
+  r = Call("POST", "/v1/models/m/unload", R"({"worker":""})");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(ErrorCode(r), "invalid_worker");
+  EXPECT_EQ(control.asked.size(), asked);
   r = Call("POST", "/v1/models/m/load", "[1]");
   EXPECT_EQ(ErrorCode(r), "invalid_json");
   // One worker failing fails the request with its status; both are reported.

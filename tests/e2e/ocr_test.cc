@@ -225,6 +225,19 @@ TEST_F(E2eOcr, BadInputsGetTheirStatusAndCode) {
       EXPECT_EQ(Code(r), c.code) << r.body.substr(0, 300);
     }
   }
+  // Of several images, the message names the one the worker's decoder
+  // refused, as the gateway's own checks do.
+  const std::string b = "shoal-e2e-boundary";
+  std::string body;
+  for (const std::string& image : {Image("eng.png"), std::string("\x89PNG\r\n\x1a\n", 8) + std::string(4000, 'x')})
+    body += "--" + b + "\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f\"\r\n\r\n" + image + "\r\n";
+  body += "--" + b + "--\r\n";
+  auto r = Post(body, "multipart/form-data; boundary=" + b);
+  EXPECT_EQ(r.status, 400) << r.error << r.body.substr(0, 300);
+  EXPECT_EQ(Code(r), "invalid_image");
+  const json j = json::parse(r.body, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.body.substr(0, 300);
+  EXPECT_EQ(j["error"]["message"].get<std::string>().rfind("image 1: ", 0), 0u) << r.body.substr(0, 300);
 }
 
 }  // namespace

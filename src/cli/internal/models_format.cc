@@ -220,12 +220,19 @@ Result<ActionSummary> SummarizeAction(std::string_view body, const std::string& 
       out.lines.push_back(action + " " + model + " failed on " + worker + ": " + why);
     }
   }
-  if (out.lines.empty()) out.lines.push_back(action + " " + model + ": no worker answered");
+  if (out.lines.empty()) {
+    // The gateway acts only where there is something to undo.
+    out.nothing_to_do = action == "unload" || action == "unpin";
+    out.lines.push_back(action + " " + model + ": " +
+                        (action == "unload"  ? "nothing to do (no live worker has it loaded)"
+                         : action == "unpin" ? "nothing to do (no live worker has it pinned)"
+                                             : "no worker answered"));
+  }
   return out;
 }
 
 int ActionExitCode(const ActionSummary& summary) {
-  return summary.failed == 0 && summary.succeeded > 0 ? 0 : 1;
+  return summary.failed == 0 && (summary.succeeded > 0 || summary.nothing_to_do) ? 0 : 1;
 }
 
 std::string FormatHttpError(int http_status, std::string_view body) {

@@ -63,6 +63,8 @@ struct ActionSummary {
   std::vector<std::string> lines;  // "loaded m on w1 (ok)", "load m failed on w2: ..."
   int succeeded = 0;
   int failed = 0;
+  // unload / unpin found no worker with the model loaded / pinned: done.
+  bool nothing_to_do = false;
 };
 
 // Parses an action answer ({"results":[{"worker","ok","state"|"error"}]}).

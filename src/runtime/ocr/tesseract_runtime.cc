@@ -30,7 +30,7 @@ std::string EncodeOcrResult(const OcrResult& result) {
   PackString(pk, "words");
   pk.pack_array(static_cast<uint32_t>(result.words.size()));
   for (const OcrWord& w : result.words) {
-    pk.pack_map(4);
+    pk.pack_map(5);
     PackString(pk, "text");
     PackString(pk, w.text);
     PackString(pk, "box");
@@ -41,6 +41,8 @@ std::string EncodeOcrResult(const OcrResult& result) {
     pk.pack(w.box.h);
     PackString(pk, "confidence");
     pk.pack(w.confidence);
+    PackString(pk, "block");
+    pk.pack(w.block);
     PackString(pk, "line");
     pk.pack(w.line);
   }

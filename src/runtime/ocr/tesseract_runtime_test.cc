@@ -63,6 +63,14 @@ TEST(TesseractRuntime, RecognisesEachItemIntoOneDocument) {
     EXPECT_FALSE(w0.at("text").as<std::string>().empty());
     EXPECT_EQ(w0.at("box").as<std::vector<int>>().size(), 4u);
     EXPECT_GT(w0.at("confidence").as<float>(), 0.5f);
+    // The first word opens the page's first block and line; the last one
+    // is on the last line, at least as far on in both.
+    EXPECT_EQ(w0.at("block").as<int>(), 0);
+    EXPECT_EQ(w0.at("line").as<int>(), 0);
+    std::map<std::string, msgpack::object> last;
+    words.ptr[words.size - 1].convert(last);
+    EXPECT_GE(last.at("block").as<int>(), 0);
+    EXPECT_GT(last.at("line").as<int>(), 0);
   }
 }
 
