@@ -185,6 +185,7 @@ class HttpServer::Impl::Connection
   bool keep_alive_ = true;
   bool head_ = false;        // a HEAD response carries no body
   bool in_request_ = false;  // bytes of the current request have arrived
+  std::chrono::steady_clock::time_point request_started_;  // its first byte
   bool continue_checked_ = false;
   bool closing_ = false;     // the connection closes after this response
   bool closed_ = false;
@@ -256,6 +257,7 @@ void HttpServer::Impl::Connection::NextRequest() {
   continue_checked_ = false;
   // A pipelining client may already have sent the next request.
   if (buffer_.size() > 0) {
+    request_started_ = std::chrono::steady_clock::now();
     in_request_ = true;
     Parse();
   } else {
@@ -265,8 +267,13 @@ void HttpServer::Impl::Connection::NextRequest() {
 
 void HttpServer::Impl::Connection::ReadMore() {
   const auto& o = server_.options();
-  stream_.expires_after(std::chrono::milliseconds(
-      in_request_ ? o.read_timeout_ms : o.idle_timeout_ms));
+  if (in_request_ && !parser_->is_header_done()) {
+    // The request line and headers have read_timeout_ms from their first
+    // byte, however slowly they trickle in; the body, that long per read.
+    stream_.expires_at(request_started_ + std::chrono::milliseconds(o.read_timeout_ms));
+  } else {
+    stream_.expires_after(std::chrono::milliseconds(in_request_ ? o.read_timeout_ms : o.idle_timeout_ms));
+  }
   stream_.async_read_some(
       buffer_.prepare(beast::read_size(buffer_, 65536)),
       beast::bind_front_handler(&Connection::OnRead, shared_from_this()));
@@ -285,6 +292,7 @@ void HttpServer::Impl::Connection::OnRead(error_code ec, size_t bytes) {
   }
   // Timeouts, resets, and a clean close between requests: nobody to answer.
   if (ec) return Close();
+  if (!in_request_) request_started_ = std::chrono::steady_clock::now();
   in_request_ = true;
   Parse();
 }

@@ -23,8 +23,9 @@ struct HttpServerOptions {
   // How long a keep-alive connection may wait for the first byte of its
   // next request.
   int64_t idle_timeout_ms = 60000;
-  // Once a request has started: how long reading the rest of it may take.
-  // Also bounds writing each response.
+  // Once a request has started: how long its request line and headers may
+  // take in all, and its body per read (a slow upload that keeps sending
+  // goes on). Also bounds writing each response.
   int64_t read_timeout_ms = 30000;
 
   Status Validate() const;

@@ -532,6 +532,32 @@ TEST(HttpServer, ClosesConnectionsThatStallMidRequest) {
   EXPECT_TRUE(client.PeerClosed());
 }
 
+// Headers trickled in a byte at a time, each well within the timeout,
+// still have the timeout in all (no connection held open for ever). The
+// bytes keep coming until the server closes: a per-read timeout would
+// never fire.
+TEST(HttpServer, HeadersHaveTheReadTimeoutInAllNotPerRead) {
+  HttpServerOptions options;
+  options.read_timeout_ms = 300;
+  int calls = 0;
+  auto server = Start(
+      [&](HttpRequest&&, HttpResponder respond) {
+        ++calls;
+        respond(HttpResponse{});
+      },
+      options);
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  ASSERT_FALSE(client.WriteRaw("GET / HTTP/1.1\r\n"));
+  bool closed = false;
+  for (int i = 0; i < 200 && !closed; ++i) {  // up to 200 x 50 ms = 10 s
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    closed = static_cast<bool>(client.WriteRaw("X"));
+  }
+  EXPECT_TRUE(closed) << "a trickle of header bytes kept the connection open";
+  EXPECT_EQ(calls, 0);
+}
+
 TEST(HttpServer, StopClosesOpenConnections) {
   ParkedResponders parked;
   auto server = Start([&](HttpRequest&& req, HttpResponder respond) {
