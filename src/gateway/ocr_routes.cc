@@ -58,15 +58,6 @@ std::string HeaderParam(std::string_view value, std::string_view name) {
   return {};
 }
 
-bool IsMsgpackType(const std::string& t) {
-  return t == "application/msgpack" || t == "application/x-msgpack" || t == "application/vnd.msgpack";
-}
-
-bool WantsMsgpack(std::string_view accept) {
-  for (const char* t : {"application/msgpack", "application/x-msgpack", "application/vnd.msgpack"})
-    if (accept.find(t) != std::string_view::npos) return true;
-  return false;
-}
 
 // Standard or URL-safe base64, padding optional, whitespace ignored.
 bool DecodeBase64(std::string_view in, std::string* out) {
@@ -325,7 +316,7 @@ Status Router::ImagesFromRequest(HttpRequest& req, std::vector<std::string>* ima
   // lives until it is answered, and would hold a second copy of every
   // image while the work message is encoded and stored.
   auto release_body = [&req] { std::string().swap(req.body); };
-  if (IsMsgpackType(type)) {
+  if (internal::IsMsgpackType(type)) {
     RETURN_IF_ERROR(ImagesFromMsgpack(req.body, images));
     release_body();
   } else if (type == "multipart/form-data") {
@@ -363,7 +354,7 @@ void Router::Ocr(const std::string& model, HttpRequest&& req, HttpResponder resp
   auto deadline = Deadline(req);
   if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));
   job.deadline_unix_ms = *deadline;
-  const bool msgpack_out = WantsMsgpack(req.Header("accept"));
+  const bool msgpack_out = internal::AcceptsMsgpack(req.Header("accept"));
   if (Status st = ImagesFromRequest(req, &job.items); !st.ok()) return respond(ErrorResponse(st));
   submitter_->SubmitItems(std::move(job), [respond = std::move(respond), model, retry,
                                            msgpack_out](Result<ItemResult> result) {

@@ -19,20 +19,6 @@ using internal::AppendJsonString;
 using internal::JsonResponse;
 using internal::ParseJsonObject;
 
-constexpr const char* kMsgpackTypes[] = {"application/msgpack", "application/x-msgpack",
-                                         "application/vnd.msgpack"};
-
-bool IsMsgpack(std::string_view content_type) {
-  for (const char* t : kMsgpackTypes)
-    if (content_type.substr(0, std::strlen(t)) == t) return true;
-  return false;
-}
-
-bool AcceptsMsgpack(std::string_view accept) {
-  for (const char* t : kMsgpackTypes)
-    if (accept.find(t) != std::string_view::npos) return true;
-  return false;
-}
 
 void AppendBase64(std::string& out, const unsigned char* data, size_t len) {
   static const char* k = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
@@ -325,8 +311,8 @@ HttpResponder Router::Instrument(const std::string& route, HttpResponder respond
 
 void Router::Handle(HttpRequest&& req, HttpResponder respond) {
   const std::string& path = req.path;
-  if (AcceptsMsgpack(req.Header("accept"))) respond = MsgpackResponder(std::move(respond));
-  if (!NativeMsgpackRoute(path) && IsMsgpack(req.Header("content-type")) && !req.body.empty()) {
+  if (internal::AcceptsMsgpack(req.Header("accept"))) respond = MsgpackResponder(std::move(respond));
+  if (!NativeMsgpackRoute(path) && internal::IsMsgpackType(req.Header("content-type")) && !req.body.empty()) {
     if (Status st = MsgpackBodyToJson(&req.body); !st.ok()) return respond(ErrorResponse(st));
   }
   auto method_is = [&](const char* m) { return req.method == m; };
@@ -498,7 +484,7 @@ void Router::Embeddings(HttpRequest&& req, HttpResponder respond) {
   if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));
   job.deadline_unix_ms = *deadline;
   const bool normalize = entry.normalize;
-  const bool want_msgpack = AcceptsMsgpack(req.Header("accept"));
+  const bool want_msgpack = internal::AcceptsMsgpack(req.Header("accept"));
   std::string model = job.model;
   submitter_->SubmitEmbed(std::move(job), [respond = std::move(respond), model, base64, dims, normalize,
                                            want_msgpack, retry](Result<EmbedResult> result) {
@@ -534,7 +520,7 @@ void Router::Encode(const std::string& model, HttpRequest&& req, HttpResponder r
   const int64_t retry = options_.retry_after_s;
   EmbedJob job;
   job.model = model;
-  if (IsMsgpack(req.Header("content-type"))) {
+  if (internal::IsMsgpackType(req.Header("content-type"))) {
     if (Status st = internal::CheckMsgpackBody(req.body); !st.ok()) return respond(ErrorResponse(st));
     msgpack::object_handle handle;
     try {
@@ -578,7 +564,7 @@ void Router::Encode(const std::string& model, HttpRequest&& req, HttpResponder r
   auto deadline = Deadline(req);
   if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));
   job.deadline_unix_ms = *deadline;
-  const bool want_msgpack = AcceptsMsgpack(req.Header("accept"));
+  const bool want_msgpack = internal::AcceptsMsgpack(req.Header("accept"));
   submitter_->SubmitEmbed(std::move(job), [respond = std::move(respond), model, want_msgpack,
                                            retry](Result<EmbedResult> result) {
     if (!result.ok()) return respond(ErrorResponse(result.status(), retry));

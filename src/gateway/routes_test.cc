@@ -394,6 +394,10 @@ TEST_F(RoutesTest, EveryJsonRouteAlsoSpeaksMessagePack) {
   r = Call("GET", "/v1/models", "", {{"accept", "application/msgpack"}});
   ASSERT_EQ(r.status, 200);
   EXPECT_EQ(unpack(r)["object"], "list");
+  // ... and in JSON when MessagePack is listed but JSON is preferred.
+  r = Call("GET", "/v1/models", "", {{"accept", "application/json, application/msgpack;q=0.1"}});
+  ASSERT_EQ(r.status, 200);
+  EXPECT_EQ(r.content_type, "application/json");
   // Errors too: the OpenAI error shape, in MessagePack.
   r = Call("POST", "/v1/rerank", "\xc1", kMsgpack);
   EXPECT_EQ(r.status, 400);
@@ -660,6 +664,26 @@ TEST_F(RoutesTest, WorkersListsBusySecondsSlotsAndBudgets) {
   EXPECT_EQ(j["data"][1]["device_slots"], 1);
   EXPECT_EQ(j["data"][1]["device"], "cpu");
   EXPECT_EQ(Call("POST", "/v1/workers", "").status, 405);
+}
+
+TEST(AcceptHeader, MessagePackOnlyWhenPreferredAtLeastAsMuchAsJson) {
+  using internal::AcceptsMsgpack;
+  EXPECT_FALSE(AcceptsMsgpack(""));
+  EXPECT_FALSE(AcceptsMsgpack("*/*"));
+  EXPECT_FALSE(AcceptsMsgpack("application/json"));
+  EXPECT_TRUE(AcceptsMsgpack("application/msgpack"));
+  EXPECT_TRUE(AcceptsMsgpack("Application/X-MsgPack"));
+  EXPECT_TRUE(AcceptsMsgpack("application/vnd.msgpack, */*;q=0.5"));
+  EXPECT_TRUE(AcceptsMsgpack("application/json, application/msgpack"));  // a tie: MessagePack
+  EXPECT_FALSE(AcceptsMsgpack("application/json, application/msgpack;q=0.1"));
+  EXPECT_FALSE(AcceptsMsgpack("application/msgpack;q=0"));
+  EXPECT_TRUE(AcceptsMsgpack("application/json;q=0.5, application/msgpack;q=0.9"));
+  EXPECT_FALSE(AcceptsMsgpack("application/*, application/msgpack; q=0.8"));
+  EXPECT_FALSE(AcceptsMsgpack("application/msgpack;q=oops"));  // an unreadable q counts as 0
+  EXPECT_TRUE(internal::IsMsgpackType("application/msgpack; charset=binary"));
+  EXPECT_TRUE(internal::IsMsgpackType(" APPLICATION/MSGPACK"));
+  EXPECT_FALSE(internal::IsMsgpackType("application/msgpackx"));
+  EXPECT_FALSE(internal::IsMsgpackType("application/json"));
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "gateway/internal/http_json.h"
 
+#include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -172,6 +174,58 @@ Status CheckMsgpackBody(std::string_view body) {
   std::size_t offset = 0;
   (void)msgpack::parse(body.data(), body.size(), offset, check);  // errors: the decoder's to report
   return check.status;
+}
+
+namespace {
+
+std::string_view Trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  return s;
+}
+
+bool IEquals(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::tolower(static_cast<unsigned char>(a[i])) != std::tolower(static_cast<unsigned char>(b[i]))) return false;
+  return true;
+}
+
+}  // namespace
+
+bool IsMsgpackType(std::string_view content_type) {
+  const std::string_view type = Trim(content_type.substr(0, content_type.find(';')));
+  return IEquals(type, "application/msgpack") || IEquals(type, "application/x-msgpack") ||
+         IEquals(type, "application/vnd.msgpack");
+}
+
+bool AcceptsMsgpack(std::string_view accept) {
+  double msgpack = -1, json = -1, application_any = -1, any = -1;
+  while (!accept.empty()) {
+    const size_t comma = accept.find(',');
+    std::string_view range = accept.substr(0, comma);
+    accept = comma == std::string_view::npos ? std::string_view() : accept.substr(comma + 1);
+    const std::string_view type = Trim(range.substr(0, range.find(';')));
+    double q = 1;
+    for (size_t semi = range.find(';'); semi != std::string_view::npos;) {
+      range = range.substr(semi + 1);
+      semi = range.find(';');
+      const std::string_view param = Trim(range.substr(0, semi));
+      if (param.size() > 2 && (param[0] == 'q' || param[0] == 'Q') && param[1] == '=') {
+        double v = 0;
+        const auto [end, ec] = std::from_chars(param.data() + 2, param.data() + param.size(), v);
+        q = ec == std::errc() && end == param.data() + param.size() ? std::clamp(v, 0.0, 1.0) : 0;
+      }
+    }
+    double* slot = IsMsgpackType(type)                     ? &msgpack
+                   : IEquals(type, "application/json")     ? &json
+                   : IEquals(type, "application/*")        ? &application_any
+                   : type == "*/*"                         ? &any
+                                                           : nullptr;
+    if (slot != nullptr) *slot = std::max(*slot, q);
+  }
+  const double json_q = json >= 0 ? json : application_any >= 0 ? application_any : std::max(any, 0.0);
+  return msgpack > 0 && msgpack >= json_q;
 }
 
 std::string ResponseId(std::string_view prefix) {

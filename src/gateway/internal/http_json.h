@@ -41,6 +41,15 @@ Status ParseJsonObject(const std::string& text, nlohmann::json* out);
 // otherwise, also when it is malformed in another way (the decoder says
 // so).
 Status CheckMsgpackBody(std::string_view body);
+// Whether a media type (a Content-Type's, parameters allowed) is
+// MessagePack: application/msgpack, application/x-msgpack or
+// application/vnd.msgpack, in any case.
+bool IsMsgpackType(std::string_view content_type);
+// Whether an Accept header prefers MessagePack to JSON: it lists a
+// MessagePack type with q > 0 and a q at least that of JSON (from
+// application/json, else application/*, else */*; 0 when none is listed).
+// No header, or one without a MessagePack type: JSON.
+bool AcceptsMsgpack(std::string_view accept);
 // A fresh id for a response body ("<prefix>-<32 hex digits>").
 std::string ResponseId(std::string_view prefix);
 
