@@ -140,6 +140,14 @@ std::unique_ptr<HttpServer> Start(HttpHandler handler, HttpServerOptions options
   return std::move(server).value();
 }
 
+// Answers 200 with no body and counts the requests it was handed.
+HttpHandler CountingOk(int* calls) {
+  return [calls](HttpRequest&&, HttpResponder respond) {
+    ++*calls;
+    respond(HttpResponse{});
+  };
+}
+
 nlohmann::json ErrorOf(const Response& res) {
   return nlohmann::json::parse(res.body(), nullptr, /*allow_exceptions=*/false)["error"];
 }
@@ -423,12 +431,7 @@ TEST(HttpServer, BodyOverTheLimitIs413AndCloses) {
   int calls = 0;
   HttpServerOptions options;
   options.max_body_bytes = 1024;
-  auto server = Start(
-      [&](HttpRequest&&, HttpResponder respond) {
-        ++calls;
-        respond(HttpResponse{});
-      },
-      options);
+  auto server = Start(CountingOk(&calls), options);
   ASSERT_TRUE(server);
   {
     Client client(server->port());
@@ -464,10 +467,7 @@ TEST(HttpServer, BodyOverTheLimitIs413AndCloses) {
 
 TEST(HttpServer, MalformedRequestIs400AndCloses) {
   int calls = 0;
-  auto server = Start([&](HttpRequest&&, HttpResponder respond) {
-    ++calls;
-    respond(HttpResponse{});
-  });
+  auto server = Start(CountingOk(&calls));
   ASSERT_TRUE(server);
   Client client(server->port());
   ASSERT_FALSE(client.WriteRaw("\x01\x02garbage \xff\xfe\r\n\r\n"));
@@ -487,10 +487,7 @@ TEST(HttpServer, MalformedRequestIs400AndCloses) {
 // closes, and what follows is never read as another request.
 TEST(HttpServer, TransferCodingsOtherThanChunkedAreRefusedAndClose) {
   int calls = 0;
-  auto server = Start([&](HttpRequest&&, HttpResponder respond) {
-    ++calls;
-    respond(HttpResponse{});
-  });
+  auto server = Start(CountingOk(&calls));
   ASSERT_TRUE(server);
   const std::pair<std::string, int> cases[] = {{"gzip", 400}, {"gzip, chunked", 501}};
   for (const auto& [coding, status] : cases) {
@@ -540,12 +537,7 @@ TEST(HttpServer, HeadersHaveTheReadTimeoutInAllNotPerRead) {
   HttpServerOptions options;
   options.read_timeout_ms = 300;
   int calls = 0;
-  auto server = Start(
-      [&](HttpRequest&&, HttpResponder respond) {
-        ++calls;
-        respond(HttpResponse{});
-      },
-      options);
+  auto server = Start(CountingOk(&calls), options);
   ASSERT_TRUE(server);
   Client client(server->port());
   ASSERT_FALSE(client.WriteRaw("GET / HTTP/1.1\r\n"));

@@ -74,6 +74,15 @@ class OcrRoutesTest : public ::testing::Test {
     router_ = std::make_unique<Router>(o, &submitter_, [this] { return snapshot_; }, &metrics_, &clock_);
   }
 
+  HttpResponse Get(const std::string& path) {
+    HttpRequest req;
+    req.method = "GET";
+    req.path = path;
+    HttpResponse out;
+    router_->Handle(std::move(req), [&](HttpResponse r) { out = std::move(r); });
+    return out;
+  }
+
   HttpResponse Call(const std::string& path, std::string body, const std::string& content_type,
                     const std::string& accept = "") {
     HttpRequest req;
@@ -228,11 +237,7 @@ TEST_F(OcrRoutesTest, WorkerErrorsKeepTheirStatus) {
 // An OCR model takes images, not tokens: /v1/models gives it no width and
 // no token limit, which an embedding model has.
 TEST_F(OcrRoutesTest, ModelsListsNoTokenFieldsForOcr) {
-  HttpRequest req;
-  req.method = "GET";
-  req.path = "/v1/models";
-  HttpResponse out;
-  router_->Handle(std::move(req), [&](HttpResponse r) { out = std::move(r); });
+  const HttpResponse out = Get("/v1/models");
   ASSERT_EQ(out.status, 200) << out.body;
   const auto j = nlohmann::json::parse(out.body);
   ASSERT_EQ(j["data"].size(), 2u);  // by id: m, ocr
@@ -244,12 +249,7 @@ TEST_F(OcrRoutesTest, ModelsListsNoTokenFieldsForOcr) {
 }
 
 TEST_F(OcrRoutesTest, OnlyPost) {
-  HttpRequest req;
-  req.method = "GET";
-  req.path = "/v1/ocr/ocr";
-  HttpResponse out;
-  router_->Handle(std::move(req), [&](HttpResponse r) { out = std::move(r); });
-  EXPECT_EQ(out.status, 405);
+  EXPECT_EQ(Get("/v1/ocr/ocr").status, 405);
 }
 
 }  // namespace

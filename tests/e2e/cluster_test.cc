@@ -125,17 +125,23 @@ KillRun RunClientsAndKill(int port, int requests, int clients, int kill_after, c
   return run;
 }
 
+// A gateway over a stream and catalog that a worker created and left: it
+// runs, NATS and the stream are there, no worker is (readiness 503).
+Shoal StartGatewayWithoutWorkers(const std::string& nats_url) {
+  {
+    Shoal worker = StartWorker(nats_url, {"--threads", "1"});
+    StopGracefully(worker);
+  }
+  Shoal gateway = StartGateway(nats_url);
+  EXPECT_EQ(WaitForReadyz(gateway.port, 503, 10s), 503);
+  return gateway;
+}
+
 // The gateway alone: work waits in the queue until its deadline, then 504;
 // readiness says why.
 TEST(E2eCluster, NoWorkerMeansDeadlineExceededAndNotReady) {
   shoal::testing::TestNatsServer nats;
-  {
-    // A worker creates the stream and publishes the model catalog, then leaves.
-    Shoal worker = StartWorker(nats.url(), {"--threads", "1"});
-    StopGracefully(worker);
-  }
-  Shoal gateway = StartGateway(nats.url());
-  ASSERT_EQ(WaitForReadyz(gateway.port, 503, 10s), 503);
+  Shoal gateway = StartGatewayWithoutWorkers(nats.url());
   auto ready = HttpGet(gateway.port, "/readyz");
   auto rj = json::parse(ready.body);
   EXPECT_EQ(rj.at("nats"), true);
@@ -155,12 +161,7 @@ TEST(E2eCluster, NoWorkerMeansDeadlineExceededAndNotReady) {
 // instead of closing their connections unanswered; their work stays queued.
 TEST(E2eCluster, AStoppingGatewayAnswersTheRequestsItHolds) {
   shoal::testing::TestNatsServer nats;
-  {
-    Shoal worker = StartWorker(nats.url(), {"--threads", "1"});
-    StopGracefully(worker);
-  }
-  Shoal gateway = StartGateway(nats.url());
-  ASSERT_EQ(WaitForReadyz(gateway.port, 503, 10s), 503);
+  Shoal gateway = StartGatewayWithoutWorkers(nats.url());
   auto held = std::async(std::launch::async, [&] { return EmbedWithTimeout(gateway.port, "held at the stop", 60000); });
   ASSERT_EQ(WaitForQueueDepth(gateway.port, 1, 20s), 1);  // published: the gateway holds it
   StopGracefully(gateway);
