@@ -468,14 +468,13 @@ void Dispatcher::HandleReply(std::string_view data) {
       if (!p->partial || !reply->status.ok() || reply->items.empty()) return;
     } else if (!reply->status.ok()) {
       error = reply->status;
-      // An input the worker found bad: say which (a chunk of an item job
-      // holds one input). Failures of the model or the fleet are not the
-      // input's.
-      const StatusCode code = error.code();
-      const bool input_error = code == StatusCode::kInvalidArgument || code == StatusCode::kUnsupportedMedia ||
-                               code == StatusCode::kUnprocessable || code == StatusCode::kPayloadTooLarge;
-      if (!p->item_name.empty() && input_error && static_cast<size_t>(c) < p->first_item.size())
-        error = Status(code, p->item_name + " " + std::to_string(p->first_item[c]) + ": " + error.message(),
+      // An input the worker found bad (its reason names the kind of input,
+      // as invalid_image does): say which one (a chunk of an item job holds
+      // one input). Other errors, such as a model that does not do the
+      // task, are not the input's.
+      if (!p->item_name.empty() && error.reason().find(p->item_name) != std::string::npos &&
+          static_cast<size_t>(c) < p->first_item.size())
+        error = Status(error.code(), p->item_name + " " + std::to_string(p->first_item[c]) + ": " + error.message(),
                        error.reason());
     } else {
       p->have[c] = true;

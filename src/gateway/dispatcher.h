@@ -75,7 +75,8 @@ struct ItemJob {
   std::vector<std::string> items;  // image bytes, or a MessagePack request document
   int64_t deadline_unix_ms = 0;
   // What an input is called in the messages of errors a worker found in it
-  // ("image" gives "image 2: ..."); empty: messages as the worker wrote them.
+  // ("image": an error whose reason holds "image", such as invalid_image,
+  // reads "image 2: ..."); empty: messages as the worker wrote them.
   std::string item_name;
 };
 

@@ -57,17 +57,23 @@ Result<std::unique_ptr<FleetControl>> FleetControl::Create(const FleetControlOpt
 
 FleetControl::~FleetControl() { Stop(); }
 
-void FleetControl::Stop() {
+void FleetControl::BeginStop() {
   std::deque<Job> left;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return;
     stop_ = true;
+    cancel_ = true;
     left.swap(jobs_);
   }
   cv_.notify_all();
-  for (auto& t : threads_) t.join();
   for (Job& j : left) j.done(Unavailable("the gateway is shutting down", "shutting_down"));
+}
+
+void FleetControl::Stop() {
+  BeginStop();
+  for (auto& t : threads_)
+    if (t.joinable()) t.join();
 }
 
 void FleetControl::Act(const std::string& action, const std::string& model, const std::string& worker,
@@ -91,7 +97,10 @@ void FleetControl::Loop() {
     Job job = std::move(jobs_.front());
     jobs_.pop_front();
     lock.unlock();
-    job.done(Run(job));
+    Result<ControlOutcome> outcome = Run(job);
+    // Given up part-way: the outcome is not the workers'.
+    if (cancel_) outcome = Unavailable("the gateway is shutting down", "shutting_down");
+    job.done(std::move(outcome));
     lock.lock();
   }
 }
@@ -155,7 +164,7 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
     ControlResult r;
     r.worker = t.worker;
     json req = {{"action", t.action}, {"model", job.model}};
-    auto reply = client_->Request(wire::ControlSubject(t.worker), req.dump(), timeout);
+    auto reply = client_->Request(wire::ControlSubject(t.worker), req.dump(), timeout, cancel_);
     if (!reply.ok()) {
       r.status = reply.status().code() == StatusCode::kUnavailable
                      ? Unavailable("worker '" + t.worker + "' did not answer (gone?)", "worker_unavailable")

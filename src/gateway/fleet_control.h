@@ -4,6 +4,7 @@
 // threads never wait for a model to load.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -62,7 +63,11 @@ class FleetControl final : public ModelController {
   ~FleetControl() override;
   void Act(const std::string& action, const std::string& model, const std::string& worker,
            ControlCallback done) override;
-  // Fails queued requests with Unavailable and joins the threads. Idempotent.
+  // Answers every request, queued or under way, with 503 shutting_down
+  // (those under way within about 100 ms) without waiting for the threads.
+  // Idempotent.
+  void BeginStop();
+  // BeginStop(), then joins the threads. Idempotent.
   void Stop();
 
   // Which workers a request goes to, and the action each gets (a load
@@ -91,6 +96,7 @@ class FleetControl final : public ModelController {
   std::condition_variable cv_;
   std::deque<Job> jobs_;  // guarded by mu_
   bool stop_ = false;     // guarded by mu_
+  std::atomic<bool> cancel_{false};  // requests under way give up
   std::vector<std::thread> threads_;
 };
 

@@ -2,7 +2,15 @@
 // registry snapshot.
 #include "gateway/fleet_control.h"
 
+#include <nats/nats.h>
+
+#include <chrono>
+#include <future>
+
 #include <gtest/gtest.h>
+
+#include "support/test_env.h"
+#include "wire/work_message.h"
 
 namespace shoal {
 namespace {
@@ -70,6 +78,48 @@ TEST(FleetControlPlan, Errors) {
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "")), std::vector<std::string>{"error: no_worker"});
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "explode", "m", "")), std::vector<std::string>{"error: route_not_found"});
   EXPECT_TRUE(FleetControl::Plan(snap, "unload", "m", "")->empty());  // loaded nowhere: nothing to do
+}
+
+// A stopping gateway answers an action still waiting for a worker (a load
+// can take minutes) with 503 shutting_down at once, instead of keeping the
+// process, and its port, up until the worker answers or the wait runs out.
+TEST(FleetControlStop, AnswersAnActionUnderWayWithShuttingDown) {
+  shoal::testing::TestNatsServer nats;
+  NatsOptions no;
+  no.url = nats.url();
+  auto client = NatsClient::Connect(no);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  // A worker that takes control requests and never answers them.
+  std::atomic<int> asked{0};
+  auto sub = (*client)->Subscribe(
+      wire::ControlSubject("silent"),
+      [](natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
+        ++*static_cast<std::atomic<int>*>(closure);
+        natsMsg_Destroy(msg);
+      },
+      &asked);
+  ASSERT_TRUE(sub.ok());
+  auto snap = std::make_shared<FleetSnapshot>(
+      Fleet({R"({"id":"silent","models":[{"name":"m","state":"not_loaded"}]})"}));
+  FleetControlOptions o;
+  o.threads = 1;
+  o.load_timeout_ms = 600000;
+  auto control = FleetControl::Create(o, client->get(), [snap] { return snap; });
+  ASSERT_TRUE(control.ok());
+  std::promise<Result<ControlOutcome>> under_way, queued;
+  (*control)->Act("load", "m", "", [&](Result<ControlOutcome> r) { under_way.set_value(std::move(r)); });
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return asked.load() == 1; }));
+  (*control)->Act("load", "m", "", [&](Result<ControlOutcome> r) { queued.set_value(std::move(r)); });
+  (*control)->Stop();  // returns once the thread has given up (not after 10 minutes)
+  for (auto* p : {&under_way, &queued}) {
+    auto f = p->get_future();
+    ASSERT_EQ(f.wait_for(std::chrono::seconds(0)), std::future_status::ready);
+    const Result<ControlOutcome> r = f.get();
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+    EXPECT_EQ(r.status().reason(), "shutting_down");
+  }
+  EXPECT_EQ(asked.load(), 1);
 }
 
 }  // namespace

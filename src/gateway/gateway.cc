@@ -51,10 +51,11 @@ void Gateway::Stop() {
   // Requests in flight get an answer (503 shutting down, from the
   // dispatcher and the model control) before their connections close; the
   // drain waits for those answers to be written, within a bound.
-  if (control_) control_->Stop();
   if (dispatcher_) dispatcher_->Stop();
+  if (control_) control_->BeginStop();
   if (http_ && !http_->Drain(kDrainMs)) LOG_WARN("gateway", "responses still unwritten after " << kDrainMs << " ms");
   if (http_) http_->Stop();
+  if (control_) control_->Stop();
   blob_.reset();  // after Stop(): no new puts are queued
   if (fleet_) fleet_->Stop();
 }

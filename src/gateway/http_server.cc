@@ -147,8 +147,9 @@ class HttpServer::Impl::Connection
   // The connection's strand. Safe from any thread.
   const net::any_io_executor& executor() const { return executor_; }
 
-  // A request of this connection's was handed to the handler and its
-  // response is not written yet. Safe from any thread.
+  // A request of this connection's is under way: its first bytes have
+  // arrived and its response is not written yet (or, closing after it, the
+  // client has not yet read it and closed). Safe from any thread.
   bool busy() const { return busy_.load(std::memory_order_acquire); }
 
   // Only from Stop(), with no io thread running.
@@ -259,6 +260,7 @@ void HttpServer::Impl::Connection::NextRequest() {
   if (buffer_.size() > 0) {
     request_started_ = std::chrono::steady_clock::now();
     in_request_ = true;
+    busy_.store(true, std::memory_order_release);
     Parse();
   } else {
     ReadMore();
@@ -294,6 +296,7 @@ void HttpServer::Impl::Connection::OnRead(error_code ec, size_t bytes) {
   if (ec) return Close();
   if (!in_request_) request_started_ = std::chrono::steady_clock::now();
   in_request_ = true;
+  busy_.store(true, std::memory_order_release);
   Parse();
 }
 
@@ -318,6 +321,9 @@ void HttpServer::Impl::Connection::Parse() {
       // asks, and so is any other coding (501): neither is read as an empty
       // body followed by a second request.
       const auto te = parser_->get().find(http::field::transfer_encoding);
+      // HTTP/1.0 has no transfer codings: whatever the framing, the
+      // connection cannot be trusted after this request (RFC 9112 6.1).
+      if (te != parser_->get().end() && parser_->get().version() < 11) closing_ = true;
       if (te != parser_->get().end() && !beast::iequals(te->value(), "chunked")) {
         return FailRequest(parser_->chunked() ? 501 : 400,
                            InvalidArgument("Transfer-Encoding '" + std::string(te->value()) +
@@ -355,7 +361,6 @@ void HttpServer::Impl::Connection::OnContinueWritten(error_code ec, size_t) {
 }
 
 void HttpServer::Impl::Connection::Dispatch() {
-  busy_.store(true, std::memory_order_release);
   stream_.expires_never();
   http::request<http::string_body> msg = parser_->release();
   version_ = msg.version();
@@ -442,6 +447,11 @@ void HttpServer::Impl::Connection::Respond(HttpResponse r) {
 
 void HttpServer::Impl::Connection::OnWritten(error_code ec, size_t) {
   if (ec) return Close();
+  // A draining server closes after every response, also where the client
+  // may have sent more (pipelined): closing with unread bytes would reset
+  // the connection, which can destroy the response before the client reads
+  // it. Lingering reads them until the client closes (Drain waits for it).
+  if (closing_ && server_.draining()) return Linger();
   if (closing_) {
     error_code ignored;
     stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);

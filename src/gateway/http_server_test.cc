@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <future>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -15,6 +16,8 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <nlohmann/json.hpp>
+
+#include "support/test_env.h"
 
 namespace shoal {
 namespace {
@@ -616,6 +619,26 @@ TEST(HttpServer, DrainWaitsForTheAnswersInFlightThenStopCloses) {
   }
   server->Stop();
   EXPECT_TRUE(server->Drain(10));  // after Stop: nothing to wait for
+}
+
+// A request whose body is still arriving when the drain starts is waited
+// for too: it is handled and answered once complete.
+TEST(HttpServer, DrainWaitsForARequestStillArriving) {
+  int calls = 0;
+  auto server = Start(CountingOk(&calls));
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  ASSERT_FALSE(client.WriteRaw("POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nhello"));
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return !server->Drain(1); }));  // the server has the first bytes
+  auto drained = std::async(std::launch::async, [&] { return server->Drain(10000); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_FALSE(client.WriteRaw("world"));
+  Response res = client.Read();
+  EXPECT_EQ(res.result_int(), 200);
+  EXPECT_FALSE(res.keep_alive());
+  EXPECT_TRUE(drained.get());
+  EXPECT_EQ(calls, 1);
+  server->Stop();
 }
 
 TEST(HttpServer, PortZeroPicksDistinctFreePorts) {

@@ -121,6 +121,32 @@ Result<std::string> NatsClient::Request(const std::string& subject, std::string_
   return std::string(natsMsg_GetData(reply), static_cast<size_t>(natsMsg_GetDataLength(reply)));
 }
 
+Result<std::string> NatsClient::Request(const std::string& subject, std::string_view data, int64_t timeout_ms,
+                                        const std::atomic<bool>& cancel) {
+  const std::string inbox = NewInbox();
+  natsSubscription* raw = nullptr;
+  natsStatus s = natsConnection_SubscribeSync(&raw, conn_.get(), inbox.c_str());
+  if (s != NATS_OK) return FromNats(s, "subscribe " + inbox);
+  NatsSubscriptionPtr sub(raw);
+  (void)natsSubscription_AutoUnsubscribe(raw, 1);
+  s = natsConnection_PublishRequest(conn_.get(), subject.c_str(), inbox.c_str(), data.data(),
+                                    static_cast<int>(data.size()));
+  if (s != NATS_OK) return FromNats(s, "request " + subject);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (true) {
+    if (cancel.load()) return Unavailable("request " + subject + " cancelled", "cancelled");
+    const int64_t left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    if (left <= 0) return DeadlineExceeded("no reply on " + subject + " within " + std::to_string(timeout_ms) + " ms");
+    natsMsg* reply = nullptr;
+    s = natsSubscription_NextMsg(&reply, raw, std::min<int64_t>(left, 100));
+    if (s == NATS_TIMEOUT) continue;
+    if (s != NATS_OK) return FromNats(s, "request " + subject);
+    NatsMsgPtr owned(reply);
+    if (natsMsg_IsNoResponders(reply)) return Unavailable("nobody answers on " + subject, "no_responders");
+    return std::string(natsMsg_GetData(reply), static_cast<size_t>(natsMsg_GetDataLength(reply)));
+  }
+}
+
 struct Subscription::Done {
   std::mutex mu;
   std::condition_variable cv;

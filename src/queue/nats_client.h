@@ -4,6 +4,7 @@
 // Nothing here knows about models or HTTP.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -100,6 +101,10 @@ class NatsClient {
   // Core-NATS request/reply: the reply's data. Unavailable when nobody
   // listens on `subject`, DeadlineExceeded after timeout_ms.
   Result<std::string> Request(const std::string& subject, std::string_view data, int64_t timeout_ms);
+  // The same, giving up within about 100 ms once `*cancel` turns true
+  // (Unavailable "cancelled").
+  Result<std::string> Request(const std::string& subject, std::string_view data, int64_t timeout_ms,
+                              const std::atomic<bool>& cancel);
 
  private:
   NatsClient() = default;
