@@ -1,5 +1,7 @@
 // Which workers an operator action goes to (FleetControl::Plan), from a
-// registry snapshot.
+// registry snapshot; a stopping FleetControl answering the actions under
+// way; and the gateway's registry view (FleetView) keeping its catalog
+// while NATS is unreachable (real nats-server).
 #include "gateway/fleet_control.h"
 
 #include <nats/nats.h>
@@ -120,6 +122,33 @@ TEST(FleetControlStop, AnswersAnActionUnderWayWithShuttingDown) {
     EXPECT_EQ(r.status().reason(), "shutting_down");
   }
   EXPECT_EQ(asked.load(), 1);
+}
+
+// While NATS cannot be reached the gateway keeps the catalog it last read:
+// a request then fails as the queue's unavailability (503), never as a
+// model that does not exist (404).
+TEST(FleetViewCatalog, OutlivesALostConnectionToNats) {
+  shoal::testing::TestNatsServer nats;
+  NatsOptions no;
+  no.url = nats.url();
+  auto client = NatsClient::Connect(no);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  auto kv = KvBucket::Open(**client, wire::kModelsBucket, 0);
+  ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+  ASSERT_TRUE((*kv)->Put(wire::ModelKvKey("org/m"), R"({"name":"org/m","task":"embed","dim":4})").ok());
+  MetricsRegistry metrics;
+  auto view = FleetView::Create(FleetViewOptions{}, client->get(), &metrics);
+  ASSERT_TRUE(view.ok()) << view.status().ToString();
+  (*view)->Refresh();
+  ASSERT_EQ((*view)->Snapshot()->models.count("org/m"), 1u);
+  EXPECT_TRUE((*view)->Snapshot()->nats_connected);
+  nats.process().Stop();
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return !(*client)->IsConnected(); }));
+  (*view)->Refresh();
+  const auto snap = (*view)->Snapshot();
+  EXPECT_FALSE(snap->nats_connected);
+  ASSERT_EQ(snap->models.count("org/m"), 1u);
+  EXPECT_EQ(snap->models.at("org/m").dim, 4);
 }
 
 }  // namespace

@@ -77,7 +77,9 @@ std::shared_ptr<const FleetSnapshot> FleetView::Snapshot() const {
 
 void FleetView::Refresh() {
   std::lock_guard<std::mutex> guard(refresh_mu_);
+  const std::shared_ptr<const FleetSnapshot> last = Snapshot();
   auto s = std::make_shared<FleetSnapshot>();
+  bool catalog_read = false;
   s->nats_connected = client_->IsConnected();
   if (s->nats_connected) {
     auto st = GetStreamState(*client_, options_.stream);
@@ -109,10 +111,16 @@ void FleetView::Refresh() {
     }
     if (models_kv_) {
       auto keys = models_kv_->Keys();
+      catalog_read = keys.ok();
       if (keys.ok())
         for (const auto& k : *keys) {
           auto v = models_kv_->Get(k);
-          if (!v.ok()) continue;
+          if (!v.ok()) {
+            // Unreadable for now: the model is still in the catalog.
+            for (const auto& [name, m] : last->models)
+              if (wire::ModelKvKey(name) == k) s->models.emplace(name, m);
+            continue;
+          }
           try {
             auto j = nlohmann::json::parse(*v);
             CatalogModel m;
@@ -130,6 +138,10 @@ void FleetView::Refresh() {
         }
     }
   }
+  // The catalog changes only when a model is added; while it cannot be read
+  // (NATS down or slow), the last one read stands, so requests fail as the
+  // queue's unavailability (503), not as models that do not exist (404).
+  if (!catalog_read) s->models = last->models;
   s->refreshed_unix_ms = SystemClock::Get()->NowUnixMs();
   std::lock_guard<std::mutex> lock(mu_);
   snapshot_ = std::move(s);
