@@ -89,6 +89,7 @@ struct ModelManager::Entry {
   Status error;                        // while kFailed
   int64_t failed_mono_us = 0;
   std::shared_ptr<LoadAttempt> attempt;  // the current or last load
+  bool preloading = false;               // Preload() waits on this load
 
   Counter* loads_ok = nullptr;
   Counter* loads_failed = nullptr;
@@ -278,11 +279,28 @@ void ModelManager::Touch(const std::string& name) {
 bool ModelManager::FitsWithoutEviction(const std::string& name) const {
   std::lock_guard<std::mutex> lock(mu_);
   const Entry* e = Find(name);
-  if (e == nullptr) return false;
-  const int64_t need = EstimateLocked(*e);
-  const int64_t budget = Budget(e->pool);
-  return (budget == 0 || UsedLocked(e->pool) + need <= budget) &&
+  return e != nullptr && FitsWithoutEvictionLocked(*e);
+}
+
+bool ModelManager::FitsWithoutEvictionLocked(const Entry& e) const {
+  const int64_t need = EstimateLocked(e);
+  const int64_t budget = Budget(e.pool);
+  return (budget == 0 || UsedLocked(e.pool) + need <= budget) &&
          (options_.max_models == 0 || CountLocked() < options_.max_models);
+}
+
+Status ModelManager::Preload(const std::string& name) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Entry* e = Find(name);
+  if (e == nullptr) return NotFound("model '" + name + "' is not served here", "model_not_found");
+  if (e->state == ModelState::kLoaded) return Status::Ok();
+  if (e->state != ModelState::kLoading && !FitsWithoutEvictionLocked(*e))
+    return NoRoom("model '" + name + "' would not fit without evicting");
+  e->preloading = true;
+  Status s = WaitLoadedLocked(lock, *e, kNoDeadline, /*retry_failed=*/false, /*count_wait=*/false);
+  e->preloading = false;
+  if (s.ok()) TouchLocked(*e);
+  return s;
 }
 
 Status ModelManager::StartLoad(const std::string& name) {
@@ -725,9 +743,21 @@ void ModelManager::LoaderLoop() {
       e.loads_ok->Inc();
       e.load_seconds->Observe(seconds);
       job->attempt->status = Status::Ok();
-      // The estimate was low: give back the excess from idle models.
       const int64_t budget = Budget(e.pool);
-      if (budget > 0 && UsedLocked(e.pool) > budget) {
+      if (budget > 0 && (e.measured_bytes > budget || (e.preloading && UsedLocked(e.pool) > budget))) {
+        // Larger than the whole budget, or a preload that does not fit
+        // after all: this model goes again, and nothing else does.
+        const bool whole = e.measured_bytes > budget;
+        over_budget_bytes[e.pool] = EvictLocked(e, &over_budget, /*automatic=*/false);
+        unloading_bytes_[e.pool] += over_budget_bytes[e.pool];
+        ++unloading_count_;
+        job->attempt->status =
+            NoRoom("model '" + e.config.name + "' measured " + std::to_string(e.measured_bytes) + " bytes once loaded, " +
+                   (whole ? std::string("more than the whole ") + BudgetName(e.pool) + " of " + std::to_string(budget)
+                          : std::string("more than the ") + BudgetName(e.pool) + " has left without evicting"));
+        LOG_WARN("worker", job->attempt->status.message() << "; unloaded it again");
+      } else if (budget > 0 && UsedLocked(e.pool) > budget) {
+        // The estimate was low: give back the excess from idle models.
         int64_t used = UsedLocked(e.pool);
         for (Entry* c : EvictableLocked(&e)) {
           if (used <= budget) break;

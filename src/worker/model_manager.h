@@ -215,6 +215,12 @@ class ModelManager {
   void Touch(const std::string& name);
   // Whether `name` could start loading now without evicting anything.
   bool FitsWithoutEviction(const std::string& name) const;
+  // Loads `name` (blocking) only as far as it fits without evicting: when
+  // its estimate fits, and, once its footprint is measured, when that
+  // still fits; if not, it is unloaded again and nothing else is. For
+  // filling a fresh worker. OK when loaded (already, or now); NotFound
+  // "model_not_found"; ResourceExhausted "no_room_for_model"; a load error.
+  Status Preload(const std::string& name);
   // Called after every finished load (success or failure) and the
   // evictions that came with it, outside the lock, on a loader thread, and
   // by FailUnhealthy() on its caller's thread when it failed a model. Set
@@ -289,6 +295,7 @@ class ModelManager {
   Entry* Find(const std::string& name) const;
   int64_t EstimateLocked(const Entry& e) const;
   int64_t UsedLocked(int pool) const;
+  bool FitsWithoutEvictionLocked(const Entry& e) const;
   int64_t Budget(int pool) const;
   // "memory budget" or "host memory budget", for messages.
   static const char* BudgetName(int pool);

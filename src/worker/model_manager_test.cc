@@ -1079,6 +1079,53 @@ TEST_F(ModelManagerTest, FitsWithoutEvictionCountsModels) {
   EXPECT_FALSE(mm.FitsWithoutEviction("b"));
 }
 
+// A model whose measured footprint exceeds the whole budget (its file said
+// far less) does not stay loaded over the budget: it is unloaded again,
+// nothing else is evicted, and its callers get no_room_for_model; the next
+// ask fails at once on the measured size.
+TEST_F(ModelManagerTest, AModelMeasuredLargerThanTheWholeBudgetIsUnloadedAgain) {
+  auto mm = Make(Options(300), {Model("a", 100), Model("b", 100), Model("huge", /*measured=*/500, /*file=*/10)});
+  ASSERT_TRUE(mm->Start().ok());
+  Use(*mm, "a");
+  Use(*mm, "b");
+  Result<ModelLease> lease = mm->Acquire("huge", Far());
+  EXPECT_EQ(lease.status().reason(), "no_room_for_model") << lease.status().ToString();
+  EXPECT_NE(lease.status().message().find("more than the whole memory budget"), std::string::npos)
+      << lease.status().message();
+  EXPECT_EQ(StateOf(*mm, "huge"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("a"));
+  EXPECT_TRUE(mm->IsLoaded("b"));
+  EXPECT_EQ(loader_.unloads("huge"), 1);
+  EXPECT_TRUE(Eventually([&] { return mm->memory_used_bytes() == 200; }));
+  EXPECT_EQ(mm->Acquire("huge", Far()).status().reason(), "no_room_for_model");
+  EXPECT_EQ(loader_.loads("huge"), 1);  // not loaded a second time
+}
+
+// Preloading fills what is free and never evicts: a model that fits by its
+// estimate but not by its measured footprint is unloaded again, not the
+// models preloaded before it.
+TEST_F(ModelManagerTest, PreloadNeverEvicts) {
+  auto mm = Make(Options(300), {Model("a", 100), Model("b", 100), Model("ocr", /*measured=*/150, /*file=*/-1),
+                                Model("c", 100), Model("d", 100)});
+  ASSERT_TRUE(mm->Start().ok());
+  EXPECT_TRUE(mm->Preload("a").ok());
+  EXPECT_TRUE(mm->Preload("b").ok());
+  // No model file: estimated at 0, measured at 150 > the 100 left.
+  const Status s = mm->Preload("ocr");
+  EXPECT_EQ(s.reason(), "no_room_for_model") << s.ToString();
+  EXPECT_EQ(StateOf(*mm, "ocr"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("a"));
+  EXPECT_TRUE(mm->IsLoaded("b"));
+  EXPECT_EQ(Evictions("a") + Evictions("b"), 0);
+  EXPECT_TRUE(mm->Preload("c").ok());
+  EXPECT_EQ(mm->Preload("d").reason(), "no_room_for_model");  // by its estimate: not even loaded
+  EXPECT_EQ(loader_.loads("d"), 0);
+  EXPECT_EQ(mm->Preload("nope").code(), StatusCode::kNotFound);
+  // A request for the OCR model still loads it, evicting as it must.
+  Use(*mm, "ocr");
+  EXPECT_TRUE(mm->IsLoaded("ocr"));
+}
+
 // A GPU worker: models on the GPU ("g*") and models whose runtime computes
 // on the host ("h*") have a budget each, and a load evicts within its own.
 class PoolsTest : public ModelManagerTest {

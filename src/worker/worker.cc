@@ -237,13 +237,14 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   }
   for (const std::string& name : preload) {
     if (std::find(options.pinned.begin(), options.pinned.end(), name) != options.pinned.end()) continue;
-    if (!w->manager_->FitsWithoutEviction(name)) {
-      LOG_INFO("worker", "not preloading " << name << ": it would not fit without evicting");
-      continue;
+    Status s = w->manager_->Preload(name);
+    if (s.code() == StatusCode::kNotFound)  // a typo in --preload
+      return NotFound("--preload: model '" + name + "' is not in this worker's catalog", "model_not_found");
+    if (s.reason() == "no_room_for_model") {
+      LOG_INFO("worker", "not preloading " << name << ": " << s.message());
+    } else if (!s.ok()) {
+      LOG_WARN("worker", "preloading " << name << ": " << s.ToString());
     }
-    Status s = w->manager_->Load(name);
-    if (s.code() == StatusCode::kNotFound) return s;  // a typo in --preload
-    if (!s.ok()) LOG_WARN("worker", "preloading " << name << ": " << s.ToString());
   }
 
   ASSIGN_OR_RETURN(w->control_sub_, client->Subscribe(wire::ControlSubject(w->id_), &Worker::OnControl, self));

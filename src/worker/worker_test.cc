@@ -361,6 +361,19 @@ TEST_F(WorkerTest, ADeviceThisBuildCannotUseFailsTheStart) {
   EXPECT_EQ((*workers)->Get("gpu-less").status().code(), StatusCode::kNotFound);
 }
 
+// A typo in --preload fails the start, as one in --models or --pin does.
+TEST_F(WorkerTest, AnUnknownModelToPreloadFailsTheStart) {
+  WorkerOptions wo;
+  wo.model_repository = ModelsDir();
+  wo.models = {"tiny-bert"};
+  wo.worker_id = "typo";
+  wo.preload = {"tiny-bret"};
+  auto w = Worker::Create(wo, client_.get(), &metrics_);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kNotFound) << w.status().ToString();
+  EXPECT_NE(w.status().message().find("tiny-bret"), std::string::npos) << w.status().message();
+}
+
 TEST_F(WorkerTest, NoWorkerMeansDeadlineExceeded) {
   worker_->Stop();
   auto r = Embed({"anyone?"}, false, 300);
