@@ -98,6 +98,14 @@ void AddGateway(CLI::App* app, GatewayOptions& g) {
 }
 
 Result<int64_t> ParseBytes(const std::string& text);
+// A flag check for byte sizes, so a bad one is a parse error like any other
+// value that does not parse (exit status 105, before anything starts).
+const CLI::Validator kByteSize(
+    [](std::string& text) {
+      auto bytes = ParseBytes(text);
+      return bytes.ok() ? std::string() : bytes.status().message();
+    },
+    "BYTES");
 
 // Blob offload (docs/blob-store.md), for gateway, worker and serve alike.
 struct BlobFlags {
@@ -112,7 +120,8 @@ void AddBlob(CLI::App* app, BlobFlags& b, const std::string& default_store) {
       "Blob store for payloads over --blob-threshold: file:///dir, nats://[bucket] (NATS object store) or none "
       "(default: " + default_store + ")");
   Opt(app, "--blob-threshold", b.threshold, "SHOAL_BLOB_THRESHOLD",
-      "Work messages and replies larger than this go through the blob store (B, KiB, MiB, ...)");
+      "Work messages and replies larger than this go through the blob store (B, KiB, MiB, ...)")
+      ->check(kByteSize);
   Opt(app, "--blob-ttl-ms", b.ttl_ms, "SHOAL_BLOB_TTL_MS", "Age after which a leftover blob is an orphan and swept");
   Opt(app, "--blob-sweep-interval-ms", b.sweep_interval_ms, "SHOAL_BLOB_SWEEP_INTERVAL_MS",
       "How often a gateway sweeps orphan blobs (0: never)");
@@ -155,14 +164,17 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
   Opt(app, "--device", w.options.device, "SHOAL_DEVICE",
       "Where TorchScript models run: cpu, cuda or cuda:N (needs a libtorch with CUDA); the memory budget is this device's");
   Opt(app, "--memory-budget", w.memory_budget, "SHOAL_MEMORY_BUDGET",
-      "Memory for resident models on this device, e.g. 2GiB, 512MiB, 3000000000 (0: unlimited)");
+      "Memory for resident models on this device, e.g. 2GiB, 512MiB, 3000000000 (0: unlimited)")
+      ->check(kByteSize);
   Opt(app, "--host-memory-budget", w.host_memory_budget, "SHOAL_HOST_MEMORY_BUDGET",
       "GPU workers: memory for resident models whose runtime computes on the host (socket, OCR, OpenAI), apart "
-      "from the GPU's --memory-budget (0: unlimited)");
+      "from the GPU's --memory-budget (0: unlimited)")
+      ->check(kByteSize);
   Opt(app, "--max-models", w.options.max_models, "SHOAL_MAX_MODELS", "Most models resident at once (0: unlimited)");
   Opt(app, "--eviction", w.options.eviction, "SHOAL_EVICTION",
       "Which idle model goes first when a load needs room: lru (least recently used) or gdsf (uses x load time / "
-      "footprint, lowest first)");
+      "footprint, lowest first)")
+      ->check(CLI::IsMember({"lru", "gdsf"}));
   Opt(app, "--load-nice", w.options.load_nice, "SHOAL_LOAD_NICE",
       "Nice value (0..19) of model loads, so a load uses the CPU that serving leaves idle (0: serving's priority)");
   Opt(app, "--huge-pages", w.options.huge_pages, "SHOAL_HUGE_PAGES",
@@ -230,7 +242,8 @@ Result<int64_t> ParseBytes(const std::string& text) {
       {"M", 1048576.0}, {"G", 1073741824.0}};
   for (const auto& [name, factor] : kUnits) {
     if (unit == name) {
-      if (value < 0) return InvalidArgument("byte size must be >= 0: '" + text + "'");
+      if (!(value >= 0)) return InvalidArgument("byte size must be >= 0: '" + text + "'");
+      if (!(value * factor < 9.2e18)) return InvalidArgument("byte size too large: '" + text + "'");
       return static_cast<int64_t>(value * factor);
     }
   }
@@ -304,7 +317,13 @@ int ExitCode(const char* component) {
 }
 
 int Fail(const Status& s) {
-  LOG_ERROR("shoal", s.ToString());
+  // The reason is what docs and scripts key on (pinned_models_exceed_budget,
+  // device_unavailable, ...).
+  if (s.reason().empty()) {
+    LOG_ERROR("shoal", s.ToString());
+  } else {
+    LOG_ERROR("shoal", StatusCodeName(s.code()) << " (" << s.reason() << "): " << s.message());
+  }
   return 1;
 }
 

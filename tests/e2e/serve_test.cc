@@ -528,8 +528,12 @@ TEST(E2eServeShutdown, BadOptionExitsBeforeStartingNatsServer) {
   const std::vector<Case> cases = {{{"--turn-quantum-ms", "-5"}, "invalid_argument", "turn_quantum_ms"},
                                    {{"--device-slots", "-1"}, "invalid_argument", "device_slots"},
                                    {{"--device", "gpu"}, "invalid_argument", "bad device 'gpu'"},
-                                   {{"--device", "cuda:255"}, "unavailable", "device cuda:255"}};
-  for (const auto& [bad, code, named] : cases) {
+                                   {{"--device", "cuda:255"}, "unavailable (device_unavailable)", "device cuda:255"},
+                                   {{"--host-memory-budget", "1GiB"}, "invalid_argument", "host memory budget"}};
+  // Runs shoal serve with `bad`; expects it to exit `want` naming `named`,
+  // without having started a nats-server.
+  auto expect_exit = [](const std::vector<std::string>& bad, int want, const std::string& code,
+                        const std::string& named) {
     shoal::testing::TempDir dir;
     ChildOptions o;
     o.argv = {shoal::testing::ShoalBinary(), "serve", "--data-dir", dir.path() + "/data", "--port", "0",
@@ -539,13 +543,18 @@ TEST(E2eServeShutdown, BadOptionExitsBeforeStartingNatsServer) {
     auto child = ChildProcess::Spawn(o);
     auto status = child->Wait(30s);
     ASSERT_TRUE(status.has_value()) << bad[0] << ": shoal serve did not exit";
-    EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 1) << bad[0] << ": " << DescribeWaitStatus(*status);
+    EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == want) << bad[0] << ": " << DescribeWaitStatus(*status);
     std::ifstream err(o.stderr_path);
     const std::string text((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
     EXPECT_NE(text.find(code), std::string::npos) << text;
     EXPECT_NE(text.find(named), std::string::npos) << text;
     EXPECT_FALSE(std::filesystem::exists(dir.path() + "/data/jetstream")) << bad[0] << " started a nats-server first";
-  }
+  };
+  for (const auto& [bad, code, named] : cases) expect_exit(bad, 1, code, named);
+  // Values that do not parse, or are not one of a flag's choices: the
+  // parser's error (exit status 105).
+  expect_exit({"--memory-budget", "12XB"}, 105, "--memory-budget", "12XB");
+  expect_exit({"--eviction", "mru"}, 105, "--eviction", "mru");
 }
 
 // Two nats-servers must not share one JetStream store: a second serve on a
