@@ -33,6 +33,10 @@ Status FromNats(int s, const std::string& what, int js_err) {
   if (const char* last = nats_GetLastError(nullptr); last && *last && std::strstr(msg.c_str(), last) == nullptr)
     msg += std::string(" (") + last + ")";
   if (js_err) msg += " [js " + std::to_string(js_err) + "]";
+  // Nobody answers the JetStream API: the server runs without JetStream.
+  constexpr int kJetStreamNotEnabled = 10076;
+  if (s == NATS_NO_RESPONDERS && js_err == kJetStreamNotEnabled)
+    return Unavailable(msg + "; is JetStream enabled on the NATS server? (nats-server -js)", "jetstream_unavailable");
   switch (s) {
     case NATS_TIMEOUT: return DeadlineExceeded(msg);
     case NATS_NOT_FOUND: return NotFound(msg);
@@ -71,12 +75,32 @@ Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& o) {
   // Replies for many requests arrive on one subscription: don't drop them
   // as a slow consumer.
   natsOptions_SetMaxPendingMsgs(opts, 1 << 20);
+  // An operator sees the connection come and go (nats.c reconnects on its
+  // own; work waits meanwhile). The client outlives its connection (its
+  // options_ are destroyed after conn_).
+  auto client = std::unique_ptr<NatsClient>(new NatsClient());
+  client->options_ = o;
+  natsOptions_SetDisconnectedCB(
+      opts,
+      [](natsConnection* nc, void* self) {
+        if (natsConnection_IsClosed(nc)) return;
+        LOG_WARN("nats", "connection '" << static_cast<NatsClient*>(self)->options_.name
+                                        << "' lost the NATS server; reconnecting");
+      },
+      client.get());
+  natsOptions_SetReconnectedCB(
+      opts,
+      [](natsConnection* nc, void* self) {
+        char url[256] = {0};
+        (void)natsConnection_GetConnectedUrl(nc, url, sizeof(url));
+        LOG_INFO("nats", "connection '" << static_cast<NatsClient*>(self)->options_.name << "' reconnected to "
+                                        << url);
+      },
+      client.get());
 
   natsConnection* nc = nullptr;
   s = natsConnection_Connect(&nc, opts);
   if (s != NATS_OK) return FromNats(s, "connect to " + o.url);
-  auto client = std::unique_ptr<NatsClient>(new NatsClient());
-  client->options_ = o;
   client->conn_.reset(nc);
 
   jsOptions jo;
