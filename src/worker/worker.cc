@@ -2,11 +2,13 @@
 
 #include <nats/nats.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -105,6 +107,27 @@ json ErrorJson(const Status& s) {
 
 }  // namespace
 
+// One live process per worker id: two would share one registry entry (each
+// overwriting the other's heartbeat) and one control subject (both acting
+// on every command). An entry left by this host's earlier process, now
+// gone (or by this very pid: a restarted container), is free to take.
+Status Worker::CheckIdFree() const {
+  auto v = workers_kv_->Get(id_);
+  if (!v.ok()) return Status::Ok();  // none (or unreadable: the first heartbeat will say)
+  const nlohmann::json j = nlohmann::json::parse(*v, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return Status::Ok();
+  const std::string host = j.value("host", "");
+  const int64_t pid = j.value("pid", int64_t{0});
+  const bool gone = host == host_ && pid > 0 && (pid == ::getpid() || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH));
+  if (gone) return Status::Ok();
+  const int64_t age_ms = SystemClock::Get()->NowUnixMs() - j.value("heartbeat_unix_ms", int64_t{0});
+  return InvalidArgument("worker id '" + id_ + "' is in use: process " + std::to_string(pid) + " on host '" + host +
+                             "' sent a heartbeat " + std::to_string(std::max<int64_t>(0, age_ms)) +
+                             " ms ago. Give this worker another --worker-id (or none: a unique one is made), or "
+                             "wait until that entry expires (--heartbeat-ttl-ms after its last heartbeat)",
+                         "worker_id_in_use");
+}
+
 void Worker::PrepareProcess(const WorkerOptions& options) {
   static std::once_flag keep_once, huge_once;
   if (options.keep_freed_memory) {
@@ -140,6 +163,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
 
   RETURN_IF_ERROR(EnsureWorkStream(*client, options.stream));
   ASSIGN_OR_RETURN(w->workers_kv_, KvBucket::Open(*client, wire::kWorkersBucket, options.heartbeat_ttl_ms));
+  RETURN_IF_ERROR(w->CheckIdFree());
   if (!options.blob.store_url.empty()) {
     BlobOffloadOptions bo = options.blob;
     bo.sweep_interval_ms = 0;  // gateways sweep

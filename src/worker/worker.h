@@ -192,6 +192,9 @@ class Worker {
   Result<std::string> Control(const std::string& action, const std::string& model);
 
  private:
+  // InvalidArgument "worker_id_in_use" when another live process has this
+  // worker's id in the registry.
+  Status CheckIdFree() const;
   struct Backlog {
     uint64_t msgs = 0;
     int64_t oldest_unix_ms = 0;  // 0: unknown or none

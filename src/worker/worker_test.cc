@@ -2,6 +2,9 @@
 // Worker (tiny-bert on libtorch) and the gateway's Dispatcher in-process.
 #include "worker/worker.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <nats/nats.h>
 
 #include <cmath>
@@ -372,6 +375,40 @@ TEST_F(WorkerTest, AnUnknownModelToPreloadFailsTheStart) {
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().code(), StatusCode::kNotFound) << w.status().ToString();
   EXPECT_NE(w.status().message().find("tiny-bret"), std::string::npos) << w.status().message();
+}
+
+// A worker id held by another live process is refused at start (two
+// processes would share one registry entry and one control subject); one
+// left by a process of this host that is gone is taken over.
+TEST_F(WorkerTest, AWorkerIdInUseElsewhereIsRefused) {
+  auto kv = KvBucket::Open(*client_, wire::kWorkersBucket, 6000);
+  ASSERT_TRUE(kv.ok());
+  WorkerOptions wo;
+  wo.model_repository = ModelsDir();
+  wo.models = {"tiny-bert"};
+  wo.preload = {};
+  wo.worker_id = "twin";
+  const int64_t now = SystemClock::Get()->NowUnixMs();
+  ASSERT_TRUE((*kv)->Put("twin", R"({"id":"twin","host":"another-host","pid":4242,"heartbeat_unix_ms":)" +
+                                     std::to_string(now) + "}")
+                  .ok());
+  auto w = Worker::Create(wo, client_.get(), &metrics_);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().reason(), "worker_id_in_use") << w.status().ToString();
+  EXPECT_NE(w.status().message().find("another-host"), std::string::npos) << w.status().message();
+  // This host, a process that has exited: free.
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+  ASSERT_TRUE((*kv)->Put("twin", R"({"id":"twin","host":")" + std::string(host) + R"(","pid":)" + std::to_string(child) +
+                                     R"(,"heartbeat_unix_ms":)" + std::to_string(now) + "}")
+                  .ok());
+  w = Worker::Create(wo, client_.get(), &metrics_);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  (*w)->Stop();
 }
 
 TEST_F(WorkerTest, NoWorkerMeansDeadlineExceeded) {
