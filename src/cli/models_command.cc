@@ -74,7 +74,14 @@ int Act(const HttpClient& client, const ModelsCommandFlags& flags, std::ostream&
   const std::string path = "/v1/models/" + ui::EncodePathSegment(flags.model) + "/" + flags.action;
   auto reply = client.Post(path, body.dump());
   if (!reply.ok()) return TransportError(err, reply.status());
-  if (HttpFailed(*reply, flags.json, out, err)) return 1;
+  if (reply->status < 200 || reply->status >= 300) {
+    // A failure on one worker still lists what each worker did.
+    auto partial = ui::SummarizeAction(reply->body, flags.action, flags.model);
+    if (!flags.json && partial.ok() && partial->succeeded + partial->failed > 0)
+      for (const std::string& line : partial->lines) out << line << "\n";
+    HttpFailed(*reply, flags.json, out, err);
+    return 1;
+  }
   auto summary = ui::SummarizeAction(reply->body, flags.action, flags.model);
   if (flags.json) {
     PrintBody(out, reply->body);

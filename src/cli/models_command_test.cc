@@ -186,6 +186,12 @@ std::string FakeGateway(const CannedServer::Request& r) {
     return Response(200, "OK", R"({"model":"my model/v2","action":"pin","results":[
       {"worker":"w1","ok":false,"error":{"message":"model is not loaded","code":"not_loaded"}}]})");
   }
+  if (r.method == "POST" && r.target == "/v1/models/tiny-bert/unload") {  // pinned on one worker
+    return Response(400, "Bad Request", R"({"error":{"message":"model 'tiny-bert' is pinned; unpin it first",
+      "type":"invalid_request_error","code":"model_pinned"},"model":"tiny-bert","action":"unload","results":[
+      {"worker":"w1","ok":true,"status":{"state":"not_loaded"}},
+      {"worker":"w2","ok":false,"error":{"message":"model 'tiny-bert' is pinned; unpin it first","code":"model_pinned"}}]})");
+  }
   return Response(404, "Not Found", kNotFoundBody);
 }
 
@@ -589,6 +595,20 @@ TEST(ModelsCommandOverHttp, HttpErrorPrintsMessageCodeAndStatus) {
   EXPECT_EQ(r.code, 1);
   EXPECT_EQ(r.out, "");
   EXPECT_EQ(r.err, "error: model 'nope' not found (model_not_found, HTTP 404)\n");
+}
+
+// A failure on one worker does not hide what the others did.
+TEST(ModelsCommandOverHttp, AnErrorStillListsWhatEachWorkerDid) {
+  CannedServer server(FakeGateway);
+  ModelsCommandFlags flags;
+  flags.gateway_url = server.url();
+  flags.action = "unload";
+  flags.model = "tiny-bert";
+  Outcome r = RunCommand(flags);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.out, HasSubstr("unloaded tiny-bert on w1 (ok)"));
+  EXPECT_THAT(r.out, HasSubstr("unload tiny-bert failed on w2: "));
+  EXPECT_THAT(r.err, HasSubstr("model_pinned, HTTP 400"));
 }
 
 TEST(ModelsCommandOverHttp, ConnectionRefusedNamesTheUrl) {
