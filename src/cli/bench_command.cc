@@ -450,6 +450,7 @@ int RunBenchCommand(const BenchCommandFlags& flags, std::ostream& out, std::ostr
 
   // --- phases -------------------------------------------------------------------
   bool any_answer = false;
+  bool any_ok = false;  // some request was answered 200
   for (const Phase& phase : *phases) {
     lg::LoadOptions lo;
     lo.host = url.host;
@@ -486,6 +487,7 @@ int RunBenchCommand(const BenchCommandFlags& flags, std::ostream& out, std::ostr
     p.start_s = phase_start + flags.warmup_s;
     p.end_s = p.start_s + flags.duration_s;
     if (p.completed > 0 || p.errors_by_status.size() > p.errors_by_status.count("transport")) any_answer = true;
+    if (p.completed > 0) any_ok = true;
     report.phases.push_back(std::move(p));
   }
 
@@ -507,6 +509,11 @@ int RunBenchCommand(const BenchCommandFlags& flags, std::ostream& out, std::ostr
   out << "\n";
   if (!any_answer) {
     err << "error: no request got an HTTP answer from " << report.target << " (is it running?)\n";
+    return 1;
+  }
+  if (!any_ok) {
+    // Nothing was measured but errors (a wrong model name, a wrong route).
+    err << "error: every request to " << report.target << " failed (see the errors by status above)\n";
     return 1;
   }
   return 0;

@@ -278,5 +278,27 @@ TEST(BenchCommand, UnreachableTargetFails) {
   EXPECT_THAT(run.err, HasSubstr("no request got an HTTP answer"));
 }
 
+// A target that answers every request with an error measured nothing:
+// the run says so and exits 1 (the report is still written).
+TEST(BenchCommand, EveryRequestFailingFails) {
+  FakeOpenAiServer s([](const FakeOpenAiServer::Request&) {
+    FakeOpenAiServer::Reply r;
+    r.status = 404;
+    r.body = R"({"error":{"message":"The model 'nope' does not exist","code":"model_not_found"}})";
+    return r;
+  });
+  TempOut dir;
+  BenchCommandFlags f;
+  f.url = "http://127.0.0.1:" + std::to_string(s.port());
+  f.out_dir = dir.path();
+  f.models = "nope";
+  f.duration_s = 0.3;
+  f.warmup_s = 0;
+  f.quiet = true;
+  const BenchRun run = Bench(f);
+  EXPECT_EQ(run.code, 1);
+  EXPECT_THAT(run.err, HasSubstr("every request to"));
+}
+
 }  // namespace
 }  // namespace shoal
