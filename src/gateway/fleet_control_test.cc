@@ -82,14 +82,18 @@ TEST(FleetControlPlan, Errors) {
   EXPECT_TRUE(FleetControl::Plan(snap, "unload", "m", "")->empty());  // loaded nowhere: nothing to do
 }
 
+Result<std::unique_ptr<NatsClient>> Connect(const std::string& url) {
+  NatsOptions no;
+  no.url = url;
+  return NatsClient::Connect(no);
+}
+
 // A stopping gateway answers an action still waiting for a worker (a load
 // can take minutes) with 503 shutting_down at once, instead of keeping the
 // process, and its port, up until the worker answers or the wait runs out.
 TEST(FleetControlStop, AnswersAnActionUnderWayWithShuttingDown) {
   shoal::testing::TestNatsServer nats;
-  NatsOptions no;
-  no.url = nats.url();
-  auto client = NatsClient::Connect(no);
+  auto client = Connect(nats.url());
   ASSERT_TRUE(client.ok()) << client.status().ToString();
   // A worker that takes control requests and never answers them.
   std::atomic<int> asked{0};
@@ -129,9 +133,7 @@ TEST(FleetControlStop, AnswersAnActionUnderWayWithShuttingDown) {
 // model that does not exist (404).
 TEST(FleetViewCatalog, OutlivesALostConnectionToNats) {
   shoal::testing::TestNatsServer nats;
-  NatsOptions no;
-  no.url = nats.url();
-  auto client = NatsClient::Connect(no);
+  auto client = Connect(nats.url());
   ASSERT_TRUE(client.ok()) << client.status().ToString();
   auto kv = KvBucket::Open(**client, wire::kModelsBucket, 0);
   ASSERT_TRUE(kv.ok()) << kv.status().ToString();
