@@ -354,8 +354,7 @@ Status ModelManager::Unload(const std::string& name) {
     }
     if (e->state != ModelState::kLoaded) return Status::Ok();
     bytes[e->pool] = EvictLocked(*e, &victims, /*automatic=*/false);
-    unloading_bytes_[e->pool] += bytes[e->pool];
-    ++unloading_count_;
+    AddUnloadingLocked(bytes, 1);
   }
   UnloadVictims(std::move(victims), bytes, 1);
   return Status::Ok();
@@ -379,8 +378,7 @@ std::vector<std::string> ModelManager::FailUnhealthy() {
       e->loads_failed->Inc();  // its runtime's restarts were loads, and they failed
       failed.push_back(name);
     }
-    for (const int pool : {kDevicePool, kHostPool}) unloading_bytes_[pool] += bytes[pool];
-    unloading_count_ += static_cast<int>(victims.size());
+    AddUnloadingLocked(bytes, static_cast<int>(victims.size()));
   }
   for (const std::string& name : failed) LOG_ERROR("worker", "unloaded " << name << ": its runtime gave up");
   const int count = static_cast<int>(victims.size());
@@ -467,6 +465,11 @@ int64_t ModelManager::EstimateLocked(const Entry& e) const {
   return e.measured_bytes > 0 ? e.measured_bytes : e.file_estimate_bytes;
 }
 
+void ModelManager::AddUnloadingLocked(const PoolBytes& bytes, int count) {
+  for (const int pool : {kDevicePool, kHostPool}) unloading_bytes_[pool] += bytes[pool];
+  unloading_count_ += count;
+}
+
 int64_t ModelManager::Budget(int pool) const {
   return pool == kHostPool ? options_.host_memory_budget_bytes : options_.memory_budget_bytes;
 }
@@ -549,8 +552,7 @@ Result<ModelManager::Step> ModelManager::BeginLoadLocked(Entry& e) {
   job->excess_bytes = victim_bytes;
   job->excess_bytes[pool] = std::max<int64_t>(0, victim_bytes[pool] - need);
   job->excess_count = std::max(0, static_cast<int>(chosen.size()) - 1);
-  for (const int p : {kDevicePool, kHostPool}) unloading_bytes_[p] += job->excess_bytes[p];
-  unloading_count_ += job->excess_count;
+  AddUnloadingLocked(job->excess_bytes, job->excess_count);
   e.state = ModelState::kLoading;
   e.reserved_bytes = need;
   e.error = Status::Ok();
@@ -688,8 +690,7 @@ void ModelManager::UnloadVictims(std::vector<std::unique_ptr<LoadedModel>> victi
   if (accounted_bytes == PoolBytes{} && accounted_count == 0) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const int pool : {kDevicePool, kHostPool}) unloading_bytes_[pool] -= accounted_bytes[pool];
-    unloading_count_ -= accounted_count;
+    AddUnloadingLocked({-accounted_bytes[kDevicePool], -accounted_bytes[kHostPool]}, -accounted_count);
   }
   cv_.notify_all();
 }
@@ -749,8 +750,7 @@ void ModelManager::LoaderLoop() {
         // after all: this model goes again, and nothing else does.
         const bool whole = e.measured_bytes > budget;
         over_budget_bytes[e.pool] = EvictLocked(e, &over_budget, /*automatic=*/false);
-        unloading_bytes_[e.pool] += over_budget_bytes[e.pool];
-        ++unloading_count_;
+        AddUnloadingLocked(over_budget_bytes, 1);
         job->attempt->status =
             NoRoom("model '" + e.config.name + "' measured " + std::to_string(e.measured_bytes) + " bytes once loaded, " +
                    (whole ? std::string("more than the whole ") + BudgetName(e.pool) + " of " + std::to_string(budget)
@@ -766,8 +766,7 @@ void ModelManager::LoaderLoop() {
           used -= bytes;
           over_budget_bytes[e.pool] += bytes;
         }
-        unloading_bytes_[e.pool] += over_budget_bytes[e.pool];
-        unloading_count_ += static_cast<int>(over_budget.size());
+        AddUnloadingLocked(over_budget_bytes, static_cast<int>(over_budget.size()));
       }
     } else if (stop) {
       e.state = ModelState::kNotLoaded;

@@ -295,6 +295,8 @@ class ModelManager {
   Entry* Find(const std::string& name) const;
   int64_t EstimateLocked(const Entry& e) const;
   int64_t UsedLocked(int pool) const;
+  // Accounts evicted models' memory and count as unloading (negative: done).
+  void AddUnloadingLocked(const PoolBytes& bytes, int count);
   bool FitsWithoutEvictionLocked(const Entry& e) const;
   int64_t Budget(int pool) const;
   // "memory budget" or "host memory budget", for messages.
