@@ -161,6 +161,9 @@ class HttpServer::Impl::Connection
 
  private:
   void NextRequest();
+  // The first bytes of a request are here: its header clock starts, and
+  // the connection is busy until its answer is written.
+  void BeginRequest();
   void ReadMore();
   void OnRead(error_code ec, size_t bytes);
   void Parse();
@@ -258,13 +261,17 @@ void HttpServer::Impl::Connection::NextRequest() {
   continue_checked_ = false;
   // A pipelining client may already have sent the next request.
   if (buffer_.size() > 0) {
-    request_started_ = std::chrono::steady_clock::now();
-    in_request_ = true;
-    busy_.store(true, std::memory_order_release);
+    BeginRequest();
     Parse();
   } else {
     ReadMore();
   }
+}
+
+void HttpServer::Impl::Connection::BeginRequest() {
+  request_started_ = std::chrono::steady_clock::now();
+  in_request_ = true;
+  busy_.store(true, std::memory_order_release);
 }
 
 void HttpServer::Impl::Connection::ReadMore() {
@@ -294,9 +301,7 @@ void HttpServer::Impl::Connection::OnRead(error_code ec, size_t bytes) {
   }
   // Timeouts, resets, and a clean close between requests: nobody to answer.
   if (ec) return Close();
-  if (!in_request_) request_started_ = std::chrono::steady_clock::now();
-  in_request_ = true;
-  busy_.store(true, std::memory_order_release);
+  if (!in_request_) BeginRequest();
   Parse();
 }
 
