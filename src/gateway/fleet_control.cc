@@ -24,12 +24,6 @@ int64_t FreeBytes(const WorkerInfo& w, bool host_model) {
   return budget - (host ? w.host_memory_used_bytes : w.memory_used_bytes);
 }
 
-// Whether the model as registered runs on a runtime other than TorchScript.
-bool HostModel(const CatalogModel& m) {
-  const json c = json::parse(m.config_json, nullptr, /*allow_exceptions=*/false);
-  return c.is_object() && c.value("runtime", "torchscript") != "torchscript";
-}
-
 int Resident(const WorkerInfo& w) {
   int n = 0;
   for (const auto& [name, m] : w.models) n += m.state == "loaded" || m.state == "loading" ? 1 : 0;
@@ -142,7 +136,7 @@ Result<std::vector<FleetControl::Target>> FleetControl::Plan(const FleetSnapshot
   if (serving.empty()) {
     return Unavailable("no live worker serves model '" + model + "'", "no_worker");
   }
-  const bool host = HostModel(snap.models.at(model));
+  const bool host = snap.models.at(model).runtime != "torchscript";
   const WorkerInfo* best = *std::min_element(serving.begin(), serving.end(), [host](const WorkerInfo* a,
                                                                                    const WorkerInfo* b) {
     if (FreeBytes(*a, host) != FreeBytes(*b, host)) return FreeBytes(*a, host) > FreeBytes(*b, host);

@@ -68,9 +68,9 @@ TEST(FleetControlPlan, OnGpuWorkersAHostModelGoesWhereTheHostBudgetHasRoom) {
       R"({"id":"host-full","device":"cuda:0","memory_used_bytes":0,"memory_budget_bytes":1000,
           "host_memory_used_bytes":3900,"host_memory_budget_bytes":4000,"models":[{"name":"m","state":"not_loaded"}]})",
   });
-  snap.models["m"].config_json = R"({"name":"m","runtime":"torchscript"})";
+  snap.models["m"].runtime = "torchscript";
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "")), std::vector<std::string>{"host-full:load"});
-  snap.models["m"].config_json = R"({"name":"m","runtime":"ocr"})";
+  snap.models["m"].runtime = "ocr";
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "")), std::vector<std::string>{"gpu-full:load"});
 }
 

@@ -130,6 +130,7 @@ void FleetView::Refresh() {
             m.max_seq_len = j.value("max_seq_len", 0);
             m.normalize = j.value("normalize", true);
             m.labels = j.value("labels", std::vector<std::string>{});
+            m.runtime = j.value("runtime", "torchscript");
             m.config_json = *v;
             if (!m.name.empty()) s->models[m.name] = std::move(m);
           } catch (const std::exception& e) {

@@ -29,6 +29,7 @@ struct CatalogModel {
   bool normalize = true;
   std::string config_json;  // as registered
   std::vector<std::string> labels;  // classify: output column names
+  std::string runtime = "torchscript";
 };
 
 // One model as one worker's heartbeat reports it.
