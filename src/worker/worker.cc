@@ -153,7 +153,9 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   if (clock == nullptr) clock = SystemClock::Get();
   auto w = std::unique_ptr<Worker>(new Worker());
   w->options_ = options;
-  w->options_.device = ParseDevice(options.device)->ToString();
+  const Device device = ParseDevice(options.device).value();
+  w->options_.device = device.ToString();
+  w->on_gpu_ = device.cuda;
   w->host_ = HostName();
   w->id_ = options.worker_id.empty() ? DefaultWorkerId(w->host_) : options.worker_id;
   w->client_ = client;
@@ -227,7 +229,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
 
   ModelManagerOptions mo;
   mo.memory_budget_bytes = options.memory_budget_bytes;
-  if (ParseDevice(w->options_.device)->cuda) {
+  if (w->on_gpu_) {
     // Only TorchScript models are given the GPU (above); the rest keep
     // their memory on the host.
     mo.in_host_memory = [gpu = w->options_.device](const ModelConfig& c) { return c.device != gpu; };
@@ -478,7 +480,7 @@ std::string Worker::HeartbeatJson() const {
             {"device_slots", scheduler_->slots()},
             {"busy_seconds", busy_seconds()},
             {"models", models}};
-  if (ParseDevice(options_.device)->cuda) {
+  if (on_gpu_) {
     j["host_memory_used_bytes"] = manager_->host_memory_used_bytes();
     j["host_memory_budget_bytes"] = options_.host_memory_budget_bytes;
   }

@@ -276,6 +276,7 @@ class Worker {
   std::mutex control_mu_;  // held by a control request for its whole run
   int64_t started_unix_ms_ = 0;
   std::string host_;
+  bool on_gpu_ = false;  // options_.device is a GPU
 
   mutable std::mutex backlog_mu_;
   std::map<std::string, Backlog> backlog_;  // guarded by backlog_mu_; by model, fixed keys
