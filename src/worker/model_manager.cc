@@ -294,6 +294,8 @@ Status ModelManager::Preload(const std::string& name) {
   Entry* e = Find(name);
   if (e == nullptr) return NotFound("model '" + name + "' is not served here", "model_not_found");
   if (e->state == ModelState::kLoaded) return Status::Ok();
+  // Memory still being freed (a preload just given back) is room soon.
+  cv_.wait(lock, [this] { return unloading_count_ == 0 || stopping_; });
   if (e->state != ModelState::kLoading && !FitsWithoutEvictionLocked(*e))
     return NoRoom("model '" + name + "' would not fit without evicting");
   e->preloading = true;
