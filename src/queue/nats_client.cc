@@ -393,18 +393,17 @@ int64_t Delivery::PublishedUnixMs() const { return Metadata().published_unix_ms;
 
 uint64_t Delivery::StreamSeq() const { return natsMsg_GetSequence(msg_.get()); }
 
-Status Delivery::Ack() {
+Status Delivery::Acknowledge(std::string_view body, const char* what) {
   if (core_) return Status::Ok();
-  return FromNats(natsMsg_Ack(msg_.get(), nullptr), "ack");
+  const char* reply = natsMsg_GetReply(msg_.get());
+  if (reply == nullptr || conn_ == nullptr) return Internal(std::string(what) + ": not a stream delivery");
+  return FromNats(natsConnection_Publish(conn_, reply, body.data(), static_cast<int>(body.size())), what);
 }
-Status Delivery::Term() {
-  if (core_) return Status::Ok();
-  return FromNats(natsMsg_Term(msg_.get(), nullptr), "term");
-}
+Status Delivery::Ack() { return Acknowledge("+ACK", "ack"); }
+Status Delivery::Term() { return Acknowledge("+TERM", "term"); }
 Status Delivery::Nak(int64_t delay_ms) {
-  if (core_) return Status::Ok();
-  if (delay_ms > 0) return FromNats(natsMsg_NakWithDelay(msg_.get(), delay_ms, nullptr), "nak");
-  return FromNats(natsMsg_Nak(msg_.get(), nullptr), "nak");
+  if (delay_ms <= 0) return Acknowledge("-NAK", "nak");
+  return Acknowledge("-NAK {\"delay\": " + std::to_string(delay_ms * 1000000) + "}", "nak");
 }
 std::string Delivery::AckSubject() const {
   if (core_ || !msg_) return {};
@@ -412,10 +411,7 @@ std::string Delivery::AckSubject() const {
   return reply ? std::string(reply) : std::string();
 }
 
-Status Delivery::InProgress() {
-  if (core_) return Status::Ok();
-  return FromNats(natsMsg_InProgress(msg_.get(), nullptr), "in-progress");
-}
+Status Delivery::InProgress() { return Acknowledge("+WPI", "in-progress"); }
 
 // ----- Pull consumer -----------------------------------------------------------
 
@@ -440,31 +436,52 @@ void PullConsumer::Interrupt() {
   (void)natsSubscription_DrainTimeout(sub_.get(), 1000);
 }
 
+bool PullConsumer::Wake() {
+  if (!sub_ || conn_ == nullptr || natsConnection_Status(conn_) != NATS_CONN_STATUS_CONNECTED) return false;
+  // What the server sends when a pull expires (a status message without a
+  // body): Fetch takes it as the end of its pull and returns; a Fetch that
+  // finds it queued skips it.
+  natsMsg* raw = nullptr;
+  if (natsMsg_Create(&raw, Inbox().c_str(), nullptr, nullptr, 0) != NATS_OK) return false;
+  NatsMsgPtr msg(raw);
+  if (natsMsgHeader_Set(raw, "Status", "408") != NATS_OK) return false;
+  return natsConnection_PublishMsg(conn_, raw) == NATS_OK;
+}
+
 std::string PullConsumer::Inbox() const {
   const char* subject = sub_ ? natsSubscription_GetSubject(sub_.get()) : nullptr;
   return subject ? std::string(subject) : std::string();
 }
+
+namespace {
+
+// A message the server sends about a pull rather than from the stream (no
+// body, a Status header: 404 no messages, 408 pull ended, 409 refused, 100
+// heartbeat), or Wake's stand-in for one; nullptr for a stream message.
+const char* PullStatus(natsMsg* msg) {
+  const char* status = nullptr;
+  if (natsMsg_GetDataLength(msg) > 0 || natsMsgHeader_Get(msg, "Status", &status) != NATS_OK) return nullptr;
+  return status;
+}
+
+}  // namespace
 
 std::vector<Delivery> PullConsumer::TakeQueued(int64_t max_wait_ms) {
   std::vector<Delivery> out;
   if (!sub_) return out;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(0, max_wait_ms));
   while (true) {
-    int queued = 0;
-    // Fails once the drain has completed and the subscription is closed.
-    if (natsSubscription_GetPending(sub_.get(), &queued, nullptr) != NATS_OK) break;
-    if (queued > 0) {
-      // A batch no larger than what is queued takes it without a new pull
-      // (short of a status message in the queue, when a 1 ms pull goes
-      // out: after the UNSUB, the server sends nothing to it).
-      auto got = Fetch(queued, 1);
-      if (got.ok())
-        for (Delivery& d : *got) out.push_back(std::move(d));
-    } else if (natsSubscription_DrainCompletionStatus(sub_.get()) != NATS_ILLEGAL_STATE) {
-      break;  // the server confirmed, and nothing is left
+    natsMsg* raw = nullptr;
+    const natsStatus s = natsSubscription_NextMsg(&raw, sub_.get(), 5);
+    if (s == NATS_OK) {
+      NatsMsgPtr msg(raw);
+      if (PullStatus(raw) == nullptr) out.emplace_back(msg.release(), conn_);
+      continue;
     }
+    // NATS_TIMEOUT: nothing queued now; anything else: the drain has
+    // completed and closed the subscription.
+    if (s != NATS_TIMEOUT || natsSubscription_DrainCompletionStatus(sub_.get()) != NATS_ILLEGAL_STATE) break;
     if (std::chrono::steady_clock::now() >= deadline) break;
-    if (queued == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   return out;
 }
@@ -498,33 +515,78 @@ Result<std::unique_ptr<PullConsumer>> PullConsumer::Create(NatsClient& client, c
   }
   jsConsumerInfo_Destroy(ci);
 
-  jsSubOptions so;
-  jsSubOptions_Init(&so);
-  so.Stream = stream.c_str();
-  so.Consumer = durable.c_str();
-  natsSubscription* sub = nullptr;
-  s = js_PullSubscribe(&sub, client.js(), subject.c_str(), durable.c_str(), nullptr, &so, &jerr);
-  if (s != NATS_OK) return FromNats(s, "pull subscribe " + subject, jerr);
   auto pc = std::unique_ptr<PullConsumer>(new PullConsumer());
   pc->conn_ = client.conn();
+  pc->js_ = client.js();
+  pc->stream_ = stream;
+  pc->durable_ = durable;
+  pc->next_subject_ = "$JS.API.CONSUMER.MSG.NEXT." + stream + "." + durable;
+  natsSubscription* sub = nullptr;
+  s = natsConnection_SubscribeSync(&sub, pc->conn_, client.NewInbox().c_str());
+  if (s != NATS_OK) return FromNats(s, "subscribe for " + durable);
   pc->sub_.reset(sub);
+  // Never drop a delivery for want of room: it would reach nobody until
+  // AckWait. What a pull asks for bounds what can queue here.
+  (void)natsSubscription_SetPendingLimits(sub, -1, -1);
   return pc;
 }
 
 Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait_ms) {
-  natsMsgList list{};
-  jsErrCode jerr = static_cast<jsErrCode>(0);
-  natsStatus s = natsSubscription_Fetch(&list, sub_.get(), max_msgs < 1 ? 1 : max_msgs,
-                                        max_wait_ms < 1 ? 1 : max_wait_ms, &jerr);
   std::vector<Delivery> out;
-  if (s == NATS_TIMEOUT) return out;
-  if (s != NATS_OK) return FromNats(s, "fetch", jerr);
-  out.reserve(list.Count);
-  for (int i = 0; i < list.Count; ++i) {
-    out.emplace_back(list.Msgs[i]);
-    list.Msgs[i] = nullptr;  // ownership moved
+  if (!sub_) return Unavailable("fetch: the subscription is closed");
+  const size_t want = static_cast<size_t>(std::max(1, max_msgs));
+  // Delivered already (to a pull an earlier Fetch gave up on, or while the
+  // consumer was parked): these first, without a pull.
+  while (out.size() < want && Undelivered() > 0) {
+    natsMsg* raw = nullptr;
+    if (natsSubscription_NextMsg(&raw, sub_.get(), 1) != NATS_OK) break;
+    NatsMsgPtr msg(raw);
+    if (PullStatus(raw) == nullptr) out.emplace_back(msg.release(), conn_);  // stale statuses are dropped
   }
-  natsMsgList_Destroy(&list);
+  if (!out.empty()) return out;
+
+  // One pull, as nats.c's Fetch sends it: the server sends what it has, up
+  // to the batch, and ends the pull (408) once it has sent some; with
+  // nothing to send it waits for the first message until the pull expires,
+  // a little before this call gives up.
+  const int64_t wait_ms = std::max<int64_t>(1, max_wait_ms);
+  const int64_t expires_ns = (wait_ms >= 20 ? wait_ms - 10 : wait_ms) * 1000000;
+  std::string request = "{\"batch\":" + std::to_string(want) + ",\"expires\":" + std::to_string(expires_ns);
+  if (want > 1) request += ",\"no_wait\":true";
+  request += "}";
+  const char* inbox = natsSubscription_GetSubject(sub_.get());
+  natsStatus s = natsConnection_PublishRequest(conn_, next_subject_.c_str(), inbox, request.data(),
+                                               static_cast<int>(request.size()));
+  if (s != NATS_OK) return FromNats(s, "pull from " + durable_);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
+  while (out.size() < want) {
+    const int64_t left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    if (left <= 0) break;
+    natsMsg* raw = nullptr;
+    s = natsSubscription_NextMsg(&raw, sub_.get(), left);
+    if (s == NATS_TIMEOUT) break;
+    if (s != NATS_OK) {
+      if (out.empty()) return FromNats(s, "fetch from " + durable_);
+      break;
+    }
+    NatsMsgPtr msg(raw);
+    const char* status = PullStatus(raw);
+    if (status == nullptr) {
+      out.emplace_back(msg.release(), conn_);
+      continue;
+    }
+    if (std::strcmp(status, "100") == 0) continue;  // heartbeat
+    // 404 / 408: the pull has ended (or an earlier one did: this call ends
+    // early, and the caller pulls again); Wake's 408 ends it too.
+    if (std::strcmp(status, "404") == 0 || std::strcmp(status, "408") == 0) break;
+    const char* description = nullptr;
+    (void)natsMsgHeader_Get(raw, "Description", &description);
+    const std::string why = std::string("pull from ") + durable_ + " refused: " + status + " " +
+                            (description != nullptr ? description : "");
+    if (out.empty()) return std::strcmp(status, "503") == 0 ? Unavailable(why, "jetstream_unavailable") : Unavailable(why);
+    break;
+  }
   return out;
 }
 
@@ -537,7 +599,7 @@ int PullConsumer::Undelivered() {
 Result<uint64_t> PullConsumer::NumPending() {
   jsConsumerInfo* ci = nullptr;
   jsErrCode jerr = static_cast<jsErrCode>(0);
-  natsStatus s = natsSubscription_GetConsumerInfo(&ci, sub_.get(), nullptr, &jerr);
+  natsStatus s = js_GetConsumerInfo(&ci, js_, stream_.c_str(), durable_.c_str(), nullptr, &jerr);
   if (s != NATS_OK) return FromNats(s, "consumer info", jerr);
   uint64_t n = ci->NumPending;
   jsConsumerInfo_Destroy(ci);

@@ -164,9 +164,11 @@ Result<int64_t> OldestMessageUnixMs(NatsClient& client, const std::string& strea
 // InProgress do nothing and nothing is ever redelivered.
 class Delivery {
  public:
-  explicit Delivery(natsMsg* msg) : msg_(msg) {}
+  // A message a pull consumer fetched on `conn`: its acks are published
+  // there, to the message's reply subject.
+  Delivery(natsMsg* msg, natsConnection* conn) : msg_(msg), conn_(conn) {}
   static Delivery Core(natsMsg* msg) {
-    Delivery d(msg);
+    Delivery d(msg, nullptr);
     d.core_ = true;
     return d;
   }
@@ -194,7 +196,10 @@ class Delivery {
   // ProgressKeeper, which notes progress there from another thread.
   std::string AckSubject() const;
  private:
+  // Publishes an acknowledgement ("+ACK", "-NAK", ...) to the reply subject.
+  Status Acknowledge(std::string_view body, const char* what);
   NatsMsgPtr msg_;
+  natsConnection* conn_ = nullptr;  // not owned
   bool core_ = false;
 };
 
@@ -206,8 +211,11 @@ struct ConsumerOptions {
 };
 
 // A durable pull consumer on one subject, shared by every process that
-// serves it (competing consumers). Fetch is not thread-safe: one fetcher
-// thread per PullConsumer (nats.c forbids concurrent fetches).
+// serves it (competing consumers). Pulls are sent by hand ($JS.API.CONSUMER.
+// MSG.NEXT) and answered on a plain subscription to this consumer's own
+// inbox, so what waits there can be read without a new pull (see
+// TakeQueued). Fetch is not thread-safe: one fetcher thread per
+// PullConsumer.
 class PullConsumer {
  public:
   // Creates the durable consumer if missing (updating ack_wait/max_deliver
@@ -216,8 +224,10 @@ class PullConsumer {
                                                       const std::string& subject,
                                                       const std::string& durable,
                                                       const ConsumerOptions& options);
-  // Returns up to max_msgs messages; blocks up to max_wait_ms if none are
-  // available, but returns as soon as some are. Timeout: an empty vector.
+  // Returns up to max_msgs messages: those already delivered here first
+  // (without a pull), otherwise one pull that the server answers with what
+  // it has, or with the first message to arrive within max_wait_ms.
+  // Timeout: an empty vector.
   Result<std::vector<Delivery>> Fetch(int max_msgs, int64_t max_wait_ms);
   // Messages waiting for this consumer (not yet delivered), from the server.
   Result<uint64_t> NumPending();
@@ -233,11 +243,19 @@ class PullConsumer {
   // that were on their way stay queued here for TakeQueued. For shutting a
   // fetcher down.
   void Interrupt();
+  // Ends a Fetch blocked in another thread at once (it returns what it has,
+  // or nothing) and keeps the subscription: its pulls stay listed at the
+  // server until they expire, and what the server delivers to them queues
+  // here for the next Fetch or for TakeQueued after Interrupt. A Fetch that
+  // starts after the wake skips it and waits its full time, so a caller
+  // repeats Wake until its fetcher has gone. False when the message could
+  // not be sent (disconnected: Interrupt instead).
+  bool Wake();
   // After Interrupt, once no other thread fetches: the messages delivered to
   // this subscription that no Fetch returned, waiting up to max_wait_ms for
   // the server to confirm that nothing more is coming. They are unacked: the
   // caller hands them back (Nak) or answers them; dropped, they would wait
-  // out AckWait before anyone could have them again.
+  // out AckWait before anyone could have them again. Sends no pull.
   std::vector<Delivery> TakeQueued(int64_t max_wait_ms);
   // The subject this subscription's pulls are answered on.
   std::string Inbox() const;
@@ -245,7 +263,11 @@ class PullConsumer {
  private:
   PullConsumer() = default;
   natsConnection* conn_ = nullptr;  // not owned: the NatsClient's
-  NatsSubscriptionPtr sub_;
+  jsCtx* js_ = nullptr;             // not owned: the NatsClient's
+  std::string stream_;
+  std::string durable_;
+  std::string next_subject_;        // where pulls are sent
+  NatsSubscriptionPtr sub_;         // on this consumer's inbox
 };
 
 // ----- KV buckets -------------------------------------------------------------

@@ -230,6 +230,37 @@ TEST_F(NatsClientTest, InterruptKeepsWhatTheServerAlreadySentForTakeQueued) {
   EXPECT_EQ(again, (std::vector<std::string>{"b", "c"}));
 }
 
+// Wake ends a long Fetch at once and keeps the subscription: its pull stays
+// listed, and what the server sends to it queues here for the next Fetch.
+TEST_F(NatsClientTest, WakeEndsABlockedFetchAndKeepsTheSubscription) {
+  ASSERT_TRUE(EnsureWorkStream(*client_, {}).ok());
+  ConsumerOptions co;
+  auto pc = PullConsumer::Create(*client_, "SHOAL_WORK", "shoal.work.wake", "shoal_wake", co);
+  ASSERT_TRUE(pc.ok()) << pc.status().ToString();
+  auto fetch = std::async(std::launch::async, [&] { return (*pc)->Fetch(4, 60000); });
+  // Until the Fetch is waiting, a wake is skipped as a leftover (see Wake):
+  // repeat it, as a stopping model does.
+  while (fetch.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) ASSERT_TRUE((*pc)->Wake());
+  auto got = fetch.get();
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_TRUE(got->empty());
+
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  ASSERT_EQ(js_Publish(nullptr, client_->js(), "shoal.work.wake", "w", 1, nullptr, &jerr), NATS_OK);
+  // The subscription is still there: the message comes to it (whether to
+  // the woken Fetch's pull, still listed, or to the next one).
+  std::vector<Delivery> again;
+  for (int i = 0; i < 20 && again.empty(); ++i) {
+    auto got2 = (*pc)->Fetch(1, 500);
+    ASSERT_TRUE(got2.ok()) << got2.status().ToString();
+    again = std::move(*got2);
+  }
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0].Data(), "w");
+  EXPECT_EQ(again[0].NumDelivered(), 1u);
+  (void)again[0].Ack();
+}
+
 void Echo(natsConnection* nc, natsSubscription*, natsMsg* msg, void*) {
   const char* reply = natsMsg_GetReply(msg);
   if (reply != nullptr) {

@@ -24,7 +24,7 @@ namespace shoal {
 
 // One pulled message, tokenized and waiting to run.
 struct PendingWork {
-  Delivery delivery{nullptr};
+  Delivery delivery{nullptr, nullptr};
   wire::WorkHeaders headers;
   std::vector<std::vector<int32_t>> rows;  // token ids incl. [CLS]/[SEP]
   // Text pairs: per row, where the second text starts (token type 1 from

@@ -114,33 +114,32 @@ void ModelServer::Stop() {
   work_cv_.notify_all();
   space_cv_.notify_all();
   // Cut the fetcher's long poll short (an eviction must not wait for it),
-  // keeping what the server already sent.
-  if (d_.consumer) d_.consumer->Interrupt();
+  // keeping the subscription: its pull stays listed at the server until it
+  // expires, and the subscription must outlive it (see ConsumerPark).
+  if (d_.consumer && fetcher_.joinable()) {
+    while (!fetcher_done_) {
+      if (!d_.consumer->Wake()) {
+        d_.consumer->Interrupt();  // disconnected: nothing more can arrive
+        break;
+      }
+      for (int i = 0; i < 20 && !fetcher_done_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
   if (fetcher_.joinable()) fetcher_.join();
   const Status stopping = Unavailable("the worker stopped before running this work; retry", "worker_stopping");
-  // What goes back to the queue is redelivered once the last pull of the
-  // closed subscription has expired, and a little later (the server removes
-  // an expired pull on a timer): the server lists such a pull until then,
-  // and nats-server before 2.10 drops a redelivery that meets it (the
-  // message then comes back only after AckWait, by default as long as a
-  // request's deadline).
+  // Pulled work goes back to the queue once the subscription's last pull
+  // has expired, and a little later (the server removes an expired pull on
+  // a timer): sent back at once, it could come straight back to that pull
+  // and cost a delivery.
   constexpr int64_t kAfterLastPullMs = 50;
-  const int64_t hand_back_after_ms =
-      kAfterLastPullMs + std::max<int64_t>(0, (last_pull_ends_mono_us_.load() - d_.clock->NowMonoUs() + 999) / 1000);
-  // Delivered to this subscription, but no fetch took it: hand it back too,
-  // now, before the executor's pass ends (the drain keeps it for a second).
-  if (d_.consumer) {
-    std::vector<std::unique_ptr<PendingWork>> late;
-    for (Delivery& delivery : d_.consumer->TakeQueued(1000)) {
-      auto headers = WorkHeadersOrSettle(delivery);
-      if (!headers) continue;
-      auto w = std::make_unique<PendingWork>();
-      w->headers = std::move(*headers);
-      w->delivery = std::move(delivery);
-      late.push_back(std::move(w));
-    }
-    Release(std::move(late), stopping, hand_back_after_ms);
-  }
+  const int64_t pull_left_ms =
+      std::max<int64_t>(0, (last_pull_ends_mono_us_.load() - d_.clock->NowMonoUs() + 999) / 1000);
+  const int64_t hand_back_after_ms = kAfterLastPullMs + pull_left_ms;
+  // What the server delivers to the subscription from now on (and what it
+  // delivered that no fetch took) waits there for the model's next load or
+  // is handed back when the park closes it.
+  if (d_.consumer && d_.park) d_.park(std::move(d_.consumer), pull_left_ms);
+  d_.consumer.reset();
   if (executor_.joinable()) executor_.join();
   // Pulled but never run: hand it back rather than leave it to AckWait.
   std::vector<std::unique_ptr<PendingWork>> left;
@@ -373,6 +372,10 @@ void ModelServer::Push(Delivery delivery) {
 }
 
 void ModelServer::FetchLoop() {
+  struct Done {
+    std::atomic<bool>& flag;
+    ~Done() { flag = true; }
+  } done{fetcher_done_};
   const auto& b = d_.config.batching;
   while (!stop_) {
     int64_t free_tokens = 0, free_rows = 0;

@@ -71,6 +71,10 @@ struct ModelServerDeps {
   Runtime* runtime = nullptr;                      // loaded; outlives the server
   std::unique_ptr<WordPieceTokenizer> tokenizer;
   std::unique_ptr<PullConsumer> consumer;
+  // Takes the consumer when the server stops, with how long its last pull
+  // has left at the server (see ConsumerPark: the subscription must outlive
+  // its pulls). Required with a consumer.
+  std::function<void(std::unique_ptr<PullConsumer>, int64_t pull_left_ms)> park;
   NatsClient* client = nullptr;                   // publishes replies
   MetricsRegistry* metrics = nullptr;
   const Clock* clock = nullptr;
@@ -190,6 +194,7 @@ class ModelServer final : public ModelAttachment {
   // When the fetcher's latest pull expires at the server (clock's monotonic
   // time): Stop() hands work back only after it.
   std::atomic<int64_t> last_pull_ends_mono_us_{0};
+  std::atomic<bool> fetcher_done_{false};  // FetchLoop has returned
   // Executor thread only: slots held by the current turn (1 without a
   // scheduler); the pass's threads when slots_are_cores, and the weight of
   // its run time in busy_us.

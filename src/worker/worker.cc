@@ -28,6 +28,7 @@
 #include "runtime/torch/huge_pages.h"
 #include "tokenize/wordpiece_tokenizer.h"
 #include "wire/work_message.h"
+#include "worker/consumer_park.h"
 #include "worker/device_scheduler.h"
 #include "worker/model_manager.h"
 #include "worker/model_server.h"
@@ -224,6 +225,12 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   w->scheduler_ = std::make_unique<DeviceScheduler>(so, clock);
   w->held_rows_ = std::make_unique<HeldRows>(options.max_held_rows);
   w->pull_gate_ = std::make_unique<PullGate>(options.pull_ahead);
+  ConsumerParkOptions po;
+  po.client = client;
+  po.metrics = metrics;
+  po.worker_id = w->id_;
+  po.max_deliver = options.consumer.max_deliver;
+  w->park_ = std::make_unique<ConsumerPark>(po);
   // Three notes per AckWait: one lost note does not cost the message.
   w->progress_ = std::make_unique<ProgressKeeper>(client, std::max<int64_t>(1, options.consumer.ack_wait_ms / 3));
 
@@ -307,6 +314,10 @@ void Worker::Stop() {
   if (scheduler_) scheduler_->Shutdown();
   if (pull_gate_) pull_gate_->Shutdown();
   manager_.reset();  // stops every model's threads, then unloads
+  if (park_) {
+    for (auto& [model, consumer] : drain_consumers_) park_->Park(model, std::move(consumer), kDrainPollMs);
+    park_->CloseAll();  // waits for the last pulls to expire (at most --fetch-poll-ms)
+  }
   drain_consumers_.clear();
   if (workers_kv_) (void)workers_kv_->Delete(id_);
   (void)client_->Flush(1000);
@@ -381,8 +392,13 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
     ASSIGN_OR_RETURN(tokenizer, WordPieceTokenizer::FromFile(c.VocabPath(), to));
   }
   const int64_t t_tokenizer = clock_->NowMonoUs();
-  ASSIGN_OR_RETURN(auto consumer, PullConsumer::Create(*client_, options_.stream.name, wire::WorkSubject(c.name),
-                                                       wire::ConsumerName(c.name), options_.consumer));
+  // The subscription it had when it last stopped here, if still open: what
+  // the server delivered to it since is this load's first work.
+  std::unique_ptr<PullConsumer> consumer = park_->Take(c.name);
+  if (!consumer) {
+    ASSIGN_OR_RETURN(consumer, PullConsumer::Create(*client_, options_.stream.name, wire::WorkSubject(c.name),
+                                                    wire::ConsumerName(c.name), options_.consumer));
+  }
   const int64_t t_consumer = clock_->NowMonoUs();
   auto m = std::make_unique<LoadedModel>();
   m->config = c;
@@ -394,6 +410,10 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   deps.runtime = m->runtime.get();
   deps.tokenizer = std::move(tokenizer);
   deps.consumer = std::move(consumer);
+  ConsumerPark* park = park_.get();
+  deps.park = [park, name = c.name](std::unique_ptr<PullConsumer> parked, int64_t pull_left_ms) {
+    park->Park(name, std::move(parked), pull_left_ms);
+  };
   deps.client = client_;
   deps.metrics = metrics_;
   deps.clock = clock_;
@@ -732,7 +752,7 @@ void Worker::PollDemand() {
     // replicas are decided by the workers that do not have it, below.)
     if (st.state == ModelState::kLoaded) manager_->Touch(model);
     if (st.state == ModelState::kLoading || st.state == ModelState::kLoaded) {
-      drain_consumers_.erase(model);
+      ParkDrainConsumer(model);
       no_room_logged_mono_us_.erase(model);
       continue;
     }
@@ -867,18 +887,29 @@ bool Worker::AnotherMayLoad(const std::string& model, int64_t now_ms) {
   return oldest > 0 && now_ms - oldest < grace_ms;
 }
 
+void Worker::ParkDrainConsumer(const std::string& model) {
+  auto it = drain_consumers_.find(model);
+  if (it == drain_consumers_.end()) return;
+  park_->Park(model, std::move(it->second), kDrainPollMs);  // its last pull may still be listed
+  drain_consumers_.erase(it);
+}
+
 void Worker::DrainFailed(const std::string& model, const Status& error, int max) {
   auto it = drain_consumers_.find(model);
   if (it == drain_consumers_.end()) {
-    auto consumer = PullConsumer::Create(*client_, options_.stream.name, wire::WorkSubject(model),
-                                         wire::ConsumerName(model), options_.consumer);
-    if (!consumer.ok()) {
-      LOG_WARN("worker", "cannot answer waiting work for " << model << ": " << consumer.status().ToString());
-      return;
+    std::unique_ptr<PullConsumer> parked = park_->Take(model);  // the model's own, if it stopped lately
+    if (!parked) {
+      auto consumer = PullConsumer::Create(*client_, options_.stream.name, wire::WorkSubject(model),
+                                           wire::ConsumerName(model), options_.consumer);
+      if (!consumer.ok()) {
+        LOG_WARN("worker", "cannot answer waiting work for " << model << ": " << consumer.status().ToString());
+        return;
+      }
+      parked = std::move(consumer).value();
     }
-    it = drain_consumers_.emplace(model, std::move(consumer).value()).first;
+    it = drain_consumers_.emplace(model, std::move(parked)).first;
   }
-  auto fetched = it->second->Fetch(max, 50);
+  auto fetched = it->second->Fetch(max, kDrainPollMs);
   if (!fetched.ok()) return;
   for (Delivery& d : *fetched) {
     if (!d.Header(wire::kHdrLoadHint).empty()) {

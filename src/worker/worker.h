@@ -151,6 +151,7 @@ struct WorkerOptions {
 };
 
 class ModelManager;
+class ConsumerPark;
 class DeviceScheduler;
 class HeldRows;
 class PullGate;
@@ -243,6 +244,9 @@ class Worker {
   // Answers the work waiting for a model that failed to load here with
   // its load error (terminal), at most `max` messages.
   void DrainFailed(const std::string& model, const Status& error, int max);
+  static constexpr int64_t kDrainPollMs = 50;  // DrainFailed's pull
+  // Hands the model's drain subscription, if any, to park_.
+  void ParkDrainConsumer(const std::string& model);
   static void OnControl(natsConnection*, natsSubscription*, natsMsg*, void* closure);
   static void OnPush(natsConnection*, natsSubscription*, natsMsg*, void* closure);
   void LoadReportLoop();
@@ -264,6 +268,9 @@ class Worker {
   std::unique_ptr<PullGate> pull_gate_;       // passes claimed ahead of the device
   std::unique_ptr<ProgressKeeper> progress_;  // keeps long batches ours past AckWait
   std::unique_ptr<DeviceScheduler> scheduler_;
+  // Subscriptions of models that stopped here, open until their last pull
+  // expires; a load takes its model's back.
+  std::unique_ptr<ConsumerPark> park_;
   bool slots_are_cores_ = false;  // device_slots was 0 (auto)
   std::unique_ptr<ModelManager> manager_;
   ModelManager* manager_raw_ = nullptr;  // the same, for threads that outlive manager_'s reset
@@ -283,7 +290,7 @@ class Worker {
 
   // Demand thread only.
   // Subscriptions that answer a failed model's waiting work with its load
-  // error; dropped once the model loads here (the durable consumer stays).
+  // error; parked once the model loads here (the durable consumer stays).
   std::map<std::string, std::unique_ptr<PullConsumer>> drain_consumers_;
   // model -> when "cannot load ... on demand" was last logged, so a model
   // that finds no room logs once per 30 s, not on every demand poll.

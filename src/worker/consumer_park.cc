@@ -1,0 +1,118 @@
+#include "worker/consumer_park.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "common/log.h"
+#include "wire/work_message.h"
+#include "worker/model_server.h"
+
+namespace shoal {
+
+ConsumerPark::ConsumerPark(ConsumerParkOptions options) : o_(std::move(options)) {
+  closer_ = std::thread([this] { Loop(); });
+}
+
+ConsumerPark::~ConsumerPark() { CloseAll(); }
+
+void ConsumerPark::Park(const std::string& model, std::unique_ptr<PullConsumer> consumer, int64_t pull_left_ms) {
+  if (!consumer) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stop_) {
+      const auto at = std::chrono::steady_clock::now() +
+                      std::chrono::milliseconds(std::max<int64_t>(0, pull_left_ms) + o_.margin_ms);
+      parked_.emplace(model, Entry{std::move(consumer), at});
+      cv_.notify_all();
+      return;
+    }
+  }
+  // Closed for good already (the worker is gone from the queue's point of
+  // view): close it now.
+  Close(model, *consumer);
+}
+
+std::unique_ptr<PullConsumer> ConsumerPark::Take(const std::string& model) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = parked_.find(model);
+  if (it == parked_.end()) return nullptr;
+  auto consumer = std::move(it->second.consumer);
+  parked_.erase(it);
+  return consumer;
+}
+
+size_t ConsumerPark::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return parked_.size();
+}
+
+void ConsumerPark::CloseAll() {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return parked_.empty(); });
+    stop_ = true;
+    cv_.notify_all();
+  }
+  if (closer_.joinable()) closer_.join();
+}
+
+void ConsumerPark::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    if (parked_.empty()) {
+      cv_.notify_all();  // CloseAll waits for this
+      cv_.wait(lock, [this] { return stop_ || !parked_.empty(); });
+      continue;
+    }
+    auto next = std::min_element(parked_.begin(), parked_.end(),
+                                 [](const auto& a, const auto& b) { return a.second.close_at < b.second.close_at; });
+    if (std::chrono::steady_clock::now() < next->second.close_at) {
+      const TimePoint at = next->second.close_at;
+      cv_.wait_until(lock, at);  // a park, take or stop wakes it early
+      continue;
+    }
+    const std::string model = next->first;
+    auto consumer = std::move(next->second.consumer);
+    parked_.erase(next);
+    lock.unlock();
+    Close(model, *consumer);
+    consumer.reset();
+    lock.lock();
+  }
+}
+
+void ConsumerPark::Close(const std::string& model, PullConsumer& consumer) {
+  constexpr int64_t kAfterTakeMs = 50;
+  consumer.Interrupt();
+  std::vector<Delivery> held = consumer.TakeQueued(1000);
+  if (held.empty()) return;
+  Counter* handed_back =
+      o_.metrics ? o_.metrics->GetCounter("shoal_worker_handed_back_total",
+                                          "Work handed back to the queue unrun (model stopping, runtime unavailable).",
+                                          {{"model", model}})
+                 : nullptr;
+  const Status stopping = Unavailable("the worker stopped before running this work; retry", "worker_stopping");
+  for (Delivery& d : held) {
+    if (!d.Header(wire::kHdrLoadHint).empty()) {
+      (void)d.Ack();  // a load hint: some worker has the model, or will
+      continue;
+    }
+    auto headers = ParseWorkHeaders(d);
+    if (!headers.ok()) {
+      (void)d.Term();
+      continue;
+    }
+    if (static_cast<int64_t>(d.NumDelivered()) >= o_.max_deliver) {
+      if (o_.client) PublishErrorReply(*o_.client, *headers, stopping, o_.worker_id);
+      (void)d.Term();
+      continue;
+    }
+    // After a moment: TakeQueued may have left a 1 ms pull listed, and a
+    // redelivery that met only that pull would be dropped.
+    (void)d.Nak(kAfterTakeMs);
+    if (handed_back) handed_back->Inc();
+  }
+  LOG_DEBUG("worker", "closed the parked subscription of " << model << ", handed back " << held.size());
+}
+
+}  // namespace shoal
