@@ -243,7 +243,7 @@ class ProgressPrinter {
   void Loop() {
     auto next = start_;
     lg::LoadProgress::Snapshot last;
-    for (;;) {
+    for (int second = 1;; ++second) {
       next += std::chrono::seconds(1);
       {
         std::unique_lock<std::mutex> lock(mu_);
@@ -254,7 +254,10 @@ class ProgressPrinter {
       char line[256];
       std::snprintf(line, sizeof line,
                     "[%s] %5.1fs %-8s sent %lld  done %lld  errors %lld  %.1f req/s  p50 %.1f ms  p99 %.1f ms",
-                    label_.c_str(), elapsed, elapsed < warmup_s_ ? "warm-up" : "measure",
+                    // The line covers the second before it: named by that
+                    // second's middle (the tick itself lands just after a
+                    // warm-up that ends on a whole second).
+                    label_.c_str(), elapsed, second - 0.5 < warmup_s_ ? "warm-up" : "measure",
                     static_cast<long long>(s.sent), static_cast<long long>(s.completed),
                     static_cast<long long>(s.errors), static_cast<double>(s.completed - last.completed), s.p50_ms,
                     s.p99_ms);

@@ -217,6 +217,26 @@ TEST(BenchCommand, ClosedLoopAgainstARealServer) {
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/latency.svg"));
 }
 
+// A progress line sums up the second before it: the line at 1.0 s after a
+// 1 s warm-up covers warm-up only (it was labelled "measure", the tick
+// landing a moment after the warm-up's end).
+TEST(BenchCommand, ProgressLinesNameThePhaseOfTheSecondTheyCover) {
+  Target target(/*workers=*/false);
+  TempOut dir;
+  BenchCommandFlags f;
+  f.url = target.server().url();
+  f.closed = "1";
+  f.warmup_s = 1.0;
+  f.duration_s = 1.6;
+  f.models = "alpha";
+  f.workers_path = "off";
+  f.out_dir = dir.path();
+  const BenchRun r = Bench(f);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.err, ::testing::ContainsRegex("\\[1 clients?\\] +1\\.[0-9]s warm-up")) << r.err;
+  EXPECT_THAT(r.err, ::testing::ContainsRegex("\\[1 clients?\\] +2\\.[0-9]s measure")) << r.err;
+}
+
 TEST(BenchCommand, OpenLoopRatesModelsFromTheTargetAndNoWorkersEndpoint) {
   Target target(/*workers=*/false);
   TempOut dir;
