@@ -27,6 +27,12 @@ void NatsDeleter::operator()(natsSubscription* p) const {
 void NatsDeleter::operator()(jsCtx* p) const { jsCtx_Destroy(p); }
 void NatsDeleter::operator()(kvStore* p) const { kvStore_Destroy(p); }
 
+namespace {
+// The JetStream error code of a request nobody answered: the server runs
+// without JetStream.
+constexpr int kJetStreamNotEnabled = 10076;
+}  // namespace
+
 Status FromNats(int s, const std::string& what, int js_err) {
   if (s == NATS_OK) return Status::Ok();
   std::string msg = what + ": " + natsStatus_GetText(static_cast<natsStatus>(s));
@@ -34,7 +40,6 @@ Status FromNats(int s, const std::string& what, int js_err) {
     msg += std::string(" (") + last + ")";
   if (js_err) msg += " [js " + std::to_string(js_err) + "]";
   // Nobody answers the JetStream API: the server runs without JetStream.
-  constexpr int kJetStreamNotEnabled = 10076;
   if (s == NATS_NO_RESPONDERS && js_err == kJetStreamNotEnabled)
     return Unavailable(msg + "; is JetStream enabled on the NATS server? (nats-server -js)", "jetstream_unavailable");
   switch (s) {
@@ -622,7 +627,7 @@ Result<std::unique_ptr<KvBucket>> KvBucket::Open(NatsClient& client, const std::
     s = js_CreateKeyValue(&kv, client.js(), &cfg);
     if (s != NATS_OK) s = js_KeyValue(&kv, client.js(), bucket.c_str());  // lost a race
   }
-  if (s != NATS_OK) return FromNats(s, "kv bucket " + bucket);
+  if (s != NATS_OK) return FromNats(s, "kv bucket " + bucket, s == NATS_NO_RESPONDERS ? kJetStreamNotEnabled : 0);
   auto b = std::unique_ptr<KvBucket>(new KvBucket());
   b->kv_.reset(kv);
   return b;
@@ -632,7 +637,7 @@ Result<std::unique_ptr<KvBucket>> KvBucket::Bind(NatsClient& client, const std::
   kvStore* kv = nullptr;
   natsStatus s = js_KeyValue(&kv, client.js(), bucket.c_str());
   if (s == NATS_NOT_FOUND) return NotFound("kv bucket " + bucket + " does not exist yet");
-  if (s != NATS_OK) return FromNats(s, "kv bucket " + bucket);
+  if (s != NATS_OK) return FromNats(s, "kv bucket " + bucket, s == NATS_NO_RESPONDERS ? kJetStreamNotEnabled : 0);
   auto b = std::unique_ptr<KvBucket>(new KvBucket());
   b->kv_.reset(kv);
   return b;

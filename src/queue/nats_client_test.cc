@@ -54,6 +54,27 @@ TEST(NatsServerProcess, MissingBinaryIsUnavailableWithTheReason) {
   }
 }
 
+// A server started without -js: the queue and the registry say what is
+// missing instead of a bare "no responders".
+TEST(NatsClient, AServerWithoutJetStreamIsNamedAsSuch) {
+  shoal::testing::TempDir dir;
+  NatsServerOptions so;
+  so.data_dir = dir.path() + "/data";
+  so.jetstream = false;
+  auto server = NatsServerProcess::Start(so);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  NatsOptions o;
+  o.url = (*server)->url();
+  auto c = NatsClient::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  const Status stream = EnsureWorkStream(**c, {});
+  EXPECT_EQ(stream.code(), StatusCode::kUnavailable) << stream.ToString();
+  EXPECT_EQ(stream.reason(), "jetstream_unavailable") << stream.ToString();
+  EXPECT_NE(stream.message().find("nats-server -js"), std::string::npos) << stream.ToString();
+  auto kv = KvBucket::Open(**c, "shoal_workers", 0);
+  EXPECT_EQ(kv.status().reason(), "jetstream_unavailable") << kv.status().ToString();
+}
+
 TEST_F(NatsClientTest, OwnerCreatesStreamOthersVerify) {
   WorkStreamOptions so;
   so.owner = false;

@@ -125,8 +125,8 @@ Result<std::unique_ptr<NatsServerProcess>> NatsServerProcess::Start(const NatsSe
   }
   std::string log = o.log_file.empty() ? o.data_dir + "/nats-server.log" : o.log_file;
   std::string port = std::to_string(proc->port_);
-  std::vector<std::string> args = {o.binary, "-js", "-sd", o.data_dir, "-a", o.host,
-                                   "-p", port, "-l", log};
+  std::vector<std::string> args = {o.binary, "-sd", o.data_dir, "-a", o.host, "-p", port, "-l", log};
+  if (o.jetstream) args.insert(args.begin() + 1, "-js");
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);

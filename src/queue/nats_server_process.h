@@ -28,6 +28,9 @@ struct NatsServerOptions {
   // A close-on-exec descriptor the server keeps open, e.g. a lock that must
   // last as long as the server does. -1: none.
   int inherit_fd = -1;
+  // False: core NATS only, no JetStream (how Shoal reports such a server
+  // is tested with it).
+  bool jetstream = true;
   Status Validate() const;
 };
 
