@@ -447,26 +447,31 @@ bool PullConsumer::Wake() {
   // body): Fetch takes it as the end of its pull and returns; a Fetch that
   // finds it queued skips it.
   natsMsg* raw = nullptr;
-  if (natsMsg_Create(&raw, Inbox().c_str(), nullptr, nullptr, 0) != NATS_OK) return false;
+  if (natsMsg_Create(&raw, wake_subject_.c_str(), nullptr, nullptr, 0) != NATS_OK) return false;
   NatsMsgPtr msg(raw);
   if (natsMsgHeader_Set(raw, "Status", "408") != NATS_OK) return false;
   return natsConnection_PublishMsg(conn_, raw) == NATS_OK;
 }
 
-std::string PullConsumer::Inbox() const {
-  const char* subject = sub_ ? natsSubscription_GetSubject(sub_.get()) : nullptr;
-  return subject ? std::string(subject) : std::string();
-}
+std::string PullConsumer::Inbox() const { return inbox_ + ".0"; }
 
 namespace {
 
 // A message the server sends about a pull rather than from the stream (no
-// body, a Status header: 404 no messages, 408 pull ended, 409 refused, 100
-// heartbeat), or Wake's stand-in for one; nullptr for a stream message.
+// body, no ack subject, a Status header: 404 no messages, 408 pull ended,
+// 409 refused, 100 heartbeat), or Wake's stand-in for one; nullptr for a
+// stream message.
 const char* PullStatus(natsMsg* msg) {
   const char* status = nullptr;
-  if (natsMsg_GetDataLength(msg) > 0 || natsMsgHeader_Get(msg, "Status", &status) != NATS_OK) return nullptr;
+  if (natsMsg_GetDataLength(msg) > 0 || natsMsg_GetReply(msg) != nullptr ||
+      natsMsgHeader_Get(msg, "Status", &status) != NATS_OK)
+    return nullptr;
   return status;
+}
+
+int64_t SteadyNowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 }  // namespace
@@ -526,14 +531,28 @@ Result<std::unique_ptr<PullConsumer>> PullConsumer::Create(NatsClient& client, c
   pc->stream_ = stream;
   pc->durable_ = durable;
   pc->next_subject_ = "$JS.API.CONSUMER.MSG.NEXT." + stream + "." + durable;
+  pc->inbox_ = client.NewInbox();
+  pc->wake_subject_ = pc->inbox_ + ".wake";
   natsSubscription* sub = nullptr;
-  s = natsConnection_SubscribeSync(&sub, pc->conn_, client.NewInbox().c_str());
+  s = natsConnection_SubscribeSync(&sub, pc->conn_, (pc->inbox_ + ".*").c_str());
   if (s != NATS_OK) return FromNats(s, "subscribe for " + durable);
   pc->sub_.reset(sub);
   // Never drop a delivery for want of room: it would reach nobody until
   // AckWait. What a pull asks for bounds what can queue here.
   (void)natsSubscription_SetPendingLimits(sub, -1, -1);
   return pc;
+}
+
+Status PullConsumer::SendPull(const std::string& reply, size_t batch, int64_t wait_ms, bool no_wait) {
+  const int64_t expires_ns = (wait_ms >= 20 ? wait_ms - 10 : wait_ms) * 1000000;
+  std::string request = "{\"batch\":" + std::to_string(batch) + ",\"expires\":" + std::to_string(expires_ns);
+  if (no_wait) request += ",\"no_wait\":true";
+  request += "}";
+  const int64_t ends_ms = SteadyNowMs() + wait_ms;
+  if (ends_ms > pulls_end_ms_.load()) pulls_end_ms_ = ends_ms;  // only the fetcher thread writes it
+  return FromNats(natsConnection_PublishRequest(conn_, next_subject_.c_str(), reply.c_str(), request.data(),
+                                                static_cast<int>(request.size())),
+                  "pull from " + durable_);
 }
 
 Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait_ms) {
@@ -553,23 +572,19 @@ Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait
   // One pull, as nats.c's Fetch sends it: the server sends what it has, up
   // to the batch, and ends the pull (408) once it has sent some; with
   // nothing to send it waits for the first message until the pull expires,
-  // a little before this call gives up.
+  // a little before this call gives up. Each pull has its own reply
+  // subject, so the statuses of earlier pulls are told apart.
   const int64_t wait_ms = std::max<int64_t>(1, max_wait_ms);
-  const int64_t expires_ns = (wait_ms >= 20 ? wait_ms - 10 : wait_ms) * 1000000;
-  std::string request = "{\"batch\":" + std::to_string(want) + ",\"expires\":" + std::to_string(expires_ns);
-  if (want > 1) request += ",\"no_wait\":true";
-  request += "}";
-  const char* inbox = natsSubscription_GetSubject(sub_.get());
-  natsStatus s = natsConnection_PublishRequest(conn_, next_subject_.c_str(), inbox, request.data(),
-                                               static_cast<int>(request.size()));
-  if (s != NATS_OK) return FromNats(s, "pull from " + durable_);
+  const std::string reply = inbox_ + "." + std::to_string(++pulls_);
+  bool one_shot = want > 1;
+  RETURN_IF_ERROR(SendPull(reply, want, wait_ms, one_shot));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
   while (out.size() < want) {
     const int64_t left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
     if (left <= 0) break;
     natsMsg* raw = nullptr;
-    s = natsSubscription_NextMsg(&raw, sub_.get(), left);
+    const natsStatus s = natsSubscription_NextMsg(&raw, sub_.get(), left);
     if (s == NATS_TIMEOUT) break;
     if (s != NATS_OK) {
       if (out.empty()) return FromNats(s, "fetch from " + durable_);
@@ -579,14 +594,28 @@ Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait
     const char* status = PullStatus(raw);
     if (status == nullptr) {
       out.emplace_back(msg.release(), conn_);
+      // A plain pull stays open for its whole batch: return what has come
+      // (the rest queues here for the next call).
+      if (!one_shot && Undelivered() == 0) break;
       continue;
     }
-    if (std::strcmp(status, "100") == 0) continue;  // heartbeat
-    // 404 / 408: the pull has ended (or an earlier one did: this call ends
-    // early, and the caller pulls again); Wake's 408 ends it too.
-    if (std::strcmp(status, "404") == 0 || std::strcmp(status, "408") == 0) break;
+    const char* subject = natsMsg_GetSubject(raw);
+    if (subject != nullptr && wake_subject_ == subject) break;  // Wake
+    if (subject == nullptr || reply != subject) continue;       // an earlier pull's status
+    if (std::strcmp(status, "100") == 0) continue;              // heartbeat
     const char* description = nullptr;
     (void)natsMsgHeader_Get(raw, "Description", &description);
+    if (std::strcmp(status, "408") == 0 && description != nullptr && std::strcmp(description, "Requests Pending") == 0 &&
+        out.empty() && one_shot) {
+      // Other pulls already ask for more than is waiting, and the server
+      // refuses a no_wait pull at once: wait in line with a plain one
+      // instead of pulling again at once (a spin).
+      one_shot = false;
+      RETURN_IF_ERROR(SendPull(reply, want, std::max<int64_t>(1, left), false));
+      continue;
+    }
+    // 404 / 408: the pull has ended.
+    if (std::strcmp(status, "404") == 0 || std::strcmp(status, "408") == 0) break;
     const std::string why = std::string("pull from ") + durable_ + " refused: " + status + " " +
                             (description != nullptr ? description : "");
     if (out.empty()) return std::strcmp(status, "503") == 0 ? Unavailable(why, "jetstream_unavailable") : Unavailable(why);
@@ -594,6 +623,8 @@ Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait
   }
   return out;
 }
+
+int64_t PullConsumer::PullLeftMs() const { return std::max<int64_t>(0, pulls_end_ms_.load() - SteadyNowMs()); }
 
 int PullConsumer::Undelivered() {
   int msgs = 0, bytes = 0;

@@ -257,8 +257,13 @@ class PullConsumer {
   // caller hands them back (Nak) or answers them; dropped, they would wait
   // out AckWait before anyone could have them again. Sends no pull.
   std::vector<Delivery> TakeQueued(int64_t max_wait_ms);
-  // The subject this subscription's pulls are answered on.
+  // A subject this subscription receives on, for a pull sent by hand (each
+  // Fetch's own pull is answered on a subject of its own).
   std::string Inbox() const;
+  // How long until the last of the pulls this consumer sent expires at the
+  // server (0: none is open). The subscription must outlive them (see
+  // ConsumerPark).
+  int64_t PullLeftMs() const;
 
  private:
   PullConsumer() = default;
@@ -267,7 +272,12 @@ class PullConsumer {
   std::string stream_;
   std::string durable_;
   std::string next_subject_;        // where pulls are sent
-  NatsSubscriptionPtr sub_;         // on this consumer's inbox
+  std::string inbox_;               // pulls are answered on inbox_.<n>
+  std::string wake_subject_;        // inbox_.wake
+  NatsSubscriptionPtr sub_;         // on inbox_.*
+  uint64_t pulls_ = 0;              // fetcher thread only
+  std::atomic<int64_t> pulls_end_ms_{0};  // steady clock: when the last pull sent expires
+  Status SendPull(const std::string& reply, size_t batch, int64_t wait_ms, bool no_wait);
 };
 
 // ----- KV buckets -------------------------------------------------------------

@@ -282,6 +282,40 @@ TEST_F(NatsClientTest, WakeEndsABlockedFetchAndKeepsTheSubscription) {
   (void)again[0].Ack();
 }
 
+// While other pulls already ask for more than is waiting (here: a pull
+// stuck behind MaxAckPending), the server refuses a no_wait pull at once
+// ("408 Requests Pending"). Fetch then waits in line with a plain pull
+// rather than returning empty at once (its caller would pull again at once:
+// a spin), and gets the message when its turn comes.
+TEST_F(NatsClientTest, AFetchRefusedAsRequestsPendingWaitsInLine) {
+  ASSERT_TRUE(EnsureWorkStream(*client_, {}).ok());
+  ConsumerOptions co;
+  co.max_ack_pending = 1;
+  auto first = PullConsumer::Create(*client_, "SHOAL_WORK", "shoal.work.line", "shoal_line", co);
+  auto second = PullConsumer::Create(*client_, "SHOAL_WORK", "shoal.work.line", "shoal_line", co);
+  ASSERT_TRUE(first.ok() && second.ok());
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  for (const char* data : {"a", "b"})
+    ASSERT_EQ(js_Publish(nullptr, client_->js(), "shoal.work.line", data, 1, nullptr, &jerr), NATS_OK);
+  auto a = (*first)->Fetch(1, 5000);
+  ASSERT_TRUE(a.ok() && a->size() == 1u);  // "a" unacked: nothing more goes out
+  // A pull listed ahead, for more than the one message waiting; it expires
+  // after 300 ms.
+  const std::string pull = R"({"batch":5,"expires":300000000})";
+  ASSERT_EQ(natsConnection_PublishRequest(client_->conn(), "$JS.API.CONSUMER.MSG.NEXT.SHOAL_WORK.shoal_line",
+                                          (*first)->Inbox().c_str(), pull.data(), static_cast<int>(pull.size())),
+            NATS_OK);
+  ASSERT_TRUE(client_->Flush(1000).ok());
+  auto b = std::async(std::launch::async, [&] { return (*second)->Fetch(4, 5000); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // the pull ahead has expired
+  ASSERT_TRUE((*a)[0].Ack().ok());  // room for "b"
+  auto got = b.get();
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->size(), 1u);
+  EXPECT_EQ((*got)[0].Data(), "b");
+  (void)(*got)[0].Ack();
+}
+
 void Echo(natsConnection* nc, natsSubscription*, natsMsg* msg, void*) {
   const char* reply = natsMsg_GetReply(msg);
   if (reply != nullptr) {

@@ -20,8 +20,10 @@ void ConsumerPark::Park(const std::string& model, std::unique_ptr<PullConsumer> 
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stop_) {
-      const auto at = std::chrono::steady_clock::now() +
-                      std::chrono::milliseconds(std::max<int64_t>(0, pull_left_ms) + o_.margin_ms);
+      // The consumer knows its own pulls; `pull_left_ms` covers any sent
+      // by hand.
+      const int64_t left = std::max<int64_t>({0, pull_left_ms, consumer->PullLeftMs()});
+      const auto at = std::chrono::steady_clock::now() + std::chrono::milliseconds(left + o_.margin_ms);
       parked_.emplace(model, Entry{std::move(consumer), at});
       cv_.notify_all();
       return;
@@ -82,7 +84,6 @@ void ConsumerPark::Loop() {
 }
 
 void ConsumerPark::Close(const std::string& model, PullConsumer& consumer) {
-  constexpr int64_t kAfterTakeMs = 50;
   consumer.Interrupt();
   std::vector<Delivery> held = consumer.TakeQueued(1000);
   if (held.empty()) return;
@@ -107,9 +108,7 @@ void ConsumerPark::Close(const std::string& model, PullConsumer& consumer) {
       (void)d.Term();
       continue;
     }
-    // After a moment: TakeQueued may have left a 1 ms pull listed, and a
-    // redelivery that met only that pull would be dropped.
-    (void)d.Nak(kAfterTakeMs);
+    (void)d.Nak();
     if (handed_back) handed_back->Inc();
   }
   LOG_DEBUG("worker", "closed the parked subscription of " << model << ", handed back " << held.size());

@@ -43,8 +43,8 @@ class ConsumerPark {
   ConsumerPark& operator=(const ConsumerPark&) = delete;
 
   // Keeps `consumer` (no Fetch of it running) open until its last pull has
-  // expired, `pull_left_ms` from now, plus the margin. Several may wait
-  // for one model.
+  // expired (PullConsumer::PullLeftMs, or `pull_left_ms` from now if later:
+  // pulls sent by hand), plus the margin. Several may wait for one model.
   void Park(const std::string& model, std::unique_ptr<PullConsumer> consumer, int64_t pull_left_ms);
   // The model's parked subscription (the next load fetches from it), or null.
   std::unique_ptr<PullConsumer> Take(const std::string& model);

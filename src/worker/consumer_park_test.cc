@@ -103,7 +103,7 @@ TEST_F(ConsumerParkTest, AHandedBackMessageIsNotDroppedWhileAStoppedModelsPullIs
 
   ConsumerPark park(ParkOptions());
   StopFetching(*stopped, 1500);
-  park.Park("parked", std::move(stopped), 1500);
+  park.Park("parked", std::move(stopped), 0);  // the consumer knows its pull's 1.5 s
   ASSERT_TRUE(m[0].Nak().ok());  // "m" handed back while the stopped pull is listed
   ASSERT_TRUE(client_->Flush(1000).ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the server has acted on it

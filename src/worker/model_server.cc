@@ -116,12 +116,12 @@ void ModelServer::Stop() {
   // Cut the fetcher's long poll short (an eviction must not wait for it),
   // keeping the subscription: its pull stays listed at the server until it
   // expires, and the subscription must outlive it (see ConsumerPark).
+  // Disconnected, the wake cannot be sent: the fetch then ends with its
+  // pull (at most --fetch-poll-ms), and the subscription is kept for the
+  // reconnection.
   if (d_.consumer && fetcher_.joinable()) {
     while (!fetcher_done_) {
-      if (!d_.consumer->Wake()) {
-        d_.consumer->Interrupt();  // disconnected: nothing more can arrive
-        break;
-      }
+      (void)d_.consumer->Wake();
       for (int i = 0; i < 20 && !fetcher_done_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
@@ -132,8 +132,7 @@ void ModelServer::Stop() {
   // a timer): sent back at once, it could come straight back to that pull
   // and cost a delivery.
   constexpr int64_t kAfterLastPullMs = 50;
-  const int64_t pull_left_ms =
-      std::max<int64_t>(0, (last_pull_ends_mono_us_.load() - d_.clock->NowMonoUs() + 999) / 1000);
+  const int64_t pull_left_ms = d_.consumer ? d_.consumer->PullLeftMs() : 0;
   const int64_t hand_back_after_ms = kAfterLastPullMs + pull_left_ms;
   // What the server delivers to the subscription from now on (and what it
   // delivered that no fetch took) waits there for the model's next load or
@@ -421,7 +420,6 @@ void ModelServer::FetchLoop() {
       if (!waiting && d_.consumer->Undelivered() == 0 && !d_.pull_gate->WaitForRoom(20, &stop_)) continue;
       poll_ms = std::min(poll_ms, gated_poll_ms_);
     }
-    last_pull_ends_mono_us_ = d_.clock->NowMonoUs() + poll_ms * 1000;
     auto fetched = d_.consumer->Fetch(want, poll_ms);
     // A model that keeps getting nothing polls less often (twice as long
     // each time, up to fetch_poll_ms); work brings the short poll back.

@@ -191,9 +191,6 @@ class ModelServer final : public ModelAttachment {
   bool claim_held_ = false;           // guarded by mu_: waiting work holds a PullGate claim
   double avg_tokens_per_msg_ = 32;    // fetcher thread only
   int64_t gated_poll_ms_ = 20;        // fetcher thread only: pull length under a PullGate
-  // When the fetcher's latest pull expires at the server (clock's monotonic
-  // time): Stop() hands work back only after it.
-  std::atomic<int64_t> last_pull_ends_mono_us_{0};
   std::atomic<bool> fetcher_done_{false};  // FetchLoop has returned
   // Executor thread only: slots held by the current turn (1 without a
   // scheduler); the pass's threads when slots_are_cores, and the weight of
