@@ -127,6 +127,9 @@ TempDir::~TempDir() {
 TestNatsServer::TestNatsServer() {
   NatsServerOptions o;
   o.data_dir = dir_.path() + "/js";
+  // A test binary killed (a ctest timeout, a crash) takes its server with
+  // it. Fixtures start it on the test's own (main) thread.
+  o.die_with_parent = true;
   auto r = NatsServerProcess::Start(o);
   if (!r.ok()) throw std::runtime_error("cannot start nats-server: " + r.status().ToString());
   proc_ = std::move(r).value();
