@@ -249,7 +249,7 @@ class PullConsumer {
   // here for the next Fetch or for TakeQueued after Interrupt. A Fetch that
   // starts after the wake skips it and waits its full time, so a caller
   // repeats Wake until its fetcher has gone. False when the message could
-  // not be sent (disconnected: Interrupt instead).
+  // not be sent (disconnected: the Fetch then ends with its pull).
   bool Wake();
   // After Interrupt, once no other thread fetches: the messages delivered to
   // this subscription that no Fetch returned, waiting up to max_wait_ms for

@@ -4,7 +4,6 @@
 #include <vector>
 
 #include "common/log.h"
-#include "wire/work_message.h"
 #include "worker/model_server.h"
 
 namespace shoal {
@@ -87,24 +86,12 @@ void ConsumerPark::Close(const std::string& model, PullConsumer& consumer) {
   consumer.Interrupt();
   std::vector<Delivery> held = consumer.TakeQueued(1000);
   if (held.empty()) return;
-  Counter* handed_back =
-      o_.metrics ? o_.metrics->GetCounter("shoal_worker_handed_back_total",
-                                          "Work handed back to the queue unrun (model stopping, runtime unavailable).",
-                                          {{"model", model}})
-                 : nullptr;
-  const Status stopping = Unavailable("the worker stopped before running this work; retry", "worker_stopping");
+  Counter* handed_back = o_.metrics ? HandedBackCounter(*o_.metrics, model) : nullptr;
   for (Delivery& d : held) {
-    if (!d.Header(wire::kHdrLoadHint).empty()) {
-      (void)d.Ack();  // a load hint: some worker has the model, or will
-      continue;
-    }
-    auto headers = ParseWorkHeaders(d);
-    if (!headers.ok()) {
-      (void)d.Term();
-      continue;
-    }
+    auto headers = WorkHeadersOrSettle(d);
+    if (!headers) continue;
     if (static_cast<int64_t>(d.NumDelivered()) >= o_.max_deliver) {
-      if (o_.client) PublishErrorReply(*o_.client, *headers, stopping, o_.worker_id);
+      if (o_.client) PublishErrorReply(*o_.client, *headers, WorkerStopping(), o_.worker_id);
       (void)d.Term();
       continue;
     }

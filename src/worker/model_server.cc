@@ -81,8 +81,7 @@ ModelServer::ModelServer(ModelServerDeps deps)
   tokens_total_ = m->GetCounter("shoal_worker_tokens_total", "Real (unpadded) tokens embedded.", l);
   expired_ = m->GetCounter("shoal_worker_expired_total", "Work dropped because its deadline passed.", l);
   redelivered_ = m->GetCounter("shoal_worker_redelivered_total", "Work delivered more than once.", l);
-  handed_back_ = m->GetCounter("shoal_worker_handed_back_total",
-                               "Work handed back to the queue unrun (model stopping, runtime unavailable).", l);
+  handed_back_ = HandedBackCounter(*m, d_.config.name);
   load_waits_ = m->GetCounter("shoal_worker_load_waits_total", "Requests that waited for a model to load.", l);
   load_wait_seconds_ = m->GetHistogram("shoal_worker_load_wait_seconds",
                                        "How long requests waited for a model to load.", l,
@@ -126,7 +125,7 @@ void ModelServer::Stop() {
     }
   }
   if (fetcher_.joinable()) fetcher_.join();
-  const Status stopping = Unavailable("the worker stopped before running this work; retry", "worker_stopping");
+  const Status stopping = WorkerStopping();
   // Pulled work goes back to the queue once the subscription's last pull
   // has expired, and a little later (the server removes an expired pull on
   // a timer): sent back at once, it could come straight back to that pull
@@ -160,7 +159,7 @@ void ModelServer::Stop() {
   Release(std::move(left), stopping, hand_back_after_ms);
 }
 
-std::optional<wire::WorkHeaders> ModelServer::WorkHeadersOrSettle(Delivery& delivery) {
+std::optional<wire::WorkHeaders> WorkHeadersOrSettle(Delivery& delivery) {
   if (!delivery.Header(wire::kHdrLoadHint).empty()) {
     (void)delivery.Ack();  // the model is loaded: the hint has done its job
     return std::nullopt;
@@ -216,6 +215,16 @@ Status ModelServer::ReplyByRef(const std::string& encoded, const wire::WorkReply
   Status s = d_.client->PublishMsg(raw);
   if (!s.ok()) LOG_WARN("worker", "reply to " << reply_to << " failed: " << s.ToString());
   return s;
+}
+
+Status WorkerStopping() {
+  return Unavailable("the worker stopped before running this work; retry", "worker_stopping");
+}
+
+Counter* HandedBackCounter(MetricsRegistry& metrics, const std::string& model) {
+  return metrics.GetCounter("shoal_worker_handed_back_total",
+                            "Work handed back to the queue unrun (model stopping, runtime unavailable).",
+                            {{"model", model}});
 }
 
 void PublishErrorReply(NatsClient& client, const wire::WorkHeaders& headers, const Status& status,
@@ -366,8 +375,7 @@ void ModelServer::Push(Delivery delivery) {
       return;
     }
   }
-  Fail((*work)->delivery, (*work)->headers,
-       Unavailable("the worker stopped before running this work; retry", "worker_stopping"));
+  Fail((*work)->delivery, (*work)->headers, WorkerStopping());
 }
 
 void ModelServer::FetchLoop() {

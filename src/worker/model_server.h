@@ -173,9 +173,6 @@ class ModelServer final : public ModelAttachment {
   // work on its last allowed delivery: its caller gets `last_chance` (a
   // message past MaxDeliver would sit in the queue unanswered).
   void Release(std::vector<std::unique_ptr<PendingWork>> work, const Status& last_chance, int64_t delay_ms = 0);
-  // The headers of a delivered work message; a load hint is acked and a
-  // malformed message terminated instead (nullopt).
-  std::optional<wire::WorkHeaders> WorkHeadersOrSettle(Delivery& delivery);
   // Publishes an error reply (when the caller can be reached) and terms.
   void Fail(Delivery& delivery, const wire::WorkHeaders& headers, const Status& status);
   Status Reply(const wire::WorkReply& reply, const std::string& reply_to);
@@ -231,6 +228,17 @@ void ApplyActivation(const std::string& activation, Embeddings* out);
 
 // Parses the Shoal-* headers of a work message.
 Result<wire::WorkHeaders> ParseWorkHeaders(const Delivery& d);
+
+// The headers of a delivered work message; a load hint is acked and a
+// malformed message terminated instead (nullopt).
+std::optional<wire::WorkHeaders> WorkHeadersOrSettle(Delivery& delivery);
+
+// What work gets when the worker stops before running it and it cannot go
+// back to the queue (503 worker_stopping).
+Status WorkerStopping();
+
+// shoal_worker_handed_back_total{model}: work handed back to the queue unrun.
+Counter* HandedBackCounter(MetricsRegistry& metrics, const std::string& model);
 
 // Answers one work message's caller with `status` (no-op without a reply
 // subject). The caller then terms the message.
