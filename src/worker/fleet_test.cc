@@ -897,8 +897,9 @@ void ExpectAFailedDeviceHandsItsWorkOn(FleetTest* test, FailingDeviceRuntime::Wh
   EXPECT_TRUE(b.worker->manager().IsLoaded("tiny-a"));
   EXPECT_FALSE((*kv)->Get(a.worker->id()).ok()) << "the failed worker came back to the registry";
   EXPECT_EQ(a.Counter("shoal_worker_device_faults_total", {}), 1);
-  if (when == FailingDeviceRuntime::kInPass)
+  if (when == FailingDeviceRuntime::kInPass) {
     EXPECT_GE(a.Counter("shoal_worker_handed_back_total", {{"model", "tiny-a"}}), 1);
+  }
   a.worker->Stop();
   EXPECT_EQ(fault_calls->load(), 1);
 }

@@ -2,26 +2,15 @@
 // for tests of HTTP clients such as `shoal bench` and the openai runtime.
 // Keep-alive, a thread per connection, every request recorded; a handler
 // chooses each answer (the default answers /v1/embeddings in OpenAI shape),
-// which may be delayed or streamed as server-sent events. Header-only.
+// which may be delayed or streamed as server-sent events. Built once in
+// shoal_test_support, so the tests that use it do not compile Beast.
 #pragma once
 
-#include <poll.h>
-#include <sys/socket.h>
-
-#include <algorithm>
-#include <chrono>
-#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
-
-#include <boost/asio.hpp>
-#include <boost/beast/core.hpp>
-#include <boost/beast/http.hpp>
-#include <nlohmann/json.hpp>
 
 namespace shoal::testing {
 
@@ -50,140 +39,20 @@ class FakeOpenAiServer {
 
   // An OpenAI embeddings answer for `body` ({"model", "input": [..]}), one
   // 2-d vector per input, usage.prompt_tokens = number of words.
-  static Reply Embeddings(const std::string& body) {
-    auto req = nlohmann::json::parse(body, nullptr, false);
-    if (req.is_discarded() || !req.contains("input")) return {400, R"({"error":{"message":"bad body"}})"};
-    nlohmann::json inputs = req["input"].is_array() ? req["input"] : nlohmann::json::array({req["input"]});
-    nlohmann::json data = nlohmann::json::array();
-    int64_t words = 0;
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      const std::string t = inputs[i].is_string() ? inputs[i].get<std::string>() : "";
-      words += t.empty() ? 0 : static_cast<int64_t>(std::count(t.begin(), t.end(), ' ') + 1);
-      data.push_back({{"object", "embedding"}, {"index", i}, {"embedding", {0.6, 0.8}}});
-    }
-    nlohmann::json out = {{"object", "list"},
-                          {"data", data},
-                          {"model", req.value("model", "")},
-                          {"usage", {{"prompt_tokens", words}, {"total_tokens", words}}}};
-    return {200, out.dump()};
-  }
+  static Reply Embeddings(const std::string& body);
 
-  explicit FakeOpenAiServer(Handler handler) : handler_(std::move(handler)), acceptor_(io_) {
-    namespace asio = boost::asio;
-    const asio::ip::tcp::endpoint ep(asio::ip::make_address("127.0.0.1"), 0);
-    acceptor_.open(ep.protocol());
-    acceptor_.set_option(asio::socket_base::reuse_address(true));
-    acceptor_.bind(ep);
-    acceptor_.listen();
-    port_ = acceptor_.local_endpoint().port();
-    accept_thread_ = std::thread([this] { AcceptLoop(); });
-  }
+  explicit FakeOpenAiServer(Handler handler);
+  ~FakeOpenAiServer();
+  FakeOpenAiServer(const FakeOpenAiServer&) = delete;
+  FakeOpenAiServer& operator=(const FakeOpenAiServer&) = delete;
 
-  ~FakeOpenAiServer() {
-    stop_ = true;
-    accept_thread_.join();
-    // No new connections now; join without mu_, which their threads take.
-    std::vector<std::shared_ptr<boost::asio::ip::tcp::socket>> sockets;
-    std::vector<std::thread> threads;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      sockets.swap(sockets_);
-      threads.swap(conn_threads_);
-    }
-    for (auto& s : sockets) ::shutdown(s->native_handle(), SHUT_RDWR);
-    for (auto& t : threads) t.join();
-  }
-
-  int port() const { return port_; }
-  std::string url() const { return "http://127.0.0.1:" + std::to_string(port_); }
-  std::vector<Request> requests() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return requests_;
-  }
+  int port() const;
+  std::string url() const { return "http://127.0.0.1:" + std::to_string(port()); }
+  std::vector<Request> requests() const;
 
  private:
-  void AcceptLoop() {
-    while (!stop_) {
-      pollfd p{acceptor_.native_handle(), POLLIN, 0};
-      if (::poll(&p, 1, 50) <= 0) continue;
-      auto sock = std::make_shared<boost::asio::ip::tcp::socket>(io_);
-      boost::system::error_code ec;
-      acceptor_.accept(*sock, ec);
-      if (ec) continue;
-      sock->set_option(boost::asio::ip::tcp::no_delay(true), ec);
-      std::lock_guard<std::mutex> lock(mu_);
-      sockets_.push_back(sock);
-      conn_threads_.emplace_back([this, sock] { Serve(*sock); });
-    }
-  }
-
-  void Serve(boost::asio::ip::tcp::socket& sock) {
-    namespace http = boost::beast::http;
-    boost::beast::flat_buffer buf;
-    for (;;) {
-      http::request<http::string_body> req;
-      boost::system::error_code ec;
-      http::read(sock, buf, req, ec);
-      if (ec) return;
-      Request r{std::string(req.method_string()), std::string(req.target()), req.body(),
-                std::string(req[http::field::authorization])};
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        requests_.push_back(r);
-      }
-      Reply reply = handler_(r);
-      const bool keep = req.keep_alive() && !reply.close;
-      if (reply.delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(reply.delay_ms));
-      if (!reply.events.empty()) {
-        if (!WriteEvents(sock, reply, req.version(), keep) || !keep) {
-          sock.shutdown(boost::asio::ip::tcp::socket::shutdown_send, ec);
-          return;
-        }
-        continue;
-      }
-      http::response<http::string_body> res{static_cast<http::status>(reply.status), req.version()};
-      res.set(http::field::content_type, reply.content_type);
-      res.keep_alive(keep);
-      res.body() = reply.body;
-      res.prepare_payload();
-      http::write(sock, res, ec);
-      if (ec || !keep || reply.hang_up) {
-        sock.shutdown(boost::asio::ip::tcp::socket::shutdown_send, ec);
-        return;
-      }
-    }
-  }
-
-  static bool WriteEvents(boost::asio::ip::tcp::socket& sock, const Reply& reply, unsigned version, bool keep) {
-    namespace http = boost::beast::http;
-    namespace asio = boost::asio;
-    http::response<http::empty_body> res{static_cast<http::status>(reply.status), version};
-    res.set(http::field::content_type, "text/event-stream");
-    res.keep_alive(keep);
-    res.chunked(true);
-    http::response_serializer<http::empty_body> sr{res};
-    boost::system::error_code ec;
-    http::write_header(sock, sr, ec);
-    for (size_t i = 0; !ec && i < reply.events.size(); ++i) {
-      if (i > 0 && reply.event_delay_ms > 0)
-        std::this_thread::sleep_for(std::chrono::milliseconds(reply.event_delay_ms));
-      const std::string frame = "data: " + reply.events[i] + "\n\n";
-      asio::write(sock, http::make_chunk(asio::buffer(frame)), ec);
-    }
-    if (!ec) asio::write(sock, http::make_chunk_last(), ec);
-    return !ec;
-  }
-
-  Handler handler_;
-  boost::asio::io_context io_;
-  boost::asio::ip::tcp::acceptor acceptor_;
-  int port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::thread accept_thread_;
-  mutable std::mutex mu_;
-  std::vector<Request> requests_;                                        // guarded by mu_
-  std::vector<std::shared_ptr<boost::asio::ip::tcp::socket>> sockets_;  // guarded by mu_
-  std::vector<std::thread> conn_threads_;                                // guarded by mu_
+  class Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace shoal::testing
