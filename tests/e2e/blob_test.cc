@@ -127,9 +127,9 @@ TEST(E2eBlob, KilledWorkerLeavesNoBlobBehind) {
   const std::string store = "file://" + blobs.path();
   constexpr const char* kModel = "slow-sim";
   // 512 floats a row: the reply (~2 KiB) goes by reference too. A batch
-  // is one forward pass of 4 s, inside the 8 s AckWait (in-progress acks
+  // is one forward pass of 2 s, inside the 4 s AckWait (in-progress acks
   // go out only between passes).
-  WriteSimRepository(repo.path(), kModel, 512, 4'000'000);
+  WriteSimRepository(repo.path(), kModel, 512, 2'000'000);
   const std::vector<std::string> blob_flags = {"--blob-store", store, "--blob-threshold", "1KiB"};
 
   auto gw_flags = blob_flags;
@@ -137,7 +137,7 @@ TEST(E2eBlob, KilledWorkerLeavesNoBlobBehind) {
   Shoal gateway = StartGateway(nats.url(), gw_flags);
   auto worker_flags = [&](int metrics_port) {
     auto f = blob_flags;
-    f.insert(f.end(), {"--threads", "1", "--ack-wait-ms", "8000", "--metrics-port", std::to_string(metrics_port)});
+    f.insert(f.end(), {"--threads", "1", "--ack-wait-ms", "4000", "--metrics-port", std::to_string(metrics_port)});
     return f;
   };
   const int victim_port = FreePort();
@@ -166,7 +166,7 @@ TEST(E2eBlob, KilledWorkerLeavesNoBlobBehind) {
   auto call = std::async(std::launch::async, [&] { return Embed(gateway.port, kModel, text, 90000); });
 
   // The victim has the work once it has fetched the payload; its batch
-  // then sleeps 4 s.
+  // then sleeps 2 s.
   ASSERT_TRUE(Eventually([&] { return MetricOf(victim_port, "shoal_blob_fetched_total") >= 1; }, 30s))
       << "the victim never fetched the offloaded payload";
   EXPECT_EQ(MetricOf(gateway.port, "shoal_blob_offloaded_total{kind=\"request\"}"), 1);
