@@ -11,6 +11,7 @@
 
 #include <nats/nats.h>
 
+#include "common/clock.h"
 #include "common/log.h"
 
 namespace shoal {
@@ -469,10 +470,7 @@ const char* PullStatus(natsMsg* msg) {
   return status;
 }
 
-int64_t SteadyNowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+int64_t SteadyNowMs() { return SystemClock::Get()->NowMonoUs() / 1000; }
 
 }  // namespace
 

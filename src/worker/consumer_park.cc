@@ -14,14 +14,12 @@ ConsumerPark::ConsumerPark(ConsumerParkOptions options) : o_(std::move(options))
 
 ConsumerPark::~ConsumerPark() { CloseAll(); }
 
-void ConsumerPark::Park(const std::string& model, std::unique_ptr<PullConsumer> consumer, int64_t pull_left_ms) {
+void ConsumerPark::Park(const std::string& model, std::unique_ptr<PullConsumer> consumer, int64_t hand_pull_left_ms) {
   if (!consumer) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stop_) {
-      // The consumer knows its own pulls; `pull_left_ms` covers any sent
-      // by hand.
-      const int64_t left = std::max<int64_t>({0, pull_left_ms, consumer->PullLeftMs()});
+      const int64_t left = std::max<int64_t>({0, hand_pull_left_ms, consumer->PullLeftMs()});
       const auto at = std::chrono::steady_clock::now() + std::chrono::milliseconds(left + o_.margin_ms);
       parked_.emplace(model, Entry{std::move(consumer), at});
       cv_.notify_all();

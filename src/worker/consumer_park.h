@@ -43,9 +43,10 @@ class ConsumerPark {
   ConsumerPark& operator=(const ConsumerPark&) = delete;
 
   // Keeps `consumer` (no Fetch of it running) open until its last pull has
-  // expired (PullConsumer::PullLeftMs, or `pull_left_ms` from now if later:
-  // pulls sent by hand), plus the margin. Several may wait for one model.
-  void Park(const std::string& model, std::unique_ptr<PullConsumer> consumer, int64_t pull_left_ms);
+  // expired (PullConsumer::PullLeftMs, or `hand_pull_left_ms` from now if
+  // later: a pull sent by hand), plus the margin. Several may wait for one
+  // model.
+  void Park(const std::string& model, std::unique_ptr<PullConsumer> consumer, int64_t hand_pull_left_ms = 0);
   // The model's parked subscription (the next load fetches from it), or null.
   std::unique_ptr<PullConsumer> Take(const std::string& model);
   // Waits until every parked subscription's pulls have expired, then closes

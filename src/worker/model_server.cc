@@ -136,7 +136,7 @@ void ModelServer::Stop() {
   // What the server delivers to the subscription from now on (and what it
   // delivered that no fetch took) waits there for the model's next load or
   // is handed back when the park closes it.
-  if (d_.consumer && d_.park) d_.park(std::move(d_.consumer), pull_left_ms);
+  if (d_.consumer && d_.park) d_.park(std::move(d_.consumer));
   d_.consumer.reset();
   if (executor_.joinable()) executor_.join();
   // Pulled but never run: hand it back rather than leave it to AckWait.

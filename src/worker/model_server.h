@@ -71,10 +71,9 @@ struct ModelServerDeps {
   Runtime* runtime = nullptr;                      // loaded; outlives the server
   std::unique_ptr<WordPieceTokenizer> tokenizer;
   std::unique_ptr<PullConsumer> consumer;
-  // Takes the consumer when the server stops, with how long its last pull
-  // has left at the server (see ConsumerPark: the subscription must outlive
-  // its pulls). Required with a consumer.
-  std::function<void(std::unique_ptr<PullConsumer>, int64_t pull_left_ms)> park;
+  // Takes the consumer when the server stops (see ConsumerPark: the
+  // subscription must outlive its pulls). Required with a consumer.
+  std::function<void(std::unique_ptr<PullConsumer>)> park;
   NatsClient* client = nullptr;                   // publishes replies
   MetricsRegistry* metrics = nullptr;
   const Clock* clock = nullptr;

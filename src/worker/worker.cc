@@ -315,7 +315,7 @@ void Worker::Stop() {
   if (pull_gate_) pull_gate_->Shutdown();
   manager_.reset();  // stops every model's threads, then unloads
   if (park_) {
-    for (auto& [model, consumer] : drain_consumers_) park_->Park(model, std::move(consumer), kDrainPollMs);
+    for (auto& [model, consumer] : drain_consumers_) park_->Park(model, std::move(consumer));
     park_->CloseAll();  // waits for the last pulls to expire (at most --fetch-poll-ms)
   }
   drain_consumers_.clear();
@@ -411,9 +411,7 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   deps.tokenizer = std::move(tokenizer);
   deps.consumer = std::move(consumer);
   ConsumerPark* park = park_.get();
-  deps.park = [park, name = c.name](std::unique_ptr<PullConsumer> parked, int64_t pull_left_ms) {
-    park->Park(name, std::move(parked), pull_left_ms);
-  };
+  deps.park = [park, name = c.name](std::unique_ptr<PullConsumer> parked) { park->Park(name, std::move(parked)); };
   deps.client = client_;
   deps.metrics = metrics_;
   deps.clock = clock_;
@@ -890,7 +888,7 @@ bool Worker::AnotherMayLoad(const std::string& model, int64_t now_ms) {
 void Worker::ParkDrainConsumer(const std::string& model) {
   auto it = drain_consumers_.find(model);
   if (it == drain_consumers_.end()) return;
-  park_->Park(model, std::move(it->second), kDrainPollMs);  // its last pull may still be listed
+  park_->Park(model, std::move(it->second));  // its last pull may still be listed
   drain_consumers_.erase(it);
 }
 
