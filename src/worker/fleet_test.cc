@@ -428,6 +428,10 @@ TEST_F(FleetTest, ControlLoadsUnloadsPinsAndUnpins) {
   EXPECT_EQ((*r)["error"]["code"], "invalid_action");
   json bad = json::parse(*client_->Request(wire::ControlSubject(m.worker->id()), "not json", 5000));
   EXPECT_EQ(bad["error"]["code"], "invalid_json");
+  // The parser's message quotes the byte that is not UTF-8; the reply still goes out.
+  json raw = json::parse(*client_->Request(wire::ControlSubject(m.worker->id()), "\xff", 5000));
+  EXPECT_EQ(raw["error"]["code"], "invalid_json");
+  EXPECT_EQ((*ask("explode"))["error"]["code"], "invalid_action") << "the worker still answers";
 }
 
 TEST_F(FleetTest, HeartbeatReportsEveryCatalogModelWithStateAndMemory) {

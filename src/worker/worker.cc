@@ -81,6 +81,10 @@ namespace {
 
 using nlohmann::json;
 
+// Error texts can carry bytes from a runtime or a caller that are not UTF-8;
+// a strict dump would throw on a heartbeat or control thread.
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 std::string HostName() {
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
@@ -462,7 +466,7 @@ std::string Worker::ModelStatusJson(const std::string& model) const {
               {"memory_bytes", s.memory_bytes},
               {"last_used_unix_ms", s.last_used_unix_ms}};
     if (!s.error.empty()) j["error"] = s.error;
-    return j.dump();
+    return Dump(j);
   }
   return "{}";
 }
@@ -502,7 +506,7 @@ std::string Worker::HeartbeatJson() const {
     j["host_memory_used_bytes"] = manager_->host_memory_used_bytes();
     j["host_memory_budget_bytes"] = options_.host_memory_budget_bytes;
   }
-  return j.dump();
+  return Dump(j);
 }
 
 std::string Worker::LoadReportJson() const {
@@ -514,7 +518,7 @@ std::string Worker::LoadReportJson() const {
             {"interval_ms", options_.load_report_interval_ms},
             // A failed device takes no pushed work (OnPush refuses it).
             {"models", device_faulted_ ? std::vector<std::string>{} : LoadedModels()}};
-  return j.dump();
+  return Dump(j);
 }
 
 void Worker::LoadReportLoop() {
@@ -965,7 +969,7 @@ void Worker::OnControl(natsConnection* nc, natsSubscription*, natsMsg* msg, void
     out["error"] = ErrorJson(result.status());
   }
   if (reply != nullptr) {
-    const std::string body = out.dump();
+    const std::string body = Dump(out);
     natsConnection_Publish(nc, reply, body.data(), static_cast<int>(body.size()));
   }
 }
