@@ -672,16 +672,17 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
                        "runtime_error");
       break;
     }
-    if (out->rows != tb.rows || out->dim <= 0 || (dim > 0 && out->dim != dim) ||
+    const bool width_changed = dim > 0 && out->dim != dim;
+    if (out->rows != tb.rows || out->dim <= 0 || width_changed ||
         (c.task == "score" && out->dim != 1) ||
         (!c.labels.empty() && out->dim != static_cast<int>(c.labels.size()))) {
       failure = Internal("model '" + c.name + "' returned " + std::to_string(out->rows) + " x " +
                              std::to_string(out->dim) + " for a batch of " + std::to_string(tb.rows) +
-                             (dim > 0 && out->dim != dim ? " (an earlier pass of this batch returned " +
-                                                               std::to_string(dim) + " per row)"
-                              : c.task == "score"        ? " (a score model returns one value per pair)"
-                              : c.labels.empty()         ? ""
-                                                         : " (one logit per label expected)"),
+                             (width_changed ? " (an earlier pass of this batch returned " + std::to_string(dim) +
+                                                  " per row)"
+                              : c.task == "score" ? " (a score model returns one value per pair)"
+                              : c.labels.empty()  ? ""
+                                                  : " (one logit per label expected)"),
                          "runtime_error");
       break;
     }
