@@ -30,7 +30,9 @@ Result<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& options, 
   }
   ASSIGN_OR_RETURN(g->fleet_, FleetView::Create(options.fleet, client, metrics));
   FleetView* fleet = g->fleet_.get();
-  g->router_ = std::make_unique<Router>(options.router, g->dispatcher_.get(),
+  RouterOptions router_options = options.router;
+  router_options.max_paired_bytes = options.http.max_body_bytes;
+  g->router_ = std::make_unique<Router>(router_options, g->dispatcher_.get(),
                                         [fleet] { return fleet->Snapshot(); }, metrics);
   // Operator actions plan on a fresh view of the registry.
   ASSIGN_OR_RETURN(g->control_, FleetControl::Create(options.control, client, [fleet] {

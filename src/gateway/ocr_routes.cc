@@ -118,7 +118,7 @@ Status SniffImage(std::string_view b, size_t index) {
 
 // {image: bin} or {images: [bin, ...]}.
 Status ImagesFromMsgpack(const std::string& body, std::vector<std::string>* out) {
-  RETURN_IF_ERROR(internal::CheckMsgpackBody(body));
+  RETURN_IF_ERROR(internal::CheckMsgpackBody(body, /*binary_allowed=*/true));
   msgpack::object_handle handle;
   try {
     // Bins point into `body` (alive until the images are copied out below)

@@ -196,9 +196,10 @@ bool NativeMsgpackRoute(std::string_view path) {
 }
 
 // A MessagePack request body for a JSON route, as JSON text: the handlers
-// parse one format. Binary fields have no JSON form and fail validation.
+// parse one format. Binary fields have no JSON form: refused before the
+// body is decoded.
 Status MsgpackBodyToJson(std::string* body) {
-  RETURN_IF_ERROR(internal::CheckMsgpackBody(*body));
+  RETURN_IF_ERROR(internal::CheckMsgpackBody(*body, /*binary_allowed=*/false));
   json j = json::from_msgpack(*body, /*strict=*/true, /*allow_exceptions=*/false);
   if (j.is_discarded())
     return InvalidArgument("request body is not valid MessagePack", "invalid_msgpack");
@@ -262,6 +263,7 @@ HttpResponder MsgpackResponder(HttpResponder respond) {
 
 Status RouterOptions::Validate() const {
   if (max_inputs < 1) return InvalidArgument("max_inputs must be >= 1");
+  if (max_paired_bytes < 1) return InvalidArgument("max_paired_bytes must be >= 1");
   if (default_timeout_ms < 1 || default_timeout_ms > max_timeout_ms)
     return InvalidArgument("default_timeout_ms must be in [1, max_timeout_ms]");
   return Status::Ok();
@@ -521,7 +523,7 @@ void Router::Encode(const std::string& model, HttpRequest&& req, HttpResponder r
   EmbedJob job;
   job.model = model;
   if (internal::IsMsgpackType(req.Header("content-type"))) {
-    if (Status st = internal::CheckMsgpackBody(req.body); !st.ok()) return respond(ErrorResponse(st));
+    if (Status st = internal::CheckMsgpackBody(req.body, /*binary_allowed=*/true); !st.ok()) return respond(ErrorResponse(st));
     msgpack::object_handle handle;
     try {
       handle = msgpack::unpack(req.body.data(), req.body.size());

@@ -31,6 +31,11 @@ struct RouterOptions {
   // while a worker loads it (true), or gets 503 model_loading with
   // Retry-After at once while the load is asked for (false).
   bool wait_for_load = true;
+  // The most text bytes a rerank or 1:N score request may hold once its
+  // query is paired with each document (over: 413 pairs_too_large). The
+  // gateway sets it to the HTTP body limit: pairing must not turn a body
+  // under that limit into gigabytes.
+  size_t max_paired_bytes = size_t{256} << 20;
   Status Validate() const;
 };
 

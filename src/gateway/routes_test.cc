@@ -411,6 +411,34 @@ TEST_F(RoutesTest, EveryJsonRouteAlsoSpeaksMessagePack) {
   EXPECT_EQ(ErrorCode(r), "invalid_msgpack");
 }
 
+// A route that parses JSON takes MessagePack transcoded to JSON, where a
+// bin or ext value has no form (nlohmann writes each byte out as a number:
+// a 250 MB bin became 1 GB of JSON). Such a body is refused before it is
+// decoded; /v1/encode, which reads MessagePack itself, still takes bin.
+TEST_F(RoutesTest, MessagePackBinaryValuesAreRefusedWhereTheyHaveNoJsonForm) {
+  const std::vector<std::pair<std::string, std::string>> kMsgpack = {{"content-type", "application/msgpack"}};
+  // {"model": "m", "input": <bin "abc">}, then the same with ext type 1.
+  const std::string head = std::string("\x82\xa5model\xa1m\xa5input");
+  for (const std::string& value : {std::string("\xc4\x03" "abc", 5), std::string("\xc7\x03\x01" "abc", 6)}) {
+    for (const char* path : {"/v1/embeddings", "/v1/classify", "/v1/score", "/v1/rerank"}) {
+      auto r = Call("POST", path, head + value, kMsgpack);
+      EXPECT_EQ(r.status, 400) << path;
+      EXPECT_EQ(ErrorCode(r), "invalid_msgpack") << path;
+      EXPECT_NE(json::parse(r.body)["error"]["message"].get<std::string>().find("no JSON form"), std::string::npos);
+    }
+  }
+  EXPECT_EQ(submitter_.calls, 0);
+  // The same body with a str value passes.
+  auto r = Call("POST", "/v1/embeddings", head + "\xa3" "abc", kMsgpack);
+  EXPECT_EQ(r.status, 200) << r.body;
+  // /v1/encode reads the body itself: a bin there is a wrong type for
+  // "inputs", not a transcoding refusal.
+  r = Call("POST", "/v1/encode/m", std::string("\x81\xa6inputs\xc4\x03" "abc", 12), kMsgpack);
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(json::parse(r.body)["error"]["message"].get<std::string>().find("no JSON form"), std::string::npos)
+      << r.body;
+}
+
 TEST_F(RoutesTest, RoutesMethodsAndProbes) {
   EXPECT_EQ(Call("GET", "/nope", "").status, 404);
   EXPECT_EQ(Call("GET", "/v1/embeddings", "").status, 405);
@@ -626,6 +654,45 @@ TEST_F(RoutesTest, EveryBadScoringInputGetsItsStatusAndCode) {
   }
   EXPECT_EQ(submitter_.calls, 0) << "bad input must never reach the queue";
   EXPECT_EQ(Call("GET", "/v1/rerank", "").status, 405);
+}
+
+// A rerank (or 1:N score) request repeats its query once per document on
+// the queue: the pairs' bytes are bounded (the gateway sets the bound to
+// its body limit), and the model is checked before anything is copied.
+TEST_F(RoutesTest, PairingTheQueryWithEachDocumentIsBounded) {
+  RouterOptions o;
+  o.max_inputs = 8;
+  o.max_paired_bytes = 100;
+  router_ = std::make_unique<Router>(o, &submitter_, [this] { return snapshot_; }, &metrics_, &clock_);
+  const auto rerank = [&](const std::string& model, size_t query_bytes) {
+    json docs = json::array();
+    for (int i = 0; i < 8; ++i) docs.push_back("d" + std::to_string(i));
+    return Call("POST", "/v1/rerank",
+                json{{"model", model}, {"query", std::string(query_bytes, 'q')}, {"documents", docs}}.dump());
+  };
+  // 8 documents of 2 bytes and a 10-byte query: 96 bytes of pairs.
+  auto r = rerank("rr", 10);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(submitter_.last.texts, std::vector<std::string>(8, std::string(10, 'q')));
+  // An 11-byte query: 104.
+  r = rerank("rr", 11);
+  EXPECT_EQ(r.status, 413);
+  EXPECT_EQ(ErrorCode(r), "pairs_too_large");
+  // A query far over the bound for a model that does not exist is a 404,
+  // found before the query is copied.
+  r = rerank("nope", 1 << 20);
+  EXPECT_EQ(r.status, 404);
+  EXPECT_EQ(ErrorCode(r), "model_not_found");
+  // /v1/score 1:N is held to the same bound; N:N repeats nothing.
+  const json eight = json::array({"a", "b", "c", "d", "e", "f", "g", "h"});
+  r = Call("POST", "/v1/score", json{{"model", "rr"}, {"text_1", std::string(11, 'q')}, {"text_2", eight}}.dump());
+  EXPECT_EQ(r.status, 200) << r.body;
+  r = Call("POST", "/v1/score", json{{"model", "rr"}, {"text_1", std::string(12, 'q')}, {"text_2", eight}}.dump());
+  EXPECT_EQ(r.status, 413);
+  EXPECT_EQ(ErrorCode(r), "pairs_too_large");
+  r = Call("POST", "/v1/score", json{{"model", "rr"}, {"text_1", std::string(200, 'q')}, {"text_2", "a"}}.dump());
+  EXPECT_EQ(r.status, 200) << "1:1 pairs nothing";
+  EXPECT_EQ(submitter_.calls, 3);
 }
 
 }  // namespace

@@ -70,6 +70,23 @@ Status TextList(const json& body, const char* field, int max, std::vector<std::s
   return Status::Ok();
 }
 
+// Fills `firsts` with `query` once per entry of `seconds` (the pairs a
+// cross-encoder scores), unless the pairs' text would pass `limit` bytes.
+Status PairQuery(const std::string& query, const std::vector<std::string>& seconds, size_t limit,
+                 std::vector<std::string>* firsts) {
+  size_t bytes = 0;
+  for (const std::string& s : seconds) bytes += s.size();
+  const size_t n = seconds.size();
+  if (bytes > limit || query.size() > (limit - bytes) / n)
+    return Status(StatusCode::kPayloadTooLarge,
+                  "the query (" + std::to_string(query.size()) + " bytes) paired with each of " + std::to_string(n) +
+                      " texts comes to more than " + std::to_string(limit) +
+                      " bytes; send a shorter query or fewer texts",
+                  "pairs_too_large");
+  firsts->assign(n, query);
+  return Status::Ok();
+}
+
 int64_t UnixSeconds() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
@@ -122,8 +139,7 @@ void Router::Rerank(HttpRequest&& req, HttpResponder respond) {
           ErrorResponse(InvalidArgument("documents[" + std::to_string(i) + "] is an empty string", "empty_input")));
     job.texts_pair.push_back(text->get<std::string>());
   }
-  job.texts.assign(job.texts_pair.size(), query->get<std::string>());
-  size_t top_n = job.texts.size();
+  size_t top_n = job.texts_pair.size();
   if (auto t = body.find("top_n"); t != body.end() && !t->is_null()) {
     if (!t->is_number_integer() || t->get<int64_t>() < 1)
       return respond(ErrorResponse(InvalidArgument("top_n must be a positive integer", "invalid_top_n")));
@@ -136,6 +152,10 @@ void Router::Rerank(HttpRequest&& req, HttpResponder respond) {
     return_documents = r->get<bool>();
   }
   if (Status st = Admit(req, "score", &job, nullptr); !st.ok()) return respond(ErrorResponse(st, retry));
+  if (Status st = PairQuery(query->get_ref<const std::string&>(), job.texts_pair, options_.max_paired_bytes,
+                            &job.texts);
+      !st.ok())
+    return respond(ErrorResponse(st));
   std::vector<std::string> documents;
   if (return_documents) documents = job.texts_pair;
   std::string model = job.model;
@@ -181,17 +201,19 @@ void Router::Score(HttpRequest&& req, HttpResponder respond) {
   if (st.ok()) st = TextList(body, "text_2", options_.max_inputs, &second);
   if (!st.ok()) return respond(ErrorResponse(st));
   // 1:1, 1:N (text_1 repeated) or N:N (zipped), as vLLM.
-  if (first.size() == 1) {
-    first.assign(second.size(), first.front());
-  } else if (first.size() != second.size()) {
+  if (first.size() != 1 && first.size() != second.size()) {
     return respond(ErrorResponse(InvalidArgument(
         "text_1 and text_2 must pair 1:1, 1:N or N:N; got " + std::to_string(first.size()) + ":" +
             std::to_string(second.size()),
         "invalid_input")));
   }
+  if (st = Admit(req, "score", &job, nullptr); !st.ok()) return respond(ErrorResponse(st, retry));
+  if (first.size() == 1 && second.size() > 1) {
+    std::string query = std::move(first.front());
+    if (st = PairQuery(query, second, options_.max_paired_bytes, &first); !st.ok()) return respond(ErrorResponse(st));
+  }
   job.texts = std::move(first);
   job.texts_pair = std::move(second);
-  if (st = Admit(req, "score", &job, nullptr); !st.ok()) return respond(ErrorResponse(st, retry));
   std::string model = job.model;
   submitter_->SubmitEmbed(std::move(job), [respond = std::move(respond), model, retry](Result<EmbedResult> result) {
     if (!result.ok()) return respond(ErrorResponse(result.status(), retry));

@@ -94,8 +94,9 @@ Status TooDeepError(const char* format) {
 // header that claims more elements than the body has bytes (each takes one
 // at least), before msgpack-c would reserve room for them.
 struct MsgpackBodyCheck : msgpack::null_visitor {
-  explicit MsgpackBodyCheck(size_t body_bytes) : body_bytes(body_bytes) {}
+  MsgpackBodyCheck(size_t body_bytes, bool binary_allowed) : body_bytes(body_bytes), binary_allowed(binary_allowed) {}
   const uint64_t body_bytes;
+  const bool binary_allowed;
   uint64_t values = 0;
   int depth = 0;
   Status status;
@@ -126,8 +127,14 @@ struct MsgpackBodyCheck : msgpack::null_visitor {
   bool visit_float32(float) { return Take(); }
   bool visit_float64(double) { return Take(); }
   bool visit_str(const char*, uint32_t) { return Take(); }
-  bool visit_bin(const char*, uint32_t) { return Take(); }
-  bool visit_ext(const char*, uint32_t) { return Take(); }
+  bool Binary(const char* kind) {
+    if (binary_allowed) return Take();
+    return Stop(InvalidArgument(std::string("request body holds a MessagePack ") + kind +
+                                    " value, which this route does not take (it has no JSON form): send text as str",
+                                "invalid_msgpack"));
+  }
+  bool visit_bin(const char*, uint32_t) { return Binary("bin"); }
+  bool visit_ext(const char*, uint32_t) { return Binary("ext"); }
   bool start_array(uint32_t n) { return Open(n); }
   bool end_array() { return --depth, true; }
   bool start_map(uint32_t n) { return Open(uint64_t{2} * n); }
@@ -169,8 +176,8 @@ Status ParseJsonObject(const std::string& text, json* out) {
   return Status::Ok();
 }
 
-Status CheckMsgpackBody(std::string_view body) {
-  MsgpackBodyCheck check(body.size());
+Status CheckMsgpackBody(std::string_view body, bool binary_allowed) {
+  MsgpackBodyCheck check(body.size(), binary_allowed);
   std::size_t offset = 0;
   (void)msgpack::parse(body.data(), body.size(), offset, check);  // errors: the decoder's to report
   return check.status;

@@ -37,10 +37,12 @@ Status ParseJsonObject(const std::string& text, nlohmann::json* out);
 // Walks a MessagePack body before it is decoded: PayloadTooLarge
 // "too_many_values" past kMaxRequestValues, InvalidArgument
 // "nesting_too_deep" past kMaxRequestDepth, or "invalid_msgpack" for an
-// array or map that claims more elements than the body has bytes. OK
+// array or map that claims more elements than the body has bytes, and for
+// any bin or ext value unless `binary_allowed` (a body transcoded to JSON:
+// those have no JSON form, and nlohmann would spell each byte out). OK
 // otherwise, also when it is malformed in another way (the decoder says
 // so).
-Status CheckMsgpackBody(std::string_view body);
+Status CheckMsgpackBody(std::string_view body, bool binary_allowed);
 // Whether a media type (a Content-Type's, parameters allowed) is
 // MessagePack: application/msgpack, application/x-msgpack or
 // application/vnd.msgpack, in any case.
