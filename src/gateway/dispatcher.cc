@@ -229,6 +229,23 @@ void Dispatcher::SubmitItems(ItemJob job, ItemCallback done, PartialCallback par
 void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std::vector<Chunk> chunks,
                         std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item,
                         std::string item_name) {
+  // NATS refuses a message over the server's max_payload, headers
+  // included: such a message goes to the blob store whatever its threshold
+  // says, and without a store the request is too large for this cluster.
+  const int64_t max_body = client_->MaxBodyBytes();
+  const auto over_max = [max_body](const Chunk& ch) {
+    return max_body > 0 && static_cast<int64_t>(ch.data.size()) > max_body;
+  };
+  if (!offload_) {
+    for (const Chunk& ch : chunks)
+      if (over_max(ch))
+        return done(Status(StatusCode::kPayloadTooLarge,
+                           "a work message of this request would take " + std::to_string(ch.data.size()) +
+                               " bytes, more than the NATS server's max_payload leaves for a body (" +
+                               std::to_string(max_body) +
+                               "); send fewer or smaller inputs, or give the gateway a blob store (--blob-store)",
+                           "message_too_large"));
+  }
   if (deadline_unix_ms <= 0) deadline_unix_ms = clock_->NowUnixMs() + 30000;
   const int count = static_cast<int>(chunks.size());
   const std::string id = request_prefix_ + std::to_string(seq_.fetch_add(1));
@@ -269,7 +286,7 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
 
   const std::string deadline = std::to_string(deadline_unix_ms);
   for (int c = 0; c < count; ++c) {
-    if (offload_ && offload_->ShouldOffload(chunks[c].data.size())) {
+    if (offload_ && (offload_->ShouldOffload(chunks[c].data.size()) || over_max(chunks[c]))) {
       // The put blocks on file or network I/O: never on this thread (an
       // HTTP event loop). The message follows once the blob is stored.
       const int64_t estimate = chunks[c].estimate;
@@ -330,7 +347,10 @@ bool Dispatcher::PublishChunk(const std::string& id, int c, int count, const std
   if (!payload_ref.empty()) natsMsgHeader_Set(raw, wire::kHdrPayloadRef, payload_ref.c_str());
   Status ps = client_->PublishMsg(raw);
   if (!ps.ok()) {
-    Complete(id, Unavailable("cannot publish work: " + ps.message(), "queue_unavailable"));
+    // Too large: the same message fails the same way on every try.
+    Complete(id, ps.code() == StatusCode::kPayloadTooLarge
+                     ? ps
+                     : Unavailable("cannot publish work: " + ps.message(), "queue_unavailable"));
     return false;
   }
   (worker.empty() ? published_ : pushed_)->Inc();
@@ -429,6 +449,13 @@ void Dispatcher::HandlePubAck(std::string_view tail, natsMsg* msg) {
       data.find("insufficient resources") != std::string_view::npos) {
     queue_full_->Inc();
     Complete(id, ResourceExhausted("the work queue is full; retry later", "queue_full"));
+    return;
+  }
+  if (data.find("message size exceeds") != std::string_view::npos) {
+    // The stream's own bound on a message (under the server's max_payload).
+    Complete(id, Status(StatusCode::kPayloadTooLarge,
+                        "a work message of this request is larger than the work stream takes: " + std::string(data),
+                        "message_too_large"));
     return;
   }
   LOG_WARN("gateway", "publish refused: " << data);

@@ -46,6 +46,7 @@ Status FromNats(int s, const std::string& what, int js_err) {
   switch (s) {
     case NATS_TIMEOUT: return DeadlineExceeded(msg);
     case NATS_NOT_FOUND: return NotFound(msg);
+    case NATS_MAX_PAYLOAD: return Status(StatusCode::kPayloadTooLarge, msg, "message_too_large");
     case NATS_INVALID_ARG: return InvalidArgument(msg);
     case NATS_NO_SERVER:
     case NATS_CONNECTION_CLOSED:
@@ -126,6 +127,11 @@ NatsClient::~NatsClient() {
 
 bool NatsClient::IsConnected() const {
   return natsConnection_Status(conn_.get()) == NATS_CONN_STATUS_CONNECTED;
+}
+
+int64_t NatsClient::MaxBodyBytes() const {
+  const int64_t max_payload = natsConnection_GetMaxPayload(conn_.get());
+  return max_payload > kHeaderRoom ? max_payload - kHeaderRoom : 0;
 }
 
 Status NatsClient::PublishMsg(natsMsg* msg) {

@@ -89,6 +89,12 @@ class NatsClient {
   bool IsConnected() const;
   const NatsOptions& options() const { return options_; }
 
+  // The largest body a message on this connection may have, with
+  // kHeaderRoom kept for its headers (the server's max_payload counts them);
+  // 0 while not connected (unknown). A larger body fails to publish with
+  // PayloadTooLarge "message_too_large".
+  static constexpr int64_t kHeaderRoom = 4096;
+  int64_t MaxBodyBytes() const;
   // Core-NATS publish of a prepared message (headers allowed). Non-blocking.
   Status PublishMsg(natsMsg* msg);
   Status Publish(std::string_view subject, std::string_view data);

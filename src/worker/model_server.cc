@@ -188,7 +188,11 @@ void ModelServer::Release(std::vector<std::unique_ptr<PendingWork>> work, const 
 
 Status ModelServer::Reply(const wire::WorkReply& reply, const std::string& reply_to) {
   std::string encoded = wire::EncodeWorkReply(reply);
-  if (d_.blob && d_.blob->ShouldOffload(encoded.size())) return ReplyByRef(encoded, reply, reply_to);
+  // NATS refuses a body over what max_payload leaves (headers included):
+  // that goes by reference whatever the threshold says.
+  const int64_t max_body = d_.client->MaxBodyBytes();
+  const bool over_max = max_body > 0 && static_cast<int64_t>(encoded.size()) > max_body;
+  if (d_.blob && (d_.blob->ShouldOffload(encoded.size()) || over_max)) return ReplyByRef(encoded, reply, reply_to);
   Status s = d_.client->Publish(reply_to, encoded);
   if (!s.ok()) LOG_WARN("worker", "reply to " << reply_to << " failed: " << s.ToString());
   return s;
@@ -714,7 +718,13 @@ void ModelServer::Finish(std::vector<std::unique_ptr<PendingWork>>& live, std::v
       // The answer did not go out (e.g. over the server's max payload): say
       // so rather than ack work whose caller would never hear of it.
       Fail(live[i]->delivery, live[i]->headers,
-           Internal("the reply could not be sent: " + sent.message(), "reply_failed"));
+           sent.code() == StatusCode::kPayloadTooLarge
+               ? Status(StatusCode::kPayloadTooLarge,
+                        "the result is larger than a NATS message may be and this worker has no blob store "
+                        "(--blob-store); send fewer inputs per request: " +
+                            sent.message(),
+                        "result_too_large")
+               : Internal("the reply could not be sent: " + sent.message(), "reply_failed"));
       continue;
     }
     (void)live[i]->delivery.Ack();

@@ -411,6 +411,50 @@ TEST_F(WorkerTest, AWorkerIdInUseElsewhereIsRefused) {
   (*w)->Stop();
 }
 
+// The server's max_payload (1 MiB here) counts a message's headers too.
+// Without a blob store, a work message whose body would not fit is 413
+// message_too_large at once, also one just under 1 MiB that only the
+// headers push over (it used to get a retryable 503 every time); a result
+// too large to send back is 413 result_too_large, not a bare 500.
+TEST_F(WorkerTest, MessagesOverTheServersMaxPayloadAre413) {
+  ASSERT_EQ(natsConnection_GetMaxPayload(client_->conn()), int64_t{1} << 20);
+  // One input whose encoded message is 100 bytes under 1 MiB.
+  wire::WorkBody probe;
+  probe.task = "embed";
+  probe.model = "tiny-bert";
+  probe.texts = {std::string(100000, 'x')};  // a str32, as the real one
+  const size_t overhead = wire::EncodeWorkBody(probe).size() - 100000;
+  std::string text((size_t{1} << 20) - 100 - overhead, 'x');
+  probe.texts = {text};
+  ASSERT_EQ(wire::EncodeWorkBody(probe).size(), (size_t{1} << 20) - 100);
+  for (auto texts : {std::vector<std::string>{text}, std::vector<std::string>{text, "a", "b"}}) {
+    auto r = Embed(texts, false, 20000);
+    EXPECT_EQ(r.status().code(), StatusCode::kPayloadTooLarge) << r.status().ToString();
+    EXPECT_EQ(r.status().reason(), "message_too_large");
+    EXPECT_NE(r.status().message().find("--blob-store"), std::string::npos) << r.status().message();
+  }
+  EXPECT_EQ(runs_.load(), 0) << "nothing reached the worker";
+
+  // 4096 one-token inputs in one message: 4096 rows of 64 floats is 1 MiB
+  // of reply before its other fields.
+  DispatcherOptions wide;
+  wide.chunk_size = 4096;
+  auto d = Dispatcher::Create(wide, client_.get(), &metrics_);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EmbedJob job;
+  job.model = "tiny-bert";
+  job.texts.assign(4096, "a");
+  job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 60000;
+  std::promise<Result<EmbedResult>> p;
+  (*d)->SubmitEmbed(std::move(job), [&p](Result<EmbedResult> r) { p.set_value(std::move(r)); });
+  auto r = p.get_future().get();
+  EXPECT_EQ(r.status().code(), StatusCode::kPayloadTooLarge) << r.status().ToString();
+  EXPECT_EQ(r.status().reason(), "result_too_large");
+  (*d)->Stop();
+  // The worker goes on serving.
+  EXPECT_TRUE(Embed({"still here"}).ok());
+}
+
 TEST_F(WorkerTest, NoWorkerMeansDeadlineExceeded) {
   worker_->Stop();
   auto r = Embed({"anyone?"}, false, 300);
