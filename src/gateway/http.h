@@ -15,7 +15,7 @@ namespace shoal {
 
 struct HttpRequest {
   std::string method;  // "GET", "POST", ...
-  std::string target;  // raw request target: path plus query
+  std::string target;  // request target: path plus query (an absolute-form target without scheme and host)
   std::string path;    // target without the query string, not decoded
   std::string query;   // after '?', without it; empty if none
   // Header names lower-cased; values as received.

@@ -65,6 +65,21 @@ void ToLower(std::string& s) {
     if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
 }
 
+// The origin form (path and query) of a request target. A target in
+// absolute form ("http://host:port/path?query", what a client sends to a
+// proxy; RFC 9112 3.2.2 has servers accept it) loses its scheme and
+// authority; "http://host" alone is "/".
+std::string OriginForm(std::string_view target) {
+  const size_t scheme_end = target.find("://");
+  if (scheme_end == std::string_view::npos || target.substr(0, 1) == "/") return std::string(target);
+  std::string scheme(target.substr(0, scheme_end));
+  ToLower(scheme);
+  if (scheme != "http" && scheme != "https") return std::string(target);
+  const size_t rest = target.find_first_of("/?", scheme_end + 3);
+  if (rest == std::string_view::npos) return "/";
+  return (target[rest] == '?' ? "/" : "") + std::string(target.substr(rest));
+}
+
 // Closed by Stop() before the io_context goes away. Responders hold it so a
 // call from a foreign thread never touches a dead io_context.
 struct Gate {
@@ -374,7 +389,7 @@ void HttpServer::Impl::Connection::Dispatch() {
 
   HttpRequest req;
   req.method = std::string(msg.method_string());
-  req.target = std::string(msg.target());
+  req.target = OriginForm(std::string_view(msg.target().data(), msg.target().size()));
   size_t q = req.target.find('?');
   if (q == std::string::npos) {
     req.path = req.target;

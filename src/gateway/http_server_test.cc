@@ -235,6 +235,19 @@ TEST(HttpServer, LowerCasesHeaderNames) {
                         "host", "127.0.0.1")));
 }
 
+// A target in absolute form (as sent to a proxy) reaches the handler as
+// its path and query, whatever the scheme's case; "http://host" is "/".
+TEST(HttpServer, AbsoluteFormTargetsArePathAndQuery) {
+  auto server = Start(Echo);
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  EXPECT_EQ(client.RoundTrip(Client::Get("http://127.0.0.1:8080/v1/models?a=b")).body(),
+            "GET /v1/models q=a=b x-test= body=");
+  EXPECT_EQ(client.RoundTrip(Client::Get("HTTPS://example.com")).body(), "GET / q= x-test= body=");
+  EXPECT_EQ(client.RoundTrip(Client::Get("http://example.com?x=1")).body(), "GET / q=x=1 x-test= body=");
+  EXPECT_EQ(client.RoundTrip(Client::Get("/p://q")).body(), "GET /p://q q= x-test= body=");
+}
+
 TEST(HttpServer, ClosesWhenTheRequestAsksTo) {
   auto server = Start(Echo);
   ASSERT_TRUE(server);

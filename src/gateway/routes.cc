@@ -318,6 +318,8 @@ void Router::Handle(HttpRequest&& req, HttpResponder respond) {
     if (Status st = MsgpackBodyToJson(&req.body); !st.ok()) return respond(ErrorResponse(st));
   }
   auto method_is = [&](const char* m) { return req.method == m; };
+  // HEAD is GET without the body (the server drops it).
+  const bool get = req.method == "GET" || req.method == "HEAD";
   auto not_allowed = [&](const char* allowed) {
     auto r = ErrorResponse(Status(StatusCode::kMethodNotAllowed, req.method + " is not allowed on " + path));
     r.headers.emplace_back("Allow", allowed);
@@ -346,8 +348,9 @@ void Router::Handle(HttpRequest&& req, HttpResponder respond) {
   if (path.compare(0, kEncode.size(), kEncode) == 0) {
     auto done = Instrument("/v1/encode", std::move(respond));
     if (!method_is("POST")) return done(not_allowed("POST"));
-    std::string model = path.substr(kEncode.size());
-    if (model.empty()) return done(ErrorResponse(InvalidArgument("missing model in path /v1/encode/{model}")));
+    std::string model;
+    if (!PercentDecode(path.substr(kEncode.size()), &model) || model.empty())
+      return done(ErrorResponse(InvalidArgument("missing or bad model in path /v1/encode/{model}", "invalid_model")));
     return Encode(model, std::move(req), std::move(done));
   }
   static const std::string kOcr = "/v1/ocr/";
@@ -361,12 +364,12 @@ void Router::Handle(HttpRequest&& req, HttpResponder respond) {
   }
   if (path == "/v1/models") {
     auto done = Instrument("/v1/models", std::move(respond));
-    if (!method_is("GET")) return done(not_allowed("GET"));
+    if (!get) return done(not_allowed("GET, HEAD"));
     return done(Models());
   }
   if (path == "/v1/workers") {
     auto done = Instrument("/v1/workers", std::move(respond));
-    if (!method_is("GET")) return done(not_allowed("GET"));
+    if (!get) return done(not_allowed("GET, HEAD"));
     return done(Workers());
   }
   static const std::string kModels = "/v1/models/";
@@ -383,22 +386,22 @@ void Router::Handle(HttpRequest&& req, HttpResponder respond) {
       return done(ErrorResponse(InvalidArgument("bad model name in path " + path, "invalid_model")));
     }
     if (!is_action) {
-      if (!method_is("GET")) return done(not_allowed("GET"));
+      if (!get) return done(not_allowed("GET, HEAD"));
       return done(Models(model));
     }
     if (!method_is("POST")) return done(not_allowed("POST"));
     return ModelAction(model, action, std::move(req), std::move(done));
   }
   if (path == "/healthz") {
-    if (!method_is("GET") && !method_is("HEAD")) return respond(not_allowed("GET"));
+    if (!get) return respond(not_allowed("GET, HEAD"));
     return respond(JsonResponse(200, "{\"status\":\"ok\"}"));
   }
   if (path == "/readyz") {
-    if (!method_is("GET") && !method_is("HEAD")) return respond(not_allowed("GET"));
+    if (!get) return respond(not_allowed("GET, HEAD"));
     return respond(Ready());
   }
   if (path == "/metrics") {
-    if (!method_is("GET")) return respond(not_allowed("GET"));
+    if (!get) return respond(not_allowed("GET, HEAD"));
     HttpResponse r;
     r.content_type = "text/plain; version=0.0.4";
     r.body = metrics_->Render();

@@ -456,6 +456,37 @@ TEST_F(RoutesTest, RoutesMethodsAndProbes) {
   auto text = Call("GET", "/metrics", "").body;
   EXPECT_NE(text.find("shoal_http_requests_total{route=\"/v1/embeddings\",code=\"400\"}"), std::string::npos);
   EXPECT_NE(text.find("shoal_http_errors_total{code=\"empty_input\"}"), std::string::npos);
+  // Every GET route takes HEAD (the server sends no body); the others say
+  // what they take.
+  for (const char* path : {"/healthz", "/readyz", "/metrics", "/v1/models", "/v1/models/m", "/v1/workers"}) {
+    EXPECT_EQ(Call("HEAD", path, "").status, 200) << path;
+    r = Call("DELETE", path, "");
+    EXPECT_EQ(r.status, 405) << path;
+    ASSERT_EQ(r.headers.size(), 1u) << path;
+    EXPECT_EQ(r.headers[0], (std::pair<std::string, std::string>("Allow", "GET, HEAD"))) << path;
+  }
+  r = Call("HEAD", "/v1/embeddings", "");
+  EXPECT_EQ(r.status, 405);
+  EXPECT_EQ(r.headers[0].second, "POST");
+}
+
+// A model name in a path is percent-encoded (it may hold '/' or spaces) on
+// every route that names one.
+TEST_F(RoutesTest, ModelNamesInPathsArePercentDecoded) {
+  auto snap = std::make_shared<FleetSnapshot>(*snapshot_);
+  CatalogModel odd = snap->models["m"];
+  odd.name = "team/m v2";
+  snap->models[odd.name] = odd;
+  snapshot_ = snap;
+  auto r = Call("POST", "/v1/encode/team%2Fm%20v2", R"({"inputs":["a"]})");
+  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(submitter_.last.model, "team/m v2");
+  EXPECT_EQ(json::parse(Call("GET", "/v1/models/team%2Fm%20v2", "").body)["id"], "team/m v2");
+  for (const char* bad : {"/v1/encode/%zz", "/v1/encode/"}) {
+    r = Call("POST", bad, R"({"inputs":["a"]})");
+    EXPECT_EQ(r.status, 400) << bad;
+    EXPECT_EQ(ErrorCode(r), "invalid_model") << bad;
+  }
 }
 
 TEST_F(RoutesTest, ModelsShowEachWorkersStateAndTheFleetState) {
