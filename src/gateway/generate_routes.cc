@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/json_text.h"
 #include "gateway/internal/http_json.h"
 #include "gateway/routes.h"
 
@@ -18,8 +19,6 @@ namespace {
 using internal::JsonResponse;
 using internal::ParseJsonObject;
 using nlohmann::json;
-
-std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 // Decodes one MessagePack result document and puts Shoal's model name in.
 Result<json> ResultDoc(std::string_view doc, const std::string& model) {
@@ -60,7 +59,7 @@ struct SseAnswer {
     std::lock_guard<std::mutex> lock(mu);
     if (finished) return;
     StartLocked();
-    if (ev.ok()) body->Write("data: " + Dump(*ev) + "\n\n");
+    if (ev.ok()) body->Write("data: " + DumpJson(*ev) + "\n\n");
   }
   void Done(Result<ItemResult> result) {
     std::lock_guard<std::mutex> lock(mu);
@@ -84,7 +83,7 @@ struct SseAnswer {
         // The upstream did not stream: answer its whole response.
         HttpResponder once = std::move(respond);
         respond = nullptr;
-        return once(JsonResponse(200, Dump(*doc)));
+        return once(JsonResponse(200, DumpJson(*doc)));
       }
     }
     StartLocked();
@@ -135,7 +134,7 @@ void Router::Generate(const std::string& endpoint, HttpRequest&& req, HttpRespon
         return respond(ErrorResponse(Internal("expected one result, got " + std::to_string(result->items.size()))));
       auto doc = ResultDoc(result->items[0], model);
       if (!doc.ok()) return respond(ErrorResponse(doc.status(), retry));
-      respond(JsonResponse(200, Dump(*doc)));
+      respond(JsonResponse(200, DumpJson(*doc)));
     });
     return;
   }

@@ -18,6 +18,7 @@
 #include <boost/beast/http.hpp>
 #include <nlohmann/json.hpp>
 
+#include "common/json_text.h"
 #include "common/log.h"
 
 namespace shoal {
@@ -44,9 +45,8 @@ std::string ErrorBody(const Status& status) {
                 {"type", ErrorTypeFor(status.code())},
                 {"param", nullptr},
                 {"code", status.ReasonOrDefault()}};
-  // Messages may quote client bytes or exception text: never throw on bad
-  // UTF-8.
-  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  // Messages may quote client bytes or exception text.
+  return DumpJson(j);
 }
 
 HttpResponse ErrorResponse(const Status& status) {

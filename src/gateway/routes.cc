@@ -7,6 +7,7 @@
 #include <msgpack.hpp>
 #include <nlohmann/json.hpp>
 
+#include "common/json_text.h"
 #include "common/log.h"
 #include "gateway/internal/http_json.h"
 
@@ -204,7 +205,7 @@ Status MsgpackBodyToJson(std::string* body) {
   if (j.is_discarded())
     return InvalidArgument("request body is not valid MessagePack", "invalid_msgpack");
   if (!j.is_object()) return InvalidArgument("request body must be a MessagePack map", "invalid_msgpack");
-  *body = j.dump(-1, ' ', false, json::error_handler_t::replace);
+  *body = DumpJson(j);
   return Status::Ok();
 }
 

@@ -22,6 +22,7 @@
 
 #include "common/cpu_quota.h"
 #include "common/device.h"
+#include "common/json_text.h"
 #include "common/log.h"
 #include "common/process_memory.h"
 #include "runtime/runtime.h"
@@ -80,10 +81,6 @@ Status WorkerOptions::Validate() const {
 namespace {
 
 using nlohmann::json;
-
-// Error texts can carry bytes from a runtime or a caller that are not UTF-8;
-// a strict dump would throw on a heartbeat or control thread.
-std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 std::string HostName() {
   char host[256] = {};
@@ -466,7 +463,7 @@ std::string Worker::ModelStatusJson(const std::string& model) const {
               {"memory_bytes", s.memory_bytes},
               {"last_used_unix_ms", s.last_used_unix_ms}};
     if (!s.error.empty()) j["error"] = s.error;
-    return Dump(j);
+    return DumpJson(j);
   }
   return "{}";
 }
@@ -506,7 +503,7 @@ std::string Worker::HeartbeatJson() const {
     j["host_memory_used_bytes"] = manager_->host_memory_used_bytes();
     j["host_memory_budget_bytes"] = options_.host_memory_budget_bytes;
   }
-  return Dump(j);
+  return DumpJson(j);
 }
 
 std::string Worker::LoadReportJson() const {
@@ -518,7 +515,7 @@ std::string Worker::LoadReportJson() const {
             {"interval_ms", options_.load_report_interval_ms},
             // A failed device takes no pushed work (OnPush refuses it).
             {"models", device_faulted_ ? std::vector<std::string>{} : LoadedModels()}};
-  return Dump(j);
+  return DumpJson(j);
 }
 
 void Worker::LoadReportLoop() {
@@ -969,7 +966,7 @@ void Worker::OnControl(natsConnection* nc, natsSubscription*, natsMsg* msg, void
     out["error"] = ErrorJson(result.status());
   }
   if (reply != nullptr) {
-    const std::string body = Dump(out);
+    const std::string body = DumpJson(out);
     natsConnection_Publish(nc, reply, body.data(), static_cast<int>(body.size()));
   }
 }

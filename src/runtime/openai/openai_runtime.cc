@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/json_text.h"
 #include "runtime/openai/sse_parser.h"
 
 namespace shoal {
@@ -161,7 +162,7 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItems(const std::vector<std::
 Result<std::vector<std::string>> OpenAiRuntime::Embed(const std::vector<std::string>& texts) {
   json req = {{"model", openai_.model}, {"input", texts}, {"encoding_format", "float"}};
   ASSIGN_OR_RETURN(UpstreamReply reply,
-                   client_->Post("/embeddings", req.dump(-1, ' ', false, json::error_handler_t::replace)));
+                   client_->Post("/embeddings", DumpJson(req)));
   if (reply.status / 100 != 2) return UpstreamError(reply.status, reply.body);
   json doc = json::parse(reply.body, nullptr, false);
   if (doc.is_discarded() || !doc.is_object() || !doc.contains("data") || !doc["data"].is_array())
@@ -211,7 +212,7 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item,
   req["model"] = openai_.model;
   auto stream_it = req.find("stream");
   const bool stream = stream_it != req.end() && stream_it->is_boolean() && stream_it->get<bool>();
-  const std::string body = req.dump(-1, ' ', false, json::error_handler_t::replace);
+  const std::string body = DumpJson(req);
   if (!stream) {
     ASSIGN_OR_RETURN(UpstreamReply reply, client_->Post("/" + endpoint, body));
     if (reply.status / 100 != 2) return UpstreamError(reply.status, reply.body);
