@@ -605,13 +605,26 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
   std::vector<std::string> ack_subjects;
   if (d_.progress != nullptr)
     for (const auto& w : live) ack_subjects.push_back(w->delivery.AckSubject());
-  // Until the batch is answered (RunItemBatch and the passes below).
+  // Until the batch is answered.
   ProgressKeeper::Watch keep = d_.progress ? d_.progress->Start(std::move(ack_subjects)) : ProgressKeeper::Watch();
-  if (d_.runtime->TakesItems()) {
-    RunItemBatch(std::move(live));
-    return;
+  // A message delivered before may be what broke its last batch (it crashed
+  // an out-of-process runtime or ran it past its timeout, and the batch was
+  // handed back): it runs on its own, so it cannot take the others down
+  // with it again and again until their deliveries run out.
+  std::vector<std::unique_ptr<PendingWork>> fresh, again;
+  for (auto& w : live)
+    (live.size() > 1 && !w->delivery.is_core() && w->delivery.NumDelivered() > 1 ? again : fresh)
+        .push_back(std::move(w));
+  if (!fresh.empty()) RunLive(std::move(fresh));
+  for (auto& w : again) {
+    std::vector<std::unique_ptr<PendingWork>> one;
+    one.push_back(std::move(w));
+    RunLive(std::move(one));
   }
+}
 
+void ModelServer::RunLive(std::vector<std::unique_ptr<PendingWork>> live) {
+  if (d_.runtime->TakesItems()) return RunItemBatch(std::move(live));
   const ModelConfig& c = d_.config;
   LOG_DEBUG("worker", c.name << ": running batch of " << live.size() << " message(s)");
   std::vector<wire::WorkReply> replies(live.size());
@@ -672,6 +685,18 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
       return;
     }
     if (!out.ok()) {
+      if (live.size() > 1) {
+        // It may be one caller's input that the model fails on: rerun
+        // each message on its own, so the others still get their answers.
+        LOG_WARN("worker", c.name << ": " << out.status().ToString() << "; running the batch's " << live.size()
+                                  << " messages one by one");
+        for (auto& w : live) {
+          std::vector<std::unique_ptr<PendingWork>> one;
+          one.push_back(std::move(w));
+          RunLive(std::move(one));
+        }
+        return;
+      }
       failure = Status(StatusCode::kInternal, "model '" + c.name + "' failed: " + out.status().message(),
                        "runtime_error");
       break;

@@ -159,6 +159,8 @@ class ModelServer final : public ModelAttachment {
   // batch budget alone. Executor thread.
   int64_t TokenCap(const DeviceScheduler::Turn& turn) const;
   void RunBatch(std::vector<std::unique_ptr<PendingWork>> batch);
+  // Runs messages that are still within their deadlines, answers each.
+  void RunLive(std::vector<std::unique_ptr<PendingWork>> live);
   // Item work (TakesItems runtimes): whole inputs, no tokenizer.
   Result<std::unique_ptr<PendingWork>> PrepareItems(wire::WorkBody body) const;
   void RunItemBatch(std::vector<std::unique_ptr<PendingWork>> live);

@@ -25,8 +25,9 @@ namespace {
 using shoal::testing::ModelsDir;
 using shoal::testing::TestNatsServer;
 
-// Wraps the real runtime; fails any batch that contains token id 999 and
-// takes 3.5 s over one that contains 998.
+// Wraps the real runtime; fails any batch that contains token id 999, goes
+// away (as a crashed out-of-process runtime does) on one that contains 997
+// and takes 3.5 s over one that contains 998.
 class FailingRuntime : public shoal::testing::ForwardingRuntime {
  public:
   FailingRuntime(std::unique_ptr<Runtime> inner, std::atomic<int>* runs) : ForwardingRuntime(std::move(inner)), runs_(runs) {}
@@ -34,6 +35,7 @@ class FailingRuntime : public shoal::testing::ForwardingRuntime {
     ++*runs_;
     for (int64_t id : b.input_ids) {
       if (id == 999) return Internal("injected failure");
+      if (id == 997) return Unavailable("injected crash");
       if (id == 998) std::this_thread::sleep_for(std::chrono::milliseconds(3500));
     }
     return inner().Run(b);
@@ -51,6 +53,15 @@ class WorkerTest : public ::testing::Test {
     auto c = NatsClient::Connect(no);
     ASSERT_TRUE(c.ok()) << c.status().ToString();
     client_ = std::move(c).value();
+    ASSERT_NO_FATAL_FAILURE(StartWorker());
+    DispatcherOptions dopt;
+    dopt.chunk_size = 3;
+    auto d = Dispatcher::Create(dopt, client_.get(), &metrics_);
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    dispatcher_ = std::move(d).value();
+  }
+
+  void StartWorker() {
     WorkerOptions wo;
     wo.model_repository = ModelsDir();
     wo.models = {"tiny-bert"};
@@ -61,14 +72,8 @@ class WorkerTest : public ::testing::Test {
       return std::unique_ptr<Runtime>(new FailingRuntime(std::move(inner), &runs_));
     };
     auto w = Worker::Create(wo, client_.get(), &metrics_);
-    ASSERT_TRUE(w.ok()) << w.status().ToString()
-                        << " (run scripts/setup.sh to generate the demo models)";
+    ASSERT_TRUE(w.ok()) << w.status().ToString() << " (run scripts/setup.sh to generate the demo models)";
     worker_ = std::move(w).value();
-    DispatcherOptions dopt;
-    dopt.chunk_size = 3;
-    auto d = Dispatcher::Create(dopt, client_.get(), &metrics_);
-    ASSERT_TRUE(d.ok()) << d.status().ToString();
-    dispatcher_ = std::move(d).value();
   }
 
   Result<EmbedResult> Embed(std::vector<std::string> texts, bool truncate = false, int64_t timeout_ms = 20000) {
@@ -172,6 +177,50 @@ TEST_F(WorkerTest, RuntimeFailureIsATerminalErrorNotARetryLoop) {
 
 // A forward pass 3.5 times longer than AckWait (1 s here) is not
 // redelivered while it runs: the worker notes progress on its messages.
+// Two callers' messages in one batch, one of them with an input the model
+// fails on: the batch is rerun message by message, so the other caller
+// still gets its answer and only the bad one gets runtime_error. An input
+// that takes the runtime down instead (a crash: the batch goes back to the
+// queue) runs on its own when it comes back, so it does not use up the
+// other message's deliveries with its own.
+TEST_F(WorkerTest, OneCallersBadInputDoesNotFailTheOthersInItsBatch) {
+  for (const int32_t bad : {999, 997}) {
+    SCOPED_TRACE("token " + std::to_string(bad));
+    worker_->Stop();
+    worker_.reset();
+    runs_ = 0;
+    // Both messages wait in the stream, so the new worker pulls them into
+    // one batch.
+    const auto job = [](std::vector<int32_t> ids) {
+      EmbedJob j;
+      j.model = "tiny-bert";
+      j.token_ids = {std::move(ids)};
+      j.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 30000;
+      return j;
+    };
+    auto poisoned = std::async(std::launch::async, [&] { return Submit(job({7592, bad})); });
+    auto fine = std::async(std::launch::async, [&] { return Submit(job({7592, 2088})); });
+    auto consumer = PullConsumer::Create(*client_, "SHOAL_WORK", wire::WorkSubject("tiny-bert"),
+                                         wire::ConsumerName("tiny-bert"), ConsumerOptions{});
+    ASSERT_TRUE(consumer.ok()) << consumer.status().ToString();
+    ASSERT_TRUE(shoal::testing::Eventually([&] {
+      auto n = (*consumer)->NumPending();
+      return n.ok() && *n == 2;
+    }, std::chrono::seconds(10)));
+    ASSERT_NO_FATAL_FAILURE(StartWorker());
+    auto good = fine.get();
+    EXPECT_TRUE(good.ok()) << good.status().ToString();
+    auto r = poisoned.get();
+    if (bad == 999) {
+      EXPECT_EQ(r.status().reason(), "runtime_error") << r.status().ToString();
+      EXPECT_EQ(runs_.load(), 3) << "the two together, then each alone";
+    } else {
+      EXPECT_EQ(r.status().reason(), "runtime_unavailable") << r.status().ToString();
+      EXPECT_GE(runs_.load(), 3) << "the two together, then each alone";
+    }
+  }
+}
+
 TEST_F(WorkerTest, PassLongerThanAckWaitIsNotRedelivered) {
   EmbedJob job;
   job.model = "tiny-bert";
