@@ -175,6 +175,10 @@ Result<WorkBody> DecodeWorkBody(std::string_view data) {
         RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::ARRAY, "inputs"));
         have_inputs = true;
         const auto& arr = kv.val.via.array;
+        if (arr.size > kMaxInputsPerMessage)
+          return InvalidArgument("wire: " + std::to_string(arr.size) + " inputs in one message (at most " +
+                                     std::to_string(kMaxInputsPerMessage) + ")",
+                                 "too_many_inputs");
         for (uint32_t j = 0; j < arr.size; ++j) {
           const auto& item = arr.ptr[j];
           // Every input is of one kind: a string, a two-string pair, token

@@ -3,6 +3,7 @@
 // reply per chunk. Binary stays binary: embeddings travel as raw float32.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -25,6 +26,11 @@ inline constexpr const char* kHdrMsgId = "Nats-Msg-Id";             // JetStream
 // Workers ack it without a reply.
 inline constexpr const char* kHdrLoadHint = "Shoal-Load-Hint";
 
+// The most inputs one work message may carry (the gateway's largest
+// --chunk-size). A worker refuses more (400 too_many_inputs): a message
+// published straight to the queue could otherwise ask for a reply of any
+// size (rows x dim floats) from a million empty strings.
+inline constexpr size_t kMaxInputsPerMessage = 4096;
 inline constexpr const char* kStreamName = "SHOAL_WORK";
 inline constexpr const char* kWorkersBucket = "SHOAL_WORKERS";  // heartbeats, TTL
 inline constexpr const char* kModelsBucket = "SHOAL_MODELS";    // model catalog

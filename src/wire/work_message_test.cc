@@ -159,6 +159,22 @@ TEST(WorkBody, RejectsGarbage) {
   EXPECT_EQ(DecodeWorkBody("\x93\x01\x02\x03").status().code(), StatusCode::kInvalidArgument);
 }
 
+TEST(WorkBody, RefusesMoreInputsThanAMessageMayCarry) {
+  WorkBody b;
+  b.model = "m";
+  b.texts.assign(kMaxInputsPerMessage, "");
+  auto d = DecodeWorkBody(EncodeWorkBody(b));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->texts.size(), kMaxInputsPerMessage);
+  b.texts.push_back("");
+  d = DecodeWorkBody(EncodeWorkBody(b));
+  EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(d.status().reason(), "too_many_inputs");
+  b.texts.clear();
+  b.token_ids.assign(kMaxInputsPerMessage + 1, {1});
+  EXPECT_EQ(DecodeWorkBody(EncodeWorkBody(b)).status().reason(), "too_many_inputs");
+}
+
 TEST(WorkBody, RejectsMissingModel) {
   WorkBody b;
   b.texts = {"x"};

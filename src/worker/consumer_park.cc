@@ -86,7 +86,7 @@ void ConsumerPark::Close(const std::string& model, PullConsumer& consumer) {
   if (held.empty()) return;
   Counter* handed_back = o_.metrics ? HandedBackCounter(*o_.metrics, model) : nullptr;
   for (Delivery& d : held) {
-    auto headers = WorkHeadersOrSettle(d);
+    auto headers = WorkHeadersOrSettle(d, o_.client, o_.worker_id);
     if (!headers) continue;
     if (static_cast<int64_t>(d.NumDelivered()) >= o_.max_deliver) {
       if (o_.client) PublishErrorReply(*o_.client, *headers, WorkerStopping(), o_.worker_id);

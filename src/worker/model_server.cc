@@ -36,27 +36,28 @@ void ApplyActivation(const std::string& activation, Embeddings* out) {
   }
 }
 
-Result<wire::WorkHeaders> ParseWorkHeaders(const Delivery& d) {
-  wire::WorkHeaders h;
-  h.request_id = std::string(d.Header(wire::kHdrRequestId));
-  h.reply_to = std::string(d.Header(wire::kHdrReplyTo));
-  if (h.request_id.empty() || h.reply_to.empty())
+Status ParseWorkHeaders(const Delivery& d, wire::WorkHeaders* h) {
+  h->request_id = std::string(d.Header(wire::kHdrRequestId));
+  h->reply_to = std::string(d.Header(wire::kHdrReplyTo));
+  if (h->request_id.empty() || h->reply_to.empty())
     return InvalidArgument("work message lacks request id or reply subject");
   std::string_view chunk = d.Header(wire::kHdrChunk);
   if (!chunk.empty()) {
     auto slash = chunk.find('/');
     int64_t i = 0, n = 0;
     if (slash == std::string_view::npos || !ParseInt(chunk.substr(0, slash), &i) ||
-        !ParseInt(chunk.substr(slash + 1), &n) || i < 0 || n < 1 || i >= n)
-      return InvalidArgument("bad chunk header");
-    h.chunk_index = static_cast<int>(i);
-    h.chunk_count = static_cast<int>(n);
+        !ParseInt(chunk.substr(slash + 1), &n) || i < 0 || n < 1 || i >= n || n > INT32_MAX)
+      return InvalidArgument("bad " + std::string(wire::kHdrChunk) + " header '" + std::string(chunk) +
+                                 "' (index/count, 0 <= index < count)",
+                             "invalid_work_message");
+    h->chunk_index = static_cast<int>(i);
+    h->chunk_count = static_cast<int>(n);
   }
   int64_t v = 0;
-  if (ParseInt(d.Header(wire::kHdrDeadline), &v)) h.deadline_unix_ms = v;
-  if (ParseInt(d.Header(wire::kHdrTokenEstimate), &v)) h.token_estimate = v;
-  h.payload_ref = std::string(d.Header(wire::kHdrPayloadRef));
-  return h;
+  if (ParseInt(d.Header(wire::kHdrDeadline), &v)) h->deadline_unix_ms = v;
+  if (ParseInt(d.Header(wire::kHdrTokenEstimate), &v)) h->token_estimate = v;
+  h->payload_ref = std::string(d.Header(wire::kHdrPayloadRef));
+  return Status::Ok();
 }
 
 ModelServer::ModelServer(ModelServerDeps deps)
@@ -159,18 +160,21 @@ void ModelServer::Stop() {
   Release(std::move(left), stopping, hand_back_after_ms);
 }
 
-std::optional<wire::WorkHeaders> WorkHeadersOrSettle(Delivery& delivery) {
+std::optional<wire::WorkHeaders> WorkHeadersOrSettle(Delivery& delivery, NatsClient* client,
+                                                     const std::string& worker_id) {
   if (!delivery.Header(wire::kHdrLoadHint).empty()) {
     (void)delivery.Ack();  // the model is loaded: the hint has done its job
     return std::nullopt;
   }
-  auto headers = ParseWorkHeaders(delivery);
-  if (!headers.ok()) {
-    LOG_WARN("worker", "dropping malformed work message: " << headers.status().message());
+  wire::WorkHeaders headers;
+  if (Status st = ParseWorkHeaders(delivery, &headers); !st.ok()) {
+    LOG_WARN("worker", "dropping malformed work message: " << st.message());
+    // A caller that can be reached hears why, rather than at its deadline.
+    if (client != nullptr && !headers.request_id.empty()) PublishErrorReply(*client, headers, st, worker_id);
     (void)delivery.Term();
     return std::nullopt;
   }
-  return std::move(headers).value();
+  return headers;
 }
 
 void ModelServer::Release(std::vector<std::unique_ptr<PendingWork>> work, const Status& last_chance,
@@ -346,26 +350,27 @@ Result<std::unique_ptr<PendingWork>> ModelServer::PrepareDelivery(const Delivery
 }
 
 void ModelServer::Push(Delivery delivery) {
-  auto headers = ParseWorkHeaders(delivery);
-  if (!headers.ok()) {
-    LOG_WARN("worker", "dropping malformed pushed message: " << headers.status().message());
+  wire::WorkHeaders headers;
+  if (Status st = ParseWorkHeaders(delivery, &headers); !st.ok()) {
+    LOG_WARN("worker", "dropping malformed pushed message: " << st.message());
+    if (!headers.request_id.empty()) Fail(delivery, headers, st);
     return;
   }
   pushed_->Inc();
-  if (headers->deadline_unix_ms > 0 && d_.clock->NowUnixMs() > headers->deadline_unix_ms) {
+  if (headers.deadline_unix_ms > 0 && d_.clock->NowUnixMs() > headers.deadline_unix_ms) {
     expired_->Inc();
-    Fail(delivery, *headers, DeadlineExceeded("deadline passed before the work was run"));
+    Fail(delivery, headers, DeadlineExceeded("deadline passed before the work was run"));
     return;
   }
   // An offloaded payload is fetched on this (subscription) thread: pushed
   // work over the blob threshold is rare, and push is the baseline.
-  auto work = PrepareDelivery(delivery, *headers);
+  auto work = PrepareDelivery(delivery, headers);
   if (!work.ok()) {
-    Fail(delivery, *headers, work.status());
+    Fail(delivery, headers, work.status());
     return;
   }
   const int64_t rows = (*work)->row_count();
-  (*work)->headers = std::move(*headers);
+  (*work)->headers = std::move(headers);
   (*work)->delivery = std::move(delivery);
   (*work)->enqueued_mono_us = (*work)->published_mono_us = d_.clock->NowMonoUs();
   {
@@ -447,7 +452,7 @@ void ModelServer::FetchLoop() {
     const int64_t now_ms = d_.clock->NowUnixMs();
     std::vector<std::unique_ptr<PendingWork>> ready;
     for (Delivery& delivery : *fetched) {
-      auto headers = WorkHeadersOrSettle(delivery);
+      auto headers = WorkHeadersOrSettle(delivery, d_.client, d_.worker_id);
       if (!headers) continue;
       const Delivery::Info info = delivery.Metadata();  // one parse per message
       if (info.num_delivered > 1) redelivered_->Inc();

@@ -227,12 +227,15 @@ class ModelServer final : public ModelAttachment {
 // place to a runtime's raw output.
 void ApplyActivation(const std::string& activation, Embeddings* out);
 
-// Parses the Shoal-* headers of a work message.
-Result<wire::WorkHeaders> ParseWorkHeaders(const Delivery& d);
+// Parses the Shoal-* headers of a work message into `h`. On an error, `h`
+// still holds the request id and reply subject when the message had them.
+Status ParseWorkHeaders(const Delivery& d, wire::WorkHeaders* h);
 
 // The headers of a delivered work message; a load hint is acked and a
-// malformed message terminated instead (nullopt).
-std::optional<wire::WorkHeaders> WorkHeadersOrSettle(Delivery& delivery);
+// malformed message terminated instead (nullopt), its caller told why
+// (through `client`, when not null) if the message says where to reply.
+std::optional<wire::WorkHeaders> WorkHeadersOrSettle(Delivery& delivery, NatsClient* client,
+                                                     const std::string& worker_id);
 
 // What work gets when the worker stops before running it and it cannot go
 // back to the queue (503 worker_stopping).

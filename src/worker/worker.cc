@@ -537,13 +537,14 @@ void Worker::OnPush(natsConnection*, natsSubscription*, natsMsg* msg, void* clos
   const std::string prefix = wire::kPushSubjectPrefix + self->id_ + ".";
   auto model = subject.size() > prefix.size() ? wire::TokenToModel(subject.substr(prefix.size()))
                                               : Result<std::string>(InvalidArgument("no model in subject"));
-  auto headers = ParseWorkHeaders(delivery);
-  if (!headers.ok()) {
-    LOG_WARN("worker", "dropping malformed pushed message: " << headers.status().message());
+  wire::WorkHeaders headers;
+  if (Status st = ParseWorkHeaders(delivery, &headers); !st.ok()) {
+    LOG_WARN("worker", "dropping malformed pushed message: " << st.message());
+    if (!headers.request_id.empty()) PublishErrorReply(*self->client_, headers, st, self->id_);
     return;
   }
   if (!model.ok()) {
-    PublishErrorReply(*self->client_, *headers, InvalidArgument("bad push subject"), self->id_);
+    PublishErrorReply(*self->client_, headers, InvalidArgument("bad push subject"), self->id_);
     return;
   }
   // Only a loaded model takes pushed work (the gateway sends it only where
@@ -552,12 +553,12 @@ void Worker::OnPush(natsConnection*, natsSubscription*, natsMsg* msg, void* clos
                                "model_not_loaded_here");
   std::lock_guard<std::mutex> lock(self->push_mu_);
   if (self->push_closed_ || self->stop_ || self->device_faulted_) {
-    PublishErrorReply(*self->client_, *headers, refused, self->id_);
+    PublishErrorReply(*self->client_, headers, refused, self->id_);
     return;
   }
   auto lease = self->manager_raw_->TryAcquire(*model);
   if (!lease.ok() || lease->model().attachment == nullptr) {
-    PublishErrorReply(*self->client_, *headers, refused, self->id_);
+    PublishErrorReply(*self->client_, headers, refused, self->id_);
     return;
   }
   static_cast<ModelServer*>(lease->model().attachment.get())->Push(std::move(delivery));
@@ -915,8 +916,9 @@ void Worker::DrainFailed(const std::string& model, const Status& error, int max)
       (void)d.Ack();
       continue;
     }
-    auto headers = ParseWorkHeaders(d);
-    if (headers.ok()) PublishErrorReply(*client_, *headers, error, id_);
+    wire::WorkHeaders headers;
+    (void)ParseWorkHeaders(d, &headers);  // malformed: its caller still hears, when it can be reached
+    if (!headers.request_id.empty()) PublishErrorReply(*client_, headers, error, id_);
     (void)d.Term();  // terminal: the caller has its answer, never retried
     drained_->Inc();
   }

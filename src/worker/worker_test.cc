@@ -504,6 +504,57 @@ TEST_F(WorkerTest, MessagesOverTheServersMaxPayloadAre413) {
   EXPECT_TRUE(Embed({"still here"}).ok());
 }
 
+// Publishes a tiny-bert work message by hand, with this Shoal-Chunk header
+// and body, and returns the worker's reply.
+Result<wire::WorkReply> SendByHand(NatsClient& client, const std::string& chunk, const std::string& body) {
+  const std::string inbox = client.NewInbox();
+  natsSubscription* sub = nullptr;
+  if (natsConnection_SubscribeSync(&sub, client.conn(), inbox.c_str()) != NATS_OK) return Internal("subscribe");
+  std::unique_ptr<natsSubscription, void (*)(natsSubscription*)> owned_sub(sub, natsSubscription_Destroy);
+  natsMsg* raw = nullptr;
+  if (natsMsg_Create(&raw, wire::WorkSubject("tiny-bert").c_str(), nullptr, body.data(),
+                     static_cast<int>(body.size())) != NATS_OK)
+    return Internal("message");
+  NatsMsgPtr msg(raw);
+  const std::string deadline = std::to_string(SystemClock::Get()->NowUnixMs() + 30000);
+  natsMsgHeader_Set(raw, wire::kHdrRequestId, "by-hand");
+  natsMsgHeader_Set(raw, wire::kHdrChunk, chunk.c_str());
+  natsMsgHeader_Set(raw, wire::kHdrDeadline, deadline.c_str());
+  natsMsgHeader_Set(raw, wire::kHdrReplyTo, inbox.c_str());
+  RETURN_IF_ERROR(client.PublishMsg(raw));
+  natsMsg* got = nullptr;
+  if (natsSubscription_NextMsg(&got, sub, 20000) != NATS_OK) return DeadlineExceeded("no reply");
+  NatsMsgPtr reply(got);
+  return wire::DecodeWorkReply(std::string_view(natsMsg_GetData(got), static_cast<size_t>(natsMsg_GetDataLength(got))));
+}
+
+// A malformed work message that says where to reply is answered with why,
+// not dropped for its caller to wait out its deadline: a Shoal-Chunk header
+// that is not index/count, and more inputs than a message may carry (put
+// straight on the queue, past the gateway's limits).
+TEST_F(WorkerTest, MalformedWorkMessagesAreAnsweredNotDropped) {
+  wire::WorkBody body;
+  body.task = "embed";
+  body.model = "tiny-bert";
+  body.texts = {"hello"};
+  for (const char* chunk : {"2/2", "x", "0/0", "-1/3"}) {
+    auto r = SendByHand(*client_, chunk, wire::EncodeWorkBody(body));
+    ASSERT_TRUE(r.ok()) << chunk << ": " << r.status().ToString();
+    EXPECT_EQ(r->status.code(), StatusCode::kInvalidArgument) << chunk;
+    EXPECT_EQ(r->status.reason(), "invalid_work_message") << chunk;
+  }
+  auto ok = SendByHand(*client_, "0/1", wire::EncodeWorkBody(body));
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_TRUE(ok->status.ok()) << ok->status.ToString();
+  EXPECT_EQ(ok->rows, 1);
+  body.texts.assign(wire::kMaxInputsPerMessage + 1, "");
+  auto many = SendByHand(*client_, "0/1", wire::EncodeWorkBody(body));
+  ASSERT_TRUE(many.ok()) << many.status().ToString();
+  EXPECT_EQ(many->status.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(many->status.reason(), "too_many_inputs");
+  EXPECT_EQ(runs_.load(), 1) << "only the good message ran";
+}
+
 TEST_F(WorkerTest, NoWorkerMeansDeadlineExceeded) {
   worker_->Stop();
   auto r = Embed({"anyone?"}, false, 300);
