@@ -150,6 +150,10 @@ Result<std::string> BlobOffload::Fetch(std::string_view ref_text) {
   auto data = store_->Get(*ref);
   if (!data.ok()) {
     const Status& st = data.status();
+    // A store that did not answer in time may answer the next try.
+    if (st.code() == StatusCode::kUnavailable || st.code() == StatusCode::kDeadlineExceeded)
+      return Unavailable("the blob store did not deliver offloaded payload " + ref->name + ": " + st.message(),
+                         "blob_store_unavailable");
     return Status(StatusCode::kBadGateway, "offloaded payload " + ref->name + ": " + st.message(),
                   st.reason().empty() ? std::string(kBlobNotFound) : st.reason());
   }

@@ -72,7 +72,9 @@ class BlobOffload {
   // Fetches and verifies the payload of a reference's text. Errors keep the
   // store's reason (blob_not_found, blob_corrupt, blob_ref_invalid,
   // blob_store_mismatch) with code BadGateway: a missing or tampered payload
-  // is a failure inside the cluster, not the client's.
+  // is a failure inside the cluster, not the client's. A store that does
+  // not answer in time (a timeout, a lost connection) is Unavailable
+  // "blob_store_unavailable": worth another try.
   Result<std::string> Fetch(std::string_view ref_text);
   Status Delete(std::string_view ref_text);
 

@@ -2,6 +2,8 @@
 // verification (missing and tampered payloads), delete and the orphan sweep.
 #include "blob/blob_offload.h"
 
+#include <signal.h>
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -9,6 +11,9 @@
 #include <future>
 
 #include "common/clock.h"
+#include "queue/nats_client.h"
+#include "queue/nats_server_process.h"
+#include "support/test_env.h"
 
 namespace shoal {
 namespace {
@@ -104,6 +109,34 @@ TEST_F(BlobOffloadTest, MissingAndTamperedPayloadsAreClearErrors) {
   auto garbage = offload_->Fetch("file://local/../../etc/passwd?size=1&sha256=00");
   ASSERT_FALSE(garbage.ok());
   EXPECT_EQ(garbage.status().reason(), kBlobRefInvalid);
+}
+
+// A NATS object store that does not answer in time (here: its server is
+// stopped) is a retryable 503 blob_store_unavailable, not a terminal 502
+// blob_not_found: the payload is still there, as the next fetch shows.
+TEST(BlobOffloadNats, AStoreThatDoesNotAnswerIsUnavailableNotMissing) {
+  testing::TestNatsServer server;
+  NatsOptions no;
+  no.url = server.url();
+  no.js_api_timeout_ms = 300;
+  auto client = NatsClient::Connect(no);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  MetricsRegistry metrics;
+  BlobOffloadOptions o;
+  o.store_url = "nats://";
+  auto offload = BlobOffload::Create(o, client->get(), &metrics);
+  ASSERT_TRUE(offload.ok()) << offload.status().ToString();
+  auto ref = (*offload)->Put("a payload that travels by reference", "request");
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  ASSERT_EQ(::kill(server.process().pid(), SIGSTOP), 0);
+  auto stalled = (*offload)->Fetch(ref->ToString());
+  ASSERT_EQ(::kill(server.process().pid(), SIGCONT), 0);
+  ASSERT_FALSE(stalled.ok());
+  EXPECT_EQ(stalled.status().code(), StatusCode::kUnavailable) << stalled.status().ToString();
+  EXPECT_EQ(stalled.status().reason(), "blob_store_unavailable");
+  auto later = (*offload)->Fetch(ref->ToString());
+  ASSERT_TRUE(later.ok()) << later.status().ToString();
+  EXPECT_EQ(*later, "a payload that travels by reference");
 }
 
 TEST_F(BlobOffloadTest, SweepRemovesOnlyOrphansOlderThanTheTtl) {

@@ -463,6 +463,15 @@ void ModelServer::FetchLoop() {
       }
       auto work = PrepareDelivery(delivery, *headers);
       if (!work.ok()) {
+        if (work.status().code() == StatusCode::kUnavailable &&
+            static_cast<int64_t>(info.num_delivered) < d_.max_deliver) {
+          // The blob store did not hand over the payload in time: a later
+          // delivery may find it answering.
+          LOG_WARN("worker", d_.config.name << ": " << work.status().ToString() << "; handing the message back");
+          (void)delivery.Nak(kRedeliverDelayMs);
+          handed_back_->Inc();
+          continue;
+        }
         Fail(delivery, *headers, work.status());
         continue;
       }
