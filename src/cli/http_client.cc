@@ -126,6 +126,10 @@ Result<HttpUrl> ParseHttpUrl(const std::string& url) {
 
 Result<HttpClient> HttpClient::Create(const std::string& base_url, std::chrono::milliseconds timeout) {
   if (timeout.count() <= 0) return InvalidArgument("timeout must be positive, got " + std::to_string(timeout.count()) + " ms");
+  // Beast's timer counts in nanoseconds: far larger values wrap and fire at once.
+  if (timeout > kMaxTimeout)
+    return InvalidArgument("timeout must be at most " + std::to_string(kMaxTimeout.count()) + " ms (a day), got " +
+                           std::to_string(timeout.count()) + " ms");
   ASSIGN_OR_RETURN(HttpUrl url, ParseHttpUrl(base_url));
   return HttpClient(std::move(url), timeout);
 }

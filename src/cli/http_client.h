@@ -36,8 +36,9 @@ struct HttpReply {
 
 class HttpClient {
  public:
+  static constexpr std::chrono::milliseconds kMaxTimeout{int64_t{24} * 3600 * 1000};
   // Parses `base_url` (see ParseHttpUrl); `timeout` bounds each whole
-  // request: resolve, connect, send and read together.
+  // request: resolve, connect, send and read together (1 ms to a day).
   static Result<HttpClient> Create(const std::string& base_url, std::chrono::milliseconds timeout);
 
   // Sends one request to prefix + `path` (already percent-encoded, starting

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/http_client.h"
+#include "common/json_text.h"
 #include "cli/internal/models_format.h"
 
 namespace shoal {
@@ -72,7 +73,7 @@ int Act(const HttpClient& client, const ModelsCommandFlags& flags, std::ostream&
   nlohmann::json body = nlohmann::json::object();
   if (!flags.worker.empty()) body["worker"] = flags.worker;
   const std::string path = "/v1/models/" + ui::EncodePathSegment(flags.model) + "/" + flags.action;
-  auto reply = client.Post(path, body.dump());
+  auto reply = client.Post(path, DumpJson(body));  // a --worker that is not UTF-8 must not throw
   if (!reply.ok()) return TransportError(err, reply.status());
   if (reply->status < 200 || reply->status >= 300) {
     // A failure on one worker still lists what each worker did.
@@ -111,7 +112,7 @@ CLI::App* AddModelsCommand(CLI::App* app, ModelsCommandFlags* flags) {
   cmd->add_flag("--json", flags->json, "Print the gateway's JSON answer as is")
       ->envname("SHOAL_MODELS_JSON")
       ->capture_default_str();
-  cmd->add_option("--timeout-ms", flags->timeout_ms, "Whole-request timeout; a load waits for the model")
+  cmd->add_option("--timeout-ms", flags->timeout_ms, "Whole-request timeout, 1 ms to a day; a load waits for the model")
       ->envname("SHOAL_MODELS_TIMEOUT_MS")
       ->capture_default_str();
   cmd->footer(ui::ModelsUsage());

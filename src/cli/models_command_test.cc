@@ -274,6 +274,11 @@ TEST(HttpClient, CreateRejectsANonPositiveTimeout) {
   auto c = HttpClient::Create("http://127.0.0.1:1", std::chrono::milliseconds(0));
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  // Past a day (10^13 ms would wrap Beast's nanosecond timer and expire at
+  // once): refused, not a request that times out before it starts.
+  EXPECT_TRUE(HttpClient::Create("http://127.0.0.1:1", HttpClient::kMaxTimeout).ok());
+  c = HttpClient::Create("http://127.0.0.1:1", std::chrono::milliseconds(10000000000000));
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
 }
 
 // --- pure formatting -----------------------------------------------------------
@@ -361,6 +366,17 @@ TEST(ParseModelList, RejectsAnswersThatAreNotAModelList) {
     auto m = ui::ParseModelList(bad);
     ASSERT_FALSE(m.ok()) << bad;
     EXPECT_EQ(m.status().code(), StatusCode::kBadGateway) << bad;
+  }
+  // Valid JSON nested a million deep: quoting it in the message used to
+  // recurse once per level and overflow the stack.
+  const std::string deep = std::string(1000000, '[') + std::string(1000000, ']');
+  for (const std::string& body : {deep, R"({"data":[)" + deep + "]}", R"({"data":)" + deep + "}"}) {
+    auto m = ui::ParseModelList(body);
+    ASSERT_FALSE(m.ok());
+    EXPECT_EQ(m.status().code(), StatusCode::kBadGateway);
+    auto a = ui::SummarizeAction(body, "load", "m");
+    ASSERT_FALSE(a.ok());
+    EXPECT_EQ(a.status().code(), StatusCode::kBadGateway);
   }
 }
 
@@ -583,6 +599,13 @@ TEST(ModelsCommandOverHttp, EncodesTheNameSendsTheWorkerAndFailsOnAFailedResult)
   EXPECT_EQ(reqs[0].method, "POST");
   EXPECT_EQ(reqs[0].target, "/v1/models/my%20model%2Fv2/pin");
   EXPECT_EQ(nlohmann::json::parse(reqs[0].body), nlohmann::json({{"worker", "w1"}}));
+
+  // A --worker that is not UTF-8 goes out with U+FFFD for the bad byte
+  // instead of ending the command in an exception.
+  flags.worker = "w\xff";
+  r = RunCommand(flags);
+  ASSERT_EQ(server.requests().size(), 2u);
+  EXPECT_EQ(nlohmann::json::parse(server.requests()[1].body), nlohmann::json({{"worker", "w\xef\xbf\xbd"}}));
 }
 
 TEST(ModelsCommandOverHttp, HttpErrorPrintsMessageCodeAndStatus) {

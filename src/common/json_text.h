@@ -9,10 +9,11 @@
 
 namespace shoal {
 
-// `Json` is nlohmann::json or nlohmann::ordered_json; compact output.
+// `Json` is nlohmann::json or nlohmann::ordered_json; compact output unless
+// `indent` >= 0 (spaces per level).
 template <typename Json>
-std::string DumpJson(const Json& j) {
-  return j.dump(-1, ' ', false, Json::error_handler_t::replace);
+std::string DumpJson(const Json& j, int indent = -1) {
+  return j.dump(indent, ' ', false, Json::error_handler_t::replace);
 }
 
 }  // namespace shoal

@@ -10,6 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/json_text.h"
+
 namespace shoal::loadgen {
 namespace {
 
@@ -291,7 +293,8 @@ std::string ReportJson(const BenchReport& r) {
     }
     out["utilisation"] = {{"source", "GET /v1/workers"}, {"workers", workers}};
   }
-  return out.dump(2) + "\n";
+  // Error texts quote the target's answers, which need not be UTF-8.
+  return DumpJson(out, 2) + "\n";
 }
 
 std::string ThroughputSvg(const BenchReport& r) {

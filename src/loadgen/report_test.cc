@@ -84,6 +84,12 @@ TEST(Report, JsonHasEveryField) {
   j = nlohmann::json::parse(ReportJson(b));
   ASSERT_TRUE(j.contains("utilisation"));
   EXPECT_EQ(j["utilisation"]["workers"]["w-1"][1]["utilisation"], 0.75);
+
+  // The first error quotes the target's answer, cut at 200 bytes, possibly
+  // inside a character: the report is still written, U+FFFD for the byte.
+  b.phases[0].first_error = "HTTP 404: The model 'x\xc3";
+  j = nlohmann::json::parse(ReportJson(b));
+  EXPECT_EQ(j["phases"][0]["first_error"], "HTTP 404: The model 'x\xef\xbf\xbd");
 }
 
 // Crude well-formedness: one root, every opened element closed in order.

@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/json_text.h"
 #include "loadgen/http_load.h"
 
 namespace shoal::loadgen {
@@ -194,7 +195,7 @@ std::string MakeText(int words, std::mt19937_64& rng) {
 
 std::string EmbeddingsBody(const std::string& model, const std::vector<std::string>& texts) {
   nlohmann::json body = {{"model", model}, {"input", texts}};
-  return body.dump();
+  return DumpJson(body);  // names and texts from flags and files need not be UTF-8
 }
 
 Status WorkloadOptions::Validate() const {

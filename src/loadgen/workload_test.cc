@@ -163,6 +163,14 @@ TEST(Workload, BuildsOpenAiRequestsDeterministically) {
   EXPECT_NE(other->requests, w->requests);
 }
 
+// A --models name or a text that is not UTF-8 gets U+FFFD in the body
+// instead of ending the run in an exception.
+TEST(Workload, BodiesOfBytesThatAreNotUtf8AreStillJson) {
+  const auto body = nlohmann::json::parse(EmbeddingsBody("m\xff", {"a\xc3"}));
+  EXPECT_EQ(body["model"], "m\xef\xbf\xbd");
+  EXPECT_EQ(body["input"][0], "a\xef\xbf\xbd");
+}
+
 TEST(Workload, NoKeyNoAuthorizationAndBadOptionsFail) {
   WorkloadOptions o;
   o.models = {"m"};

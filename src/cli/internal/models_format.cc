@@ -12,6 +12,14 @@ namespace {
 
 using json = nlohmann::json;
 
+// A gateway answer as JSON, discarded when it is not JSON. Values nested
+// deeper than 64 are left out: quoting an answer (dump) recurses once per
+// level, and one nested a million deep would overflow the stack.
+json ParseAnswer(std::string_view body) {
+  return json::parse(body, [](int depth, json::parse_event_t, json&) { return depth <= 64; },
+                     /*allow_exceptions=*/false);
+}
+
 Status BadAnswer(const std::string& what, const std::string& why) {
   return Status(StatusCode::kBadGateway, "unexpected " + what + " from the gateway: " + why, "bad_answer");
 }
@@ -114,7 +122,7 @@ std::string FormatAgo(int64_t then_unix_ms, int64_t now_unix_ms) {
 }
 
 Result<std::vector<ModelRow>> ParseModelList(std::string_view body) {
-  json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  json j = ParseAnswer(body);
   if (j.is_discarded()) return BadAnswer("model list", "not JSON: " + OneLine(std::string(body), 200));
   auto data = j.is_object() ? j.find("data") : j.end();
   if (!j.is_object() || data == j.end() || !data->is_array()) {
@@ -197,7 +205,7 @@ std::string RenderModelsTable(const std::vector<ModelRow>& models, int64_t now_u
 }
 
 Result<ActionSummary> SummarizeAction(std::string_view body, const std::string& action, const std::string& model) {
-  json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  json j = ParseAnswer(body);
   if (j.is_discarded()) return BadAnswer(action + " answer", "not JSON: " + OneLine(std::string(body), 200));
   auto results = j.is_object() ? j.find("results") : j.end();
   if (!j.is_object() || results == j.end() || !results->is_array()) {
@@ -237,7 +245,7 @@ int ActionExitCode(const ActionSummary& summary) {
 
 std::string FormatHttpError(int http_status, std::string_view body) {
   const std::string http = "HTTP " + std::to_string(http_status);
-  json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  json j = ParseAnswer(body);
   if (!j.is_discarded() && j.is_object()) {
     if (auto e = j.find("error"); e != j.end() && (e->is_object() || e->is_string())) {
       std::string message = e->is_string() ? e->get<std::string>() : Str(*e, "message");

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <iterator>
 #include <memory>
+#include <utility>
+#include <vector>
 
 namespace shoal::tokenize_internal {
 namespace {
@@ -106,19 +108,28 @@ void DecomposeCanonical(const std::u32string& in, std::u32string* out,
     }
     out->append(kDecompositionPool + m->offset, m->length);
   }
-  // Runs of non-starters are a handful of marks long: insertion sort.
-  for (size_t i = 1; i < out->size(); ++i) {
-    char32_t cp = (*out)[i];
-    uint8_t ccc = CombiningClassOf(InfoOf(bmp, cp));
-    if (ccc == 0) continue;
+  // Runs of non-starters are a handful of marks long in real text, but a
+  // client's text can be one run of millions (alternating classes made an
+  // insertion sort quadratic: minutes per MiB): a stable sort per run.
+  std::vector<std::pair<uint8_t, char32_t>> run;
+  const size_t n = out->size();
+  for (size_t i = 0; i < n;) {
+    run.clear();
     size_t j = i;
-    while (j > 0) {
-      uint8_t prev = CombiningClassOf(InfoOf(bmp, (*out)[j - 1]));
-      if (prev <= ccc) break;
-      (*out)[j] = (*out)[j - 1];
-      --j;
+    for (; j < n; ++j) {
+      const uint8_t ccc = CombiningClassOf(InfoOf(bmp, (*out)[j]));
+      if (ccc == 0) break;
+      run.emplace_back(ccc, (*out)[j]);
     }
-    (*out)[j] = cp;
+    if (run.empty()) {
+      ++i;
+      continue;
+    }
+    if (run.size() > 1) {
+      std::stable_sort(run.begin(), run.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      for (size_t k = 0; k < run.size(); ++k) (*out)[i + k] = run[k].second;
+    }
+    i = j;
   }
 }
 
