@@ -118,11 +118,19 @@ Status ProcessRuntime::Start() {
 
   std::vector<std::string> argv = p.command;
   if (argv[0].find('/') != std::string::npos) argv[0] = InModelDir(config_, argv[0]);
+  // The worker's environment, less what the config and Shoal set: a name
+  // given twice would reach getenv() with the worker's value first.
+  std::vector<std::pair<std::string, std::string>> own = p.env;
+  own.emplace_back("SHOAL_RUNTIME_SOCKET", socket_path);
+  own.emplace_back("SHOAL_MODEL_DIR", config_.dir);
   std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
-  for (const auto& [k, v] : p.env) env.push_back(k + "=" + v);
-  env.push_back("SHOAL_RUNTIME_SOCKET=" + socket_path);
-  env.push_back("SHOAL_MODEL_DIR=" + config_.dir);
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    const std::string_view name = entry.substr(0, entry.find('='));
+    if (std::none_of(own.begin(), own.end(), [&](const auto& kv) { return kv.first == name; }))
+      env.emplace_back(entry);
+  }
+  for (const auto& [k, v] : own) env.push_back(k + "=" + v);
   auto spawned = Spawn(argv, env, InModelDir(config_, p.cwd));
   if (!spawned.ok()) {
     std::lock_guard<std::mutex> io(io_mu_);
@@ -138,6 +146,7 @@ Status ProcessRuntime::Start() {
     int status = 0;
     if (::waitpid(pid, &status, WNOHANG) == pid) {
       pid_ = -1;
+      ::kill(-pid, SIGKILL);  // what it started in its process group
       {
         std::lock_guard<std::mutex> io(io_mu_);
         StopProcessLocked(false);  // removes the socket directory
@@ -327,6 +336,9 @@ void ProcessRuntime::SuperviseLoop() {
         const pid_t pid = pid_.load();
         if (pid > 0 && ::waitpid(pid, &status, WNOHANG) == pid) {
           pid_ = -1;
+          // The group outlives its leader: what the runtime started (worker
+          // processes, helpers) would otherwise keep memory and ports.
+          ::kill(-pid, SIGKILL);
           MarkDownLocked(Crashed(WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status))
                                                      : "exited with code " + std::to_string(WEXITSTATUS(status))));
         } else if (NowMonoUs() - last_io_mono_us_ >= config_.process.health_interval_ms * 1000) {

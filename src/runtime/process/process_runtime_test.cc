@@ -237,6 +237,61 @@ TEST(ProcessRuntime, GivesUpAfterMaxFailedStartsInARow) {
   std::filesystem::remove_all(dir);
 }
 
+// Whether `pid` is gone: no such process, or a zombie no one has reaped yet.
+bool Gone(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  const size_t paren = line.rfind(')');
+  return paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'Z';
+}
+
+// A runtime that dies while idle (noticed by the health check, not by a
+// batch) takes what it started in its process group with it: a helper it
+// spawned does not outlive it. And the config's env wins over the worker's
+// own environment for a name both have.
+TEST(ProcessRuntime, ADeadRuntimesGroupIsKilledAndItsEnvWins) {
+  std::string dir = (std::filesystem::temp_directory_path() / "shoal-group-XXXXXX").string();
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string script = dir + "/spawn.sh", child_file = dir + "/child";
+  {
+    std::ofstream out(script);
+    out << "#!/bin/sh\nsleep 600 &\necho $! > \"$SHOAL_TEST_CHILD\"\n"
+           "exec \"$@\"\n";
+  }
+  {
+    // The environment the runtime was started with (what getenv() reads,
+    // first match wins): the config's value, and the name once.
+    ASSERT_EQ(::setenv("SHOAL_TEST_WHO", "worker", 1), 0);
+    ModelConfig m = PythonModel();
+    m.process.env = {{"SHOAL_TEST_WHO", "config"}};
+    ProcessRuntime rt;
+    ASSERT_TRUE(rt.Load(m).ok());
+    ::unsetenv("SHOAL_TEST_WHO");
+    std::ifstream environ_file("/proc/" + std::to_string(rt.pid()) + "/environ");
+    std::vector<std::string> who;
+    for (std::string entry; std::getline(environ_file, entry, '\0');)
+      if (entry.rfind("SHOAL_TEST_WHO=", 0) == 0) who.push_back(entry);
+    EXPECT_EQ(who, std::vector<std::string>{"SHOAL_TEST_WHO=config"});
+  }
+  ModelConfig m = PythonModel();
+  std::vector<std::string> command = {"/bin/sh", script};
+  command.insert(command.end(), m.process.command.begin(), m.process.command.end());
+  m.process.command = command;
+  m.process.env = {{"SHOAL_TEST_CHILD", child_file}};
+  ProcessRuntime rt;
+  ASSERT_TRUE(rt.Load(m).ok());
+  pid_t child = 0;
+  std::ifstream(child_file) >> child;
+  ASSERT_GT(child, 0);
+  ASSERT_FALSE(Gone(child));
+  ASSERT_EQ(::kill(rt.pid(), SIGKILL), 0);
+  EXPECT_TRUE(Eventually([&] { return Gone(child); }, 10s)) << "the runtime's helper outlived it";
+  ::kill(child, SIGKILL);
+  rt.Unload();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ProcessRuntime, MisbehavingRepliesFailTheBatchAndRestartTheRuntime) {
   const json ref = TorchScriptReference();
   for (const std::string mode : {"oversized", "garbage", "hang"}) {
