@@ -621,14 +621,19 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
     for (const auto& w : live) ack_subjects.push_back(w->delivery.AckSubject());
   // Until the batch is answered.
   ProgressKeeper::Watch keep = d_.progress ? d_.progress->Start(std::move(ack_subjects)) : ProgressKeeper::Watch();
-  // A message delivered before may be what broke its last batch (it crashed
-  // an out-of-process runtime or ran it past its timeout, and the batch was
-  // handed back): it runs on its own, so it cannot take the others down
-  // with it again and again until their deliveries run out.
+  // A message delivered a third time, or for the last time allowed, may be
+  // what broke its earlier batches (it crashed an out-of-process runtime or
+  // ran it past its timeout, and the batch was handed back): it runs on its
+  // own, so it cannot take the others down with it until their deliveries
+  // run out. A second delivery still batches: most are the hand-backs of a
+  // stopped or killed worker, which should run at full width.
+  const auto suspect = [&](const PendingWork& w) {
+    if (live.size() < 2 || w.delivery.is_core()) return false;
+    const int64_t n = static_cast<int64_t>(w.delivery.NumDelivered());
+    return n > 2 || (n > 1 && n >= d_.max_deliver);
+  };
   std::vector<std::unique_ptr<PendingWork>> fresh, again;
-  for (auto& w : live)
-    (live.size() > 1 && !w->delivery.is_core() && w->delivery.NumDelivered() > 1 ? again : fresh)
-        .push_back(std::move(w));
+  for (auto& w : live) (suspect(*w) ? again : fresh).push_back(std::move(w));
   if (!fresh.empty()) RunLive(std::move(fresh));
   for (auto& w : again) {
     std::vector<std::unique_ptr<PendingWork>> one;

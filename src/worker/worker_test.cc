@@ -181,8 +181,8 @@ TEST_F(WorkerTest, RuntimeFailureIsATerminalErrorNotARetryLoop) {
 // fails on: the batch is rerun message by message, so the other caller
 // still gets its answer and only the bad one gets runtime_error. An input
 // that takes the runtime down instead (a crash: the batch goes back to the
-// queue) runs on its own when it comes back, so it does not use up the
-// other message's deliveries with its own.
+// queue) runs on its own from its third delivery, so it does not use up
+// the other message's deliveries (5) with its own.
 TEST_F(WorkerTest, OneCallersBadInputDoesNotFailTheOthersInItsBatch) {
   for (const int32_t bad : {999, 997}) {
     SCOPED_TRACE("token " + std::to_string(bad));
