@@ -24,6 +24,37 @@ Status BadUpstream(const std::string& what) {
   return Status(StatusCode::kBadGateway, "upstream answered " + what, "upstream_error");
 }
 
+// The most a parsed upstream answer may nest and hold. nlohmann's
+// MessagePack writer recurses once per level (an answer nested 50,000 deep
+// would overflow the executor's stack and end the worker), and a parsed
+// value takes 16 bytes or more against one or two in the text. 2^25 values
+// hold 4,096 embeddings of width 4,096.
+constexpr int kMaxAnswerDepth = 64;
+constexpr uint64_t kMaxAnswerValues = uint64_t{1} << 25;
+
+// An upstream answer (a body or one stream event) as a JSON object;
+// BadUpstream when it is not one or passes the bounds above. `what` names
+// it in the message ("/embeddings", "a stream event").
+Result<json> ParseAnswer(std::string_view text, const std::string& what) {
+  uint64_t values = 0;
+  bool over = false;
+  json doc = json::parse(
+      text,
+      [&](int depth, json::parse_event_t event, json&) {
+        if (event == json::parse_event_t::key || event == json::parse_event_t::object_end ||
+            event == json::parse_event_t::array_end)
+          return !over;
+        if (depth > kMaxAnswerDepth || ++values > kMaxAnswerValues) over = true;
+        return !over;
+      },
+      /*allow_exceptions=*/false);
+  if (over)
+    return BadUpstream(what + " nested deeper than " + std::to_string(kMaxAnswerDepth) + " levels or holding more than " +
+                       std::to_string(kMaxAnswerValues) + " values");
+  if (doc.is_discarded() || !doc.is_object()) return BadUpstream(what + " that is not a JSON object");
+  return doc;
+}
+
 std::string ToMsgpack(const json& j) {
   std::string out;
   json::to_msgpack(j, out);
@@ -164,9 +195,8 @@ Result<std::vector<std::string>> OpenAiRuntime::Embed(const std::vector<std::str
   ASSIGN_OR_RETURN(UpstreamReply reply,
                    client_->Post("/embeddings", DumpJson(req)));
   if (reply.status / 100 != 2) return UpstreamError(reply.status, reply.body);
-  json doc = json::parse(reply.body, nullptr, false);
-  if (doc.is_discarded() || !doc.is_object() || !doc.contains("data") || !doc["data"].is_array())
-    return BadUpstream("/embeddings without a \"data\" array");
+  ASSIGN_OR_RETURN(json doc, ParseAnswer(reply.body, "/embeddings"));
+  if (!doc.contains("data") || !doc["data"].is_array()) return BadUpstream("/embeddings without a \"data\" array");
   const json& data = doc["data"];
   if (data.size() != texts.size())
     return BadUpstream(std::to_string(data.size()) + " embeddings for " + std::to_string(texts.size()) + " inputs");
@@ -216,12 +246,12 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item,
   if (!stream) {
     ASSIGN_OR_RETURN(UpstreamReply reply, client_->Post("/" + endpoint, body));
     if (reply.status / 100 != 2) return UpstreamError(reply.status, reply.body);
-    json doc = json::parse(reply.body, nullptr, false);
-    if (doc.is_discarded() || !doc.is_object()) return BadUpstream("/" + endpoint + " with a body that is not JSON");
+    ASSIGN_OR_RETURN(json doc, ParseAnswer(reply.body, "/" + endpoint));
     return ToMsgpack(doc);
   }
   int64_t events = 0;
   bool done = false;
+  bool finished = false;  // an event gave a finish_reason
   Status bad;
   SseParser sse([&](std::string_view data) {
     if (done) return true;  // read on to the end so the connection can be reused
@@ -229,11 +259,16 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item,
       done = true;
       return true;
     }
-    json ev = json::parse(data, nullptr, false);
-    if (ev.is_discarded() || !ev.is_object()) {
-      bad = BadUpstream("a stream event that is not JSON");
+    auto parsed = ParseAnswer(data, "a stream event");
+    if (!parsed.ok()) {
+      bad = parsed.status();
       return false;
     }
+    json& ev = *parsed;
+    if (auto c = ev.find("choices"); c != ev.end() && c->is_array())
+      for (const json& choice : *c)
+        if (choice.is_object() && choice.contains("finish_reason") && !choice["finish_reason"].is_null())
+          finished = true;
     if (ev.contains("error") && !ev.contains("choices")) {
       // vLLM and others report a failure mid-stream as an error event.
       const json& e = ev["error"];
@@ -253,14 +288,18 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item,
   if (!bad.ok()) return bad;
   if (reply.content_type.find("text/event-stream") == std::string::npos) {
     // The upstream does not stream: its whole answer is the result.
-    json doc = json::parse(reply.body, nullptr, false);
-    if (doc.is_discarded() || !doc.is_object()) return BadUpstream("/" + endpoint + " with a body that is not JSON");
+    ASSIGN_OR_RETURN(json doc, ParseAnswer(reply.body, "/" + endpoint));
     return ToMsgpack(doc);
   }
   if (!done) {
     (void)sse.Finish();
     if (!bad.ok()) return bad;
   }
+  // A stream cut off by a closed connection looks like one that ended: only
+  // [DONE] or a finish_reason says the generation is complete.
+  if (!done && !finished)
+    return BadUpstream("an event stream that ended after " + std::to_string(events) +
+                       " events without [DONE] or a finish_reason (cut off?)");
   return ToMsgpack(json{{"object", "shoal.stream.end"}, {"events", events}});
 }
 

@@ -77,6 +77,23 @@ TEST(SseParser, FinishDeliversAnUnterminatedEvent) {
   EXPECT_EQ(got, (std::vector<std::string>{"tail"}));
 }
 
+// A line fed a byte at a time is still one line (each piece is scanned
+// once: 1 MB took 10^12 steps when every piece rescanned the line).
+TEST(SseParser, ALongLineFedInSmallPiecesIsOneEvent) {
+  std::vector<std::string> got;
+  SseParser p([&](std::string_view d) {
+    got.emplace_back(d);
+    return true;
+  });
+  const std::string data(1 << 20, 'x');
+  ASSERT_TRUE(p.Feed("data: "));
+  for (size_t i = 0; i < data.size(); i += 7) ASSERT_TRUE(p.Feed(std::string_view(data).substr(i, 7)));
+  ASSERT_TRUE(p.Feed("\n\ndata: next\n\n"));
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0], data);
+  EXPECT_EQ(got[1], "next");
+}
+
 TEST(OpenAiRuntime, RejectsBadConfigs) {
   OpenAiRuntime r;
   ModelConfig c = Config("embed", "http://127.0.0.1:1/v1");
@@ -189,6 +206,71 @@ TEST(OpenAiRuntime, StreamsChatEventsToThePartialSink) {
   EXPECT_EQ(got[1], (std::vector<std::string>{"b0", "b1", "b2"}));
   EXPECT_EQ(got[2], (std::vector<std::string>{"c0", "c1", "c2"}));
   EXPECT_LE(rt->client()->connections_opened(), 2);
+}
+
+std::string ChatRequest(bool stream) {
+  return Msgpack({{"endpoint", "chat/completions"},
+                  {"stream", stream},
+                  {"messages", json::array({{{"role", "user"}, {"content", "x"}}})}});
+}
+
+// The error of a one-request batch: the batch's, or its request's own.
+Status OnlyError(const Result<std::vector<std::string>>& out) {
+  if (!out.ok()) return out.status();
+  return out->size() == 1 ? ParseItemError((*out)[0]) : Internal("not one result");
+}
+
+// How a stream ends: [DONE] (what follows it is ignored) or a finish_reason
+// without [DONE] complete it; a stream that just stops (the connection
+// closed mid-generation) is an upstream error, not a complete answer.
+TEST(OpenAiRuntime, AStreamIsCompleteOnlyWithDoneOrAFinishReason) {
+  std::vector<std::string> events;
+  FakeOpenAiServer server([&](const FakeOpenAiServer::Request&) {
+    FakeOpenAiServer::Reply reply;
+    reply.events = events;
+    return reply;
+  });
+  auto rt = Loaded(Config("generate", server.url() + "/v1"));
+  const std::string chunk = ChatEvents("a", 1)[0];
+  const std::string last =
+      json{{"choices", json::array({{{"index", 0}, {"delta", json::object()}, {"finish_reason", "stop"}}})}}.dump();
+  events = {chunk, "[DONE]", chunk};
+  auto out = rt->RunItems({ChatRequest(true)}, [](size_t, std::string_view) {});
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  ASSERT_EQ(out->size(), 1u);
+  EXPECT_EQ(FromMsgpack((*out)[0])["object"], "shoal.stream.end") << FromMsgpack((*out)[0]).dump();
+  EXPECT_EQ(FromMsgpack((*out)[0])["events"], 1);
+  events = {chunk, last};
+  out = rt->RunItems({ChatRequest(true)}, [](size_t, std::string_view) {});
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(FromMsgpack((*out)[0])["object"], "shoal.stream.end") << FromMsgpack((*out)[0]).dump();
+  events = {chunk, chunk};
+  const Status cut = OnlyError(rt->RunItems({ChatRequest(true)}, [](size_t, std::string_view) {}));
+  EXPECT_EQ(cut.code(), StatusCode::kBadGateway) << cut.ToString();
+  EXPECT_EQ(cut.reason(), "upstream_error");
+  EXPECT_NE(cut.message().find("without [DONE]"), std::string::npos) << cut.ToString();
+}
+
+// An answer nested far deeper than any real one (as a body or as one
+// stream event) is an upstream error, not a stack overflow in the worker.
+TEST(OpenAiRuntime, DeeplyNestedAnswersAreUpstreamErrors) {
+  const std::string deep = R"({"x":)" + std::string(200000, '[') + std::string(200000, ']') + "}";
+  bool stream = false;
+  FakeOpenAiServer server([&](const FakeOpenAiServer::Request&) {
+    FakeOpenAiServer::Reply reply{200, deep};
+    if (stream) reply.events = {deep, "[DONE]"};
+    return reply;
+  });
+  auto rt = Loaded(Config("generate", server.url() + "/v1"));
+  for (bool s : {false, true}) {
+    stream = s;
+    const Status st = OnlyError(rt->RunItems({ChatRequest(s)}, [](size_t, std::string_view) {}));
+    EXPECT_EQ(st.reason(), "upstream_error") << s;
+    EXPECT_NE(st.message().find("nested deeper"), std::string::npos) << st.ToString();
+  }
+  auto embed = Loaded(Config("embed", server.url() + "/v1"));
+  stream = false;
+  EXPECT_EQ(embed->RunItems({"x"}, {}).status().reason(), "upstream_error");
 }
 
 TEST(OpenAiRuntime, MapsUpstreamErrors) {

@@ -3,14 +3,17 @@
 namespace shoal {
 
 bool SseParser::Feed(std::string_view bytes) {
+  // What was pending holds no line break: look only at the new bytes (a long
+  // line fed in small pieces was rescanned from its start on every piece).
+  size_t scan = pending_.size();
   pending_.append(bytes);
   size_t start = 0;
   for (;;) {
-    const size_t nl = pending_.find('\n', start);
+    const size_t nl = pending_.find('\n', scan);
     if (nl == std::string::npos) break;
     std::string_view line(pending_.data() + start, nl - start);
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-    start = nl + 1;
+    start = scan = nl + 1;
     if (!Line(line)) {
       pending_.erase(0, start);
       return false;

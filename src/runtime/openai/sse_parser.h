@@ -23,7 +23,7 @@ class SseParser {
  private:
   bool Line(std::string_view line);
   EventFn on_event_;
-  std::string pending_;  // bytes of an unfinished line
+  std::string pending_;  // bytes of an unfinished line (no '\n' in them)
   std::string data_;     // data of the current event
   bool has_data_ = false;
 };
