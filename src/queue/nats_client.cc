@@ -548,6 +548,11 @@ Result<std::unique_ptr<PullConsumer>> PullConsumer::Create(NatsClient& client, c
 }
 
 Status PullConsumer::SendPull(const std::string& reply, size_t batch, int64_t wait_ms, bool no_wait) {
+  // While nats.c reconnects it buffers what is published: pulls sent then
+  // (one per poll) would all reach the server at once on reconnect and
+  // deliver far more than this consumer asked for at any one time.
+  if (natsConnection_Status(conn_) != NATS_CONN_STATUS_CONNECTED)
+    return Unavailable("pull from " + durable_ + ": not connected to NATS", "nats_disconnected");
   const int64_t expires_ns = (wait_ms >= 20 ? wait_ms - 10 : wait_ms) * 1000000;
   std::string request = "{\"batch\":" + std::to_string(batch) + ",\"expires\":" + std::to_string(expires_ns);
   if (no_wait) request += ",\"no_wait\":true";

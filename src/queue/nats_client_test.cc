@@ -133,6 +133,45 @@ TEST_F(NatsClientTest, PullConsumerFetchesAcksAndRedelivers) {
   ASSERT_TRUE(client_->Flush(1000).ok());
 }
 
+// While the connection is down, a fetch fails at once rather than leave a
+// pull in nats.c's reconnect buffer: a worker polling through an outage
+// would otherwise have all its pulls sent together on reconnect, and more
+// work delivered to it than it asked for.
+TEST(NatsClientReconnect, NoPullIsBufferedWhileDisconnected) {
+  shoal::testing::TempDir dir;
+  NatsServerOptions so;
+  so.data_dir = dir.path() + "/data";
+  auto server = NatsServerProcess::Start(so);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  so.port = (*server)->port();
+  NatsOptions o;
+  o.url = (*server)->url();
+  auto client = NatsClient::Connect(o);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  ASSERT_TRUE(EnsureWorkStream(**client, {}).ok());
+  auto pc = PullConsumer::Create(**client, "SHOAL_WORK", "shoal.work.m", "shoal_m", ConsumerOptions{});
+  ASSERT_TRUE(pc.ok()) << pc.status().ToString();
+
+  (*server)->Stop();
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return !(*client)->IsConnected(); }, std::chrono::seconds(10)));
+  for (int i = 0; i < 5; ++i) {
+    auto f = (*pc)->Fetch(10, 50);
+    EXPECT_EQ(f.status().code(), StatusCode::kUnavailable) << f.status().ToString();
+  }
+  server = NatsServerProcess::Start(so);  // same port and store
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return (*client)->IsConnected(); }, std::chrono::seconds(20)));
+  for (const char* body : {"a", "b", "c"}) ASSERT_TRUE((*client)->Publish("shoal.work.m", body).ok());
+  ASSERT_TRUE((*client)->Flush(2000).ok());
+  auto one = (*pc)->Fetch(1, 2000);
+  ASSERT_TRUE(one.ok()) << one.status().ToString();
+  ASSERT_EQ(one->size(), 1u);
+  ASSERT_TRUE((*one)[0].Ack().ok());
+  // Nothing else was pulled: no message waits in the subscription.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ((*pc)->Undelivered(), 0);
+}
+
 TEST_F(NatsClientTest, KvPutGetKeysAndTtl) {
   auto kv = KvBucket::Open(*client_, "SHOAL_TEST", 1000);
   ASSERT_TRUE(kv.ok()) << kv.status().ToString();

@@ -443,7 +443,9 @@ void ModelServer::FetchLoop() {
     gated_poll_ms_ = fetched.ok() && fetched->empty() ? std::min(d_.fetch_poll_ms, gated_poll_ms_ * 2) : d_.idle_poll_ms;
     if (!fetched.ok()) {
       if (stop_) break;
-      LOG_WARN("worker", "fetch for " << d_.config.name << " failed: " << fetched.status().ToString());
+      // A lost connection is logged once by the NATS client, not per poll.
+      if (fetched.status().reason() != "nats_disconnected")
+        LOG_WARN("worker", "fetch for " << d_.config.name << " failed: " << fetched.status().ToString());
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
       continue;
     }
