@@ -98,6 +98,7 @@ Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& o) {
   natsOptions_SetReconnectedCB(
       opts,
       [](natsConnection* nc, void* self) {
+        if (natsConnection_IsClosed(nc)) return;  // the client may be going away
         char url[256] = {0};
         (void)natsConnection_GetConnectedUrl(nc, url, sizeof(url));
         LOG_INFO("nats", "connection '" << static_cast<NatsClient*>(self)->options_.name << "' reconnected to "

@@ -357,11 +357,14 @@ TEST_F(FleetTest, WorkArrivingAsAModelIsUnloadedIsServedWithoutWaitingForAckWait
   ASSERT_NE(m.worker, nullptr);
   ASSERT_TRUE(Embed("tiny-a", "load it").ok());
   for (int i = 0; i < 5; ++i) {
-    ASSERT_TRUE(m.worker->manager().Unload("tiny-a").ok());
+    // The last answer may have come from the instance being unloaded while
+    // its message, not yet acked, started another load on demand: unload
+    // once that load is done.
+    ASSERT_TRUE(Eventually([&] { return m.worker->manager().Unload("tiny-a").ok(); })) << "round " << i;
     auto r = EmbedAsync("tiny-a", "again " + std::to_string(i), 10000).get();
     ASSERT_TRUE(r.ok()) << "round " << i << ": " << r.status().ToString();
   }
-  EXPECT_EQ(m.Counter("shoal_worker_model_loads_total", {{"model", "tiny-a"}, {"result", "ok"}}), 6);
+  EXPECT_GE(m.Counter("shoal_worker_model_loads_total", {{"model", "tiny-a"}, {"result", "ok"}}), 6);
 }
 
 TEST_F(FleetTest, WorkAModelHoldsAsItIsUnloadedIsServedByTheNextLoad) {
