@@ -218,6 +218,25 @@ TEST_F(FleetTest, LoadFailureReachesEveryWaitingCallerOnceAsATerminalError) {
   EXPECT_TRUE(Embed("tiny-a", "fine").ok());
 }
 
+// Work for a model larger than the worker's whole memory budget is answered
+// with 429 no_room_for_model once no other worker can take it, not left to
+// wait for its deadline (the model never loads, so it never fails either).
+TEST_F(FleetTest, WorkForAModelLargerThanTheWholeBudgetIsAnswered) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"});
+  WorkerOptions wo = Options();
+  wo.memory_budget_bytes = 1000;  // tiny-bert's estimate is its file size x 1.3
+  Member m = Start(wo);
+  ASSERT_NE(m.worker, nullptr);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = EmbedAsync("tiny-a", "too big", 20000).get();
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status().ToString();
+  EXPECT_EQ(r.status().reason(), "no_room_for_model");
+  EXPECT_NE(r.status().message().find("more than the whole memory budget"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s) << "the caller waited for its deadline";
+  EXPECT_TRUE(Eventually([&] { return GetStreamState(*client_, "SHOAL_WORK")->msgs == 0; }));
+}
+
 // A load can fail for a reason of one worker's own (its memory, its copy of
 // the files, a runtime missing on that host). Another worker that has not
 // tried the model loads it on demand, and the failed one does not answer
@@ -775,6 +794,48 @@ TEST_F(FleetTest, ABatchInFlightWhenTheRuntimeDiesIsRedelivered) {
   EXPECT_GE(m.Counter("shoal_worker_runtime_unavailable_total", {{"model", "crashy"}}), 1);
   EXPECT_GE(m.Counter("shoal_worker_handed_back_total", {{"model", "crashy"}}), 1);
   EXPECT_GE(m.Counter("shoal_worker_redelivered_total", {{"model", "crashy"}}), 1);
+}
+
+// A load that fails slowly on one worker (a socket runtime that never
+// listens, so its start times out) leaves a peer that has not tried the
+// model its grace from the failure, not from the oldest waiting message,
+// which the slow load used up: the peer loads the model and the caller is
+// served, not answered with the first worker's error.
+TEST_F(FleetTest, AModelThatFailedSlowlyOnOneWorkerIsStillLoadedByAnother) {
+  namespace fs = std::filesystem;
+  TempDir slow_repo;
+  const fs::path src = fs::path(shoal::testing::ModelsDir()) / "tiny-bert-py";
+  const fs::path dir = fs::path(slow_repo.path()) / "slowfail";
+  fs::create_directories(dir);
+  for (const char* f : {"weights.pt", "model.py", "vocab.txt"}) fs::create_symlink(src / f, dir / f);
+  std::ifstream in(src / "shoal.json");
+  json config = json::parse(in);
+  config["name"] = "slowfail";
+  config["process"]["command"] = {"/usr/bin/python3",
+                                  shoal::testing::SourceDir() + "/tests/data/runtimes/bad_runtime.py", "--mode",
+                                  "silent"};
+  config["process"]["start_timeout_ms"] = 2500;
+  std::ofstream(dir / "shoal.json") << config.dump(2);
+  MakeFleetRepository(repo_.path(), {"slowfail"});  // a good copy (TorchScript) for the other worker
+
+  WorkerOptions slow_opts = Options();
+  slow_opts.model_repository = slow_repo.path();
+  slow_opts.heartbeat_interval_ms = 1000;  // a grace of 1.1 s
+  slow_opts.heartbeat_ttl_ms = 4000;
+  slow_opts.retry_failed_after_ms = 600000;
+  Member slow = Start(slow_opts);
+  ASSERT_NE(slow.worker, nullptr);
+  auto pending = EmbedAsync("slowfail", "wait for me", 30000);
+  ASSERT_TRUE(Eventually([&] { return StateOf(*slow.worker, "slowfail") == ModelState::kLoading; }));
+  WorkerOptions good_opts = Options();
+  good_opts.heartbeat_interval_ms = 1000;
+  good_opts.heartbeat_ttl_ms = 4000;
+  Member good = Start(good_opts);
+  ASSERT_NE(good.worker, nullptr);
+  auto r = pending.get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(slow.Counter("shoal_worker_model_loads_total", {{"model", "slowfail"}, {"result", "error"}}), 1);
+  EXPECT_EQ(good.Counter("shoal_worker_model_loads_total", {{"model", "slowfail"}, {"result", "ok"}}), 1);
 }
 
 }  // namespace

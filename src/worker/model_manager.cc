@@ -282,6 +282,14 @@ bool ModelManager::FitsWithoutEviction(const std::string& name) const {
   return e != nullptr && FitsWithoutEvictionLocked(*e);
 }
 
+bool ModelManager::LargerThanBudget(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Entry* e = Find(name);
+  if (e == nullptr) return false;
+  const int64_t budget = Budget(e->pool);
+  return budget > 0 && EstimateLocked(*e) > budget;
+}
+
 bool ModelManager::FitsWithoutEvictionLocked(const Entry& e) const {
   const int64_t need = EstimateLocked(e);
   const int64_t budget = Budget(e.pool);

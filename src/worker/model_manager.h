@@ -215,6 +215,9 @@ class ModelManager {
   void Touch(const std::string& name);
   // Whether `name` could start loading now without evicting anything.
   bool FitsWithoutEviction(const std::string& name) const;
+  // Whether `name` is larger (by its last measurement, else its estimate)
+  // than the whole budget of its pool: it cannot load here at all.
+  bool LargerThanBudget(const std::string& name) const;
   // Loads `name` (blocking) only as far as it fits without evicting: when
   // its estimate fits, and, once its footprint is measured, when that
   // still fits; if not, it is unloaded again and nothing else is. For

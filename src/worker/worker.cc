@@ -754,6 +754,7 @@ void Worker::PollDemand() {
     if (st.state == ModelState::kLoading || st.state == ModelState::kLoaded) {
       ParkDrainConsumer(model);
       no_room_logged_mono_us_.erase(model);
+      gave_up_unix_ms_.erase(model);
       continue;
     }
     if (st.state == ModelState::kFailed) {
@@ -834,17 +835,23 @@ void Worker::PollDemand() {
       const std::string key = wire::ModelKvKey(c.model) + "." + std::to_string(c.replica);
       (void)placement_kv_->Delete(key);
       held_claims_.erase(key);
-      // A model that failed here and whose retry can find no room (every
-      // resident model pinned): its waiting work gets the load error it
-      // had, as before the retry fell due, rather than waiting for its
-      // deadline. While a resident model is only busy, room may come: wait.
+      // Waiting work gets an answer rather than its deadline when no room
+      // can come here: the model is larger than this worker's whole budget
+      // (429 no_room_for_model), or it failed here and its retry finds
+      // every resident model pinned (the load error it had, as before the
+      // retry fell due). While a resident model is only busy, room may
+      // come: wait.
       const bool only_pinned = std::none_of(here.begin(), here.end(), [](const auto& kv) {
         return (kv.second.state == ModelState::kLoaded || kv.second.state == ModelState::kLoading) &&
                !kv.second.pinned;
       });
-      if (Status failed = manager_->LoadError(c.model);
-          !failed.ok() && only_pinned && !AnotherMayLoad(c.model, now_ms))
-        DrainFailed(c.model, failed, 256);
+      Status answer;
+      if (manager_->LargerThanBudget(c.model)) {
+        answer = s;
+      } else if (Status failed = manager_->LoadError(c.model); !failed.ok() && only_pinned) {
+        answer = failed;
+      }
+      if (!answer.ok() && !AnotherMayLoad(c.model, now_ms)) DrainFailed(c.model, answer, 256);
     }
   }
   if (changed) PublishHeartbeat();  // peers see "loading" at once
@@ -877,14 +884,19 @@ bool Worker::AnotherMayLoad(const std::string& model, int64_t now_ms) {
   if (!untried) return false;
   // A peer that has not tried it gets about one heartbeat and two backlog
   // reads to claim it; past that the waiting work is answered here (a peer
-  // with no room, or busy loading another model, may never claim it).
+  // with no room, or busy loading another model, may never claim it). The
+  // grace runs from the later of the oldest waiting message and the first
+  // time this worker gave up on the model: work that waited through a slow
+  // failed load has not given peers their chance yet.
   int64_t oldest = 0;
   {
     std::lock_guard<std::mutex> lock(backlog_mu_);
     oldest = backlog_[model].oldest_unix_ms;
   }
+  if (oldest <= 0) return false;  // nothing waits
+  const int64_t gave_up = gave_up_unix_ms_.emplace(model, now_ms).first->second;
   const int64_t grace_ms = options_.heartbeat_interval_ms + 2 * options_.demand_poll_ms;
-  return oldest > 0 && now_ms - oldest < grace_ms;
+  return now_ms - std::max(oldest, gave_up) < grace_ms;
 }
 
 void Worker::ParkDrainConsumer(const std::string& model) {

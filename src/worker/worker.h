@@ -239,7 +239,9 @@ class Worker {
   // load error yet. True while a live peer holds the placement claim or
   // reports it loaded or loading, and, while a peer reports it not loaded
   // (it has not tried), for a grace of one heartbeat interval plus two
-  // backlog reads from the oldest waiting message. Reads the registry.
+  // backlog reads from the later of the oldest waiting message and the
+  // first call for this model since it was last loaded here. Reads the
+  // registry. Demand thread.
   bool AnotherMayLoad(const std::string& model, int64_t now_ms);
   // Answers the work waiting for a model that failed to load here with
   // its load error (terminal), at most `max` messages.
@@ -295,6 +297,9 @@ class Worker {
   // model -> when "cannot load ... on demand" was last logged, so a model
   // that finds no room logs once per 30 s, not on every demand poll.
   std::map<std::string, int64_t> no_room_logged_mono_us_;
+  // model -> when AnotherMayLoad first ran its grace for it (Unix ms);
+  // forgotten once the model is loading or loaded here.
+  std::map<std::string, int64_t> gave_up_unix_ms_;
   std::map<std::string, std::vector<PeerModel>> peers_;
   std::map<std::string, std::string> held_claims_;  // claim key -> model
   int64_t peers_read_mono_us_ = 0;
