@@ -108,6 +108,11 @@ void DeviceScheduler::Shutdown() {
   for (Waiter* w : waiters_) w->cv.notify_one();
 }
 
+bool DeviceScheduler::shut_down() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return shutdown_;
+}
+
 int DeviceScheduler::running() const {
   std::lock_guard<std::mutex> lock(mu_);
   return running_;

@@ -103,6 +103,8 @@ class DeviceScheduler {
   // Makes every waiting and later Acquire() fail with "shutting_down".
   // Turns already held stay valid until released. Idempotent; non-blocking.
   void Shutdown();
+  // Whether Shutdown() was called: no pass will run again.
+  bool shut_down() const;
 
   int slots() const { return slots_; }
   // Slots held now, including ones granted to a waiter that has not woken yet.

@@ -394,6 +394,9 @@ void ModelServer::FetchLoop() {
   } done{fetcher_done_};
   const auto& b = d_.config.batching;
   while (!stop_) {
+    // The worker is stopping (its device turns are over): what would be
+    // pulled now could never run, only wait to be handed back.
+    if (d_.scheduler != nullptr && d_.scheduler->shut_down()) break;
     int64_t free_tokens = 0, free_rows = 0;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -801,22 +804,38 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
     r.items.emplace_back(chunk);
     (void)Reply(r, work[i]->headers.reply_to);
   };
-  const int64_t t0 = d_.clock->NowMonoUs();
-  auto out = d_.runtime->RunItems(inputs, partial);
-  const int64_t run_us = d_.clock->NowMonoUs() - t0;
-  if (out.ok()) {
-    batch_run_us_ += run_us;
-    batch_run_tokens_ += static_cast<int64_t>(inputs.size());
+  // A batch always takes its first message whole, so one message (an
+  // OpenAI embed chunk of 32 texts, say) can hold more inputs than
+  // max_batch_size: the runtime gets them in passes of at most that many.
+  const size_t pass_rows =
+      c.batching.max_batch_size > 0 ? static_cast<size_t>(c.batching.max_batch_size) : inputs.size();
+  std::vector<std::string> results;
+  results.reserve(inputs.size());
+  for (size_t begin = 0; begin < inputs.size(); begin += pass_rows) {
+    const size_t end = std::min(inputs.size(), begin + pass_rows);
+    std::vector<std::string> pass(std::make_move_iterator(inputs.begin() + static_cast<std::ptrdiff_t>(begin)),
+                                  std::make_move_iterator(inputs.begin() + static_cast<std::ptrdiff_t>(end)));
+    const PartialSink pass_partial = [&partial, begin](size_t item, std::string_view chunk) {
+      partial(begin + item, chunk);
+    };
+    const int64_t t0 = d_.clock->NowMonoUs();
+    auto out = d_.runtime->RunItems(pass, pass_partial);
+    const int64_t run_us = d_.clock->NowMonoUs() - t0;
+    if (out.ok()) {
+      batch_run_us_ += run_us;
+      batch_run_tokens_ += static_cast<int64_t>(pass.size());
+    }
+    if (d_.busy_us && d_.runtime->UsesDevice()) d_.busy_us->fetch_add(run_us * turn_width_);
+    run_seconds_->Observe(static_cast<double>(run_us) / 1e6);
+    batches_->Inc();
+    batch_rows_->Observe(static_cast<double>(pass.size()));
+    if (!out.ok()) return out.status();
+    if (out->size() != pass.size())
+      return Internal("model '" + c.name + "' returned " + std::to_string(out->size()) + " results for " +
+                          std::to_string(pass.size()) + " inputs",
+                      "runtime_error");
+    for (auto& r : *out) results.push_back(std::move(r));
   }
-  if (d_.busy_us && d_.runtime->UsesDevice()) d_.busy_us->fetch_add(run_us * turn_width_);
-  run_seconds_->Observe(static_cast<double>(run_us) / 1e6);
-  batches_->Inc();
-  batch_rows_->Observe(static_cast<double>(inputs.size()));
-  if (!out.ok()) return out.status();
-  if (out->size() != inputs.size())
-    return Internal("model '" + c.name + "' returned " + std::to_string(out->size()) + " results for " +
-                        std::to_string(inputs.size()) + " inputs",
-                    "runtime_error");
   replies->assign(work.size(), {});
   for (size_t i = 0; i < work.size(); ++i) {
     auto& r = (*replies)[i];
@@ -825,19 +844,19 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
     r.worker_id = d_.worker_id;
     r.rows = static_cast<int>(work[i]->items.size());
   }
-  for (size_t n = 0; n < out->size(); ++n) {
+  for (size_t n = 0; n < results.size(); ++n) {
     auto& r = (*replies)[owner[n].first];
     if (!r.status.ok()) continue;  // another input of this message failed
-    if (Status own = ParseItemError((*out)[n]); !own.ok()) {
+    if (Status own = ParseItemError(results[n]); !own.ok()) {
       r.status = own;  // only this input's caller gets it
       continue;
     }
     if (c.ItemTask()) {
-      r.items.push_back(std::move((*out)[n]));
+      r.items.push_back(std::move(results[n]));
       continue;
     }
     // A token task served by an item runtime: each result is one row of floats.
-    auto row = wire::DecodeFloatRow((*out)[n]);
+    auto row = wire::DecodeFloatRow(results[n]);
     if (!row.ok() || row->empty() || (r.dim != 0 && static_cast<int>(row->size()) != r.dim) ||
         (c.task == "score" && row->size() != 1))
       return Internal("model '" + c.name + "' returned a malformed row for input " + std::to_string(n) +

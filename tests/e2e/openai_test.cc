@@ -39,6 +39,7 @@ json Chunk(const std::string& content) {
 
 // The scripted upstream: the user's message chooses the behaviour.
 FakeOpenAiServer::Reply Script(const FakeOpenAiServer::Request& r) {
+  if (r.target == "/v1/embeddings") return FakeOpenAiServer::Embeddings(r.body);
   json req = json::parse(r.body, nullptr, false);
   std::string said;
   if (req.contains("messages")) said = req["messages"][0].value("content", "");
@@ -87,6 +88,10 @@ class E2eOpenAi : public ::testing::Test {
     WriteModel(repo_->path(), "remote-chat",
                {{"name", "remote-chat"}, {"task", "generate"}, {"runtime", "openai"},
                 {"openai", {{"base_url", fake_->url() + "/v1"}, {"model", "fake-llm"}, {"timeout_ms", 1000}}}});
+    WriteModel(repo_->path(), "fake-embed",
+               {{"name", "fake-embed"}, {"task", "embed"}, {"runtime", "openai"}, {"dim", 2},
+                {"batching", {{"max_batch_size", 4}}},
+                {"openai", {{"base_url", fake_->url() + "/v1"}}}});
     WriteModel(repo_->path(), "remote-down",
                {{"name", "remote-down"}, {"task", "generate"}, {"runtime", "openai"},
                 {"openai", {{"base_url", "http://127.0.0.1:" + std::to_string(dead_port) + "/v1"}}}});
@@ -161,6 +166,25 @@ TEST_F(E2eOpenAi, EmbeddingsThroughAnotherShoalMatchItsDirectAnswer) {
   ASSERT_EQ(r.status, 200) << r.body;
   auto b64 = DecodeBase64Floats(json::parse(r.body)["data"][0]["embedding"].get<std::string>());
   EXPECT_LT(MaxAbsDiff(b64, direct.rows[0]), 1e-6);
+}
+
+// One queue message carries up to --chunk-size (32) texts; the upstream
+// gets them in requests of at most batching.max_batch_size (4 here).
+TEST_F(E2eOpenAi, EmbeddingsReachTheUpstreamInRequestsOfAtMostMaxBatchSize) {
+  std::vector<std::string> texts;
+  for (int i = 0; i < 10; ++i) texts.push_back("text number " + std::to_string(i));
+  OpenAiEmbeddings got = EmbedOrThrow(gateway_->port, "fake-embed", texts, 60s);
+  ASSERT_EQ(got.rows.size(), texts.size());
+  size_t sent = 0, requests = 0;
+  for (const auto& req : fake_->requests()) {
+    if (req.target != "/v1/embeddings") continue;
+    const json body = json::parse(req.body);
+    EXPECT_LE(body["input"].size(), 4u) << req.body;
+    sent += body["input"].size();
+    ++requests;
+  }
+  EXPECT_EQ(sent, texts.size());
+  EXPECT_EQ(requests, 3u);
 }
 
 TEST_F(E2eOpenAi, ChatAndCompletionsAnswerWithShoalsModelName) {
