@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
@@ -756,25 +757,39 @@ TEST_F(FleetTest, ABacklogOverTheThresholdAddsASecondReplica) {
 namespace shoal {
 namespace {
 
+// Writes a copy of the demo socket-runtime model (tiny-bert-py, its files
+// linked) named `name` into `repo`, its config changed by `adjust` first.
+void WritePythonRuntimeModel(const std::string& repo, const std::string& name,
+                             const std::function<void(json&)>& adjust) {
+  namespace fs = std::filesystem;
+  const fs::path src = fs::path(shoal::testing::ModelsDir()) / "tiny-bert-py";
+  const fs::path dir = fs::path(repo) / name;
+  fs::create_directories(dir);
+  for (const char* f : {"weights.pt", "model.py", "vocab.txt", "shoal_runtime.py"})
+    if (fs::exists(src / f)) fs::create_symlink(src / f, dir / f);
+  std::ifstream in(src / "shoal.json");
+  json config = json::parse(in);
+  config["name"] = name;
+  adjust(config);
+  std::ofstream(dir / "shoal.json") << config.dump(2);
+}
+
+// The command of a misbehaving runtime (tests/data/runtimes/bad_runtime.py).
+json BadRuntimeCommand(const char* mode) {
+  return {"/usr/bin/python3", shoal::testing::SourceDir() + "/tests/data/runtimes/bad_runtime.py", "--mode", mode};
+}
+
 // An out-of-process runtime that dies in the middle of a batch: the batch
 // goes back to the queue, the runtime is restarted, and every caller gets
 // exactly one (correct) answer.
 TEST_F(FleetTest, ABatchInFlightWhenTheRuntimeDiesIsRedelivered) {
   namespace fs = std::filesystem;
-  const fs::path src = fs::path(shoal::testing::ModelsDir()) / "tiny-bert-py";
-  const fs::path dir = fs::path(repo_.path()) / "crashy";
-  fs::create_directories(dir);
-  for (const char* f : {"weights.pt", "model.py", "vocab.txt"}) fs::create_symlink(src / f, dir / f);
-  std::ifstream in(src / "shoal.json");
-  json config = json::parse(in);
   const std::string marker = repo_.path() + "/crashed";
-  config["name"] = "crashy";
-  config["process"]["command"] = {"/usr/bin/python3",
-                                  shoal::testing::SourceDir() + "/tests/data/runtimes/bad_runtime.py", "--mode",
-                                  "crash-once"};
-  config["process"]["env"]["CRASH_MARKER"] = marker;
-  config["process"]["health_interval_ms"] = 100;
-  std::ofstream(dir / "shoal.json") << config.dump(2);
+  WritePythonRuntimeModel(repo_.path(), "crashy", [&](json& config) {
+    config["process"]["command"] = BadRuntimeCommand("crash-once");
+    config["process"]["env"]["CRASH_MARKER"] = marker;
+    config["process"]["health_interval_ms"] = 100;
+  });
   MakeFleetRepository(repo_.path(), {"tiny-a"});  // the same weights on TorchScript, for comparison
 
   WorkerOptions wo = Options();
@@ -802,20 +817,11 @@ TEST_F(FleetTest, ABatchInFlightWhenTheRuntimeDiesIsRedelivered) {
 // which the slow load used up: the peer loads the model and the caller is
 // served, not answered with the first worker's error.
 TEST_F(FleetTest, AModelThatFailedSlowlyOnOneWorkerIsStillLoadedByAnother) {
-  namespace fs = std::filesystem;
   TempDir slow_repo;
-  const fs::path src = fs::path(shoal::testing::ModelsDir()) / "tiny-bert-py";
-  const fs::path dir = fs::path(slow_repo.path()) / "slowfail";
-  fs::create_directories(dir);
-  for (const char* f : {"weights.pt", "model.py", "vocab.txt"}) fs::create_symlink(src / f, dir / f);
-  std::ifstream in(src / "shoal.json");
-  json config = json::parse(in);
-  config["name"] = "slowfail";
-  config["process"]["command"] = {"/usr/bin/python3",
-                                  shoal::testing::SourceDir() + "/tests/data/runtimes/bad_runtime.py", "--mode",
-                                  "silent"};
-  config["process"]["start_timeout_ms"] = 2500;
-  std::ofstream(dir / "shoal.json") << config.dump(2);
+  WritePythonRuntimeModel(slow_repo.path(), "slowfail", [](json& config) {
+    config["process"]["command"] = BadRuntimeCommand("silent");
+    config["process"]["start_timeout_ms"] = 2500;
+  });
   MakeFleetRepository(repo_.path(), {"slowfail"});  // a good copy (TorchScript) for the other worker
 
   WorkerOptions slow_opts = Options();
@@ -850,28 +856,21 @@ namespace {
 // failed, and callers get model_load_failed (502).
 TEST_F(FleetTest, ARuntimeThatWillNotRestartFailsTheModelAndItsCallers) {
   namespace fs = std::filesystem;
-  const fs::path src = fs::path(shoal::testing::ModelsDir()) / "tiny-bert-py";
-  const fs::path dir = fs::path(repo_.path()) / "once";
-  fs::create_directories(dir);
-  for (const char* f : {"weights.pt", "model.py", "vocab.txt", "shoal_runtime.py"}) {
-    if (fs::exists(src / f)) fs::create_symlink(src / f, dir / f);
-  }
   const std::string pid_file = repo_.path() + "/runtime.pid", mark = repo_.path() + "/started";
+  const std::string script = repo_.path() + "/once.sh";
   // Starts the real runtime the first time only, and records its pid.
-  std::ofstream(dir / "once.sh") << "#!/bin/sh\nif [ -e \"$SHOAL_TEST_MARK\" ]; then exit 3; fi\n"
-                                    "touch \"$SHOAL_TEST_MARK\"\necho $$ > \"$SHOAL_TEST_PID\"\nexec \"$@\"\n";
-  std::ifstream in(src / "shoal.json");
-  json config = json::parse(in);
-  config["name"] = "once";
-  json command = json::array({"/bin/sh", (dir / "once.sh").string()});
-  for (const auto& part : config["process"]["command"]) command.push_back(part);
-  config["process"]["command"] = command;
-  config["process"]["env"]["SHOAL_TEST_MARK"] = mark;
-  config["process"]["env"]["SHOAL_TEST_PID"] = pid_file;
-  config["process"]["health_interval_ms"] = 100;
-  config["process"]["max_restart_backoff_ms"] = 200;
-  config["process"]["max_failed_starts"] = 2;
-  std::ofstream(dir / "shoal.json") << config.dump(2);
+  std::ofstream(script) << "#!/bin/sh\nif [ -e \"$SHOAL_TEST_MARK\" ]; then exit 3; fi\n"
+                           "touch \"$SHOAL_TEST_MARK\"\necho $$ > \"$SHOAL_TEST_PID\"\nexec \"$@\"\n";
+  WritePythonRuntimeModel(repo_.path(), "once", [&](json& config) {
+    json command = json::array({"/bin/sh", script});
+    for (const auto& part : config["process"]["command"]) command.push_back(part);
+    config["process"]["command"] = command;
+    config["process"]["env"]["SHOAL_TEST_MARK"] = mark;
+    config["process"]["env"]["SHOAL_TEST_PID"] = pid_file;
+    config["process"]["health_interval_ms"] = 100;
+    config["process"]["max_restart_backoff_ms"] = 200;
+    config["process"]["max_failed_starts"] = 2;
+  });
 
   Member m = Start(Options());
   ASSERT_NE(m.worker, nullptr);

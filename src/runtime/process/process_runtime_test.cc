@@ -203,23 +203,28 @@ TEST(ProcessRuntime, RuntimesThatFailToStartFailTheLoadQuickly) {
   }
 }
 
+// PythonModel() started through a shell script in `dir`: `body` runs first,
+// then `exec "$@"` starts the real runtime.
+ModelConfig WrappedPythonModel(const std::string& dir, const std::string& body) {
+  const std::string script = dir + "/wrap.sh";
+  std::ofstream(script) << "#!/bin/sh\n" << body << "exec \"$@\"\n";
+  ModelConfig m = PythonModel();
+  std::vector<std::string> command = {"/bin/sh", script};
+  command.insert(command.end(), m.process.command.begin(), m.process.command.end());
+  m.process.command = command;
+  return m;
+}
+
 // A runtime that started once and then cannot start again (its interpreter
 // or model went away) is not restarted forever: after max_failed_starts
 // failed starts in a row it gives up, and Health() says why.
 TEST(ProcessRuntime, GivesUpAfterMaxFailedStartsInARow) {
   std::string dir = (std::filesystem::temp_directory_path() / "shoal-giveup-XXXXXX").string();
   ASSERT_NE(::mkdtemp(dir.data()), nullptr);
-  const std::string script = dir + "/once.sh", mark = dir + "/started";
-  {
-    std::ofstream out(script);
-    out << "#!/bin/sh\nif [ -e \"$SHOAL_TEST_MARK\" ]; then echo 'gone' >&2; exit 3; fi\n"
-           "touch \"$SHOAL_TEST_MARK\"\nexec \"$@\"\n";
-  }
-  ModelConfig m = PythonModel();
+  const std::string mark = dir + "/started";
+  ModelConfig m = WrappedPythonModel(
+      dir, "if [ -e \"$SHOAL_TEST_MARK\" ]; then echo 'gone' >&2; exit 3; fi\ntouch \"$SHOAL_TEST_MARK\"\n");
   m.process.max_failed_starts = 3;
-  std::vector<std::string> command = {"/bin/sh", script};
-  command.insert(command.end(), m.process.command.begin(), m.process.command.end());
-  m.process.command = command;
   m.process.env.emplace_back("SHOAL_TEST_MARK", mark);
   ProcessRuntime rt;
   ASSERT_TRUE(rt.Load(m).ok());
@@ -253,12 +258,7 @@ bool Gone(pid_t pid) {
 TEST(ProcessRuntime, ADeadRuntimesGroupIsKilledAndItsEnvWins) {
   std::string dir = (std::filesystem::temp_directory_path() / "shoal-group-XXXXXX").string();
   ASSERT_NE(::mkdtemp(dir.data()), nullptr);
-  const std::string script = dir + "/spawn.sh", child_file = dir + "/child";
-  {
-    std::ofstream out(script);
-    out << "#!/bin/sh\nsleep 600 &\necho $! > \"$SHOAL_TEST_CHILD\"\n"
-           "exec \"$@\"\n";
-  }
+  const std::string child_file = dir + "/child";
   {
     // The environment the runtime was started with (what getenv() reads,
     // first match wins): the config's value, and the name once.
@@ -274,10 +274,7 @@ TEST(ProcessRuntime, ADeadRuntimesGroupIsKilledAndItsEnvWins) {
       if (entry.rfind("SHOAL_TEST_WHO=", 0) == 0) who.push_back(entry);
     EXPECT_EQ(who, std::vector<std::string>{"SHOAL_TEST_WHO=config"});
   }
-  ModelConfig m = PythonModel();
-  std::vector<std::string> command = {"/bin/sh", script};
-  command.insert(command.end(), m.process.command.begin(), m.process.command.end());
-  m.process.command = command;
+  ModelConfig m = WrappedPythonModel(dir, "sleep 600 &\necho $! > \"$SHOAL_TEST_CHILD\"\n");
   m.process.env = {{"SHOAL_TEST_CHILD", child_file}};
   ProcessRuntime rt;
   ASSERT_TRUE(rt.Load(m).ok());
