@@ -1,5 +1,6 @@
 #include "wire/work_message.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include <msgpack.hpp>
@@ -175,8 +176,11 @@ Result<WorkBody> DecodeWorkBody(std::string_view data) {
         RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::ARRAY, "inputs"));
         have_inputs = true;
         const auto& arr = kv.val.via.array;
-        if (arr.size > kMaxInputsPerMessage)
-          return InvalidArgument("wire: " + std::to_string(arr.size) + " inputs in one message (at most " +
+        // Counted with any earlier "inputs" of the same map (a repeated key
+        // appends).
+        const size_t before = b.texts.size() + b.token_ids.size() + b.items.size();
+        if (arr.size > kMaxInputsPerMessage - std::min(before, kMaxInputsPerMessage))
+          return InvalidArgument("wire: " + std::to_string(before + arr.size) + " inputs in one message (at most " +
                                      std::to_string(kMaxInputsPerMessage) + ")",
                                  "too_many_inputs");
         for (uint32_t j = 0; j < arr.size; ++j) {

@@ -173,6 +173,19 @@ TEST(WorkBody, RefusesMoreInputsThanAMessageMayCarry) {
   b.texts.clear();
   b.token_ids.assign(kMaxInputsPerMessage + 1, {1});
   EXPECT_EQ(DecodeWorkBody(EncodeWorkBody(b)).status().reason(), "too_many_inputs");
+  // {model: "m", inputs: [4,096 x ""], inputs: [1 x ""]}: a repeated key
+  // appends, and the bound counts both.
+  std::string twice = "\x83\xa5model\xa1m\xa6inputs\xdc";
+  twice += '\x10';  // array16 of 0x1000
+  twice += '\0';
+  twice += std::string(kMaxInputsPerMessage, '\xa0') + "\xa6inputs\x91\xa0";
+  d = DecodeWorkBody(twice);
+  EXPECT_EQ(d.status().reason(), "too_many_inputs") << d.status().ToString();
+  twice.resize(twice.size() - 2);
+  twice += '\x90';  // the second list empty: 4,096 in all
+  d = DecodeWorkBody(twice);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->texts.size(), kMaxInputsPerMessage);
 }
 
 TEST(WorkBody, RejectsMissingModel) {

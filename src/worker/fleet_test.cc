@@ -826,8 +826,8 @@ TEST_F(FleetTest, AModelThatFailedSlowlyOnOneWorkerIsStillLoadedByAnother) {
 
   WorkerOptions slow_opts = Options();
   slow_opts.model_repository = slow_repo.path();
-  slow_opts.heartbeat_interval_ms = 1000;  // a grace of 1.1 s
-  slow_opts.heartbeat_ttl_ms = 4000;
+  slow_opts.heartbeat_interval_ms = 2000;  // a grace of 2.1 s for the good worker to claim it
+  slow_opts.heartbeat_ttl_ms = 8000;
   slow_opts.retry_failed_after_ms = 600000;
   Member slow = Start(slow_opts);
   ASSERT_NE(slow.worker, nullptr);

@@ -290,6 +290,12 @@ bool ModelManager::LargerThanBudget(const std::string& name) const {
   return budget > 0 && EstimateLocked(*e) > budget;
 }
 
+int64_t ModelManager::FootprintBytes(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Entry* e = Find(name);
+  return e == nullptr ? 0 : EstimateLocked(*e);
+}
+
 bool ModelManager::FitsWithoutEvictionLocked(const Entry& e) const {
   const int64_t need = EstimateLocked(e);
   const int64_t budget = Budget(e.pool);

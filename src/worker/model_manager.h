@@ -218,6 +218,8 @@ class ModelManager {
   // Whether `name` is larger (by its last measurement, else its estimate)
   // than the whole budget of its pool: it cannot load here at all.
   bool LargerThanBudget(const std::string& name) const;
+  // That size of `name` in bytes; 0 when unknown.
+  int64_t FootprintBytes(const std::string& name) const;
   // Loads `name` (blocking) only as far as it fits without evicting: when
   // its estimate fits, and, once its footprint is measured, when that
   // still fits; if not, it is unloaded again and nothing else is. For

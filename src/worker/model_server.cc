@@ -13,6 +13,9 @@ namespace {
 
 // Work handed back because the runtime was unavailable comes back after this.
 constexpr int64_t kRedeliverDelayMs = 250;
+// How long a message run on its own waits for an out-of-process runtime to
+// come back from a restart before it is handed back instead.
+constexpr int64_t kRuntimeBackWaitMs = 5000;
 
 bool ParseInt(std::string_view s, int64_t* out) {
   if (s.empty()) return false;
@@ -184,6 +187,7 @@ void ModelServer::Release(std::vector<std::unique_ptr<PendingWork>> work, const 
     if (w->delivery.is_core() || static_cast<int64_t>(w->delivery.NumDelivered()) >= d_.max_deliver) {
       Fail(w->delivery, w->headers, last_chance);
     } else {
+      if (d_.progress != nullptr) d_.progress->Forget(w->delivery.AckSubject());
       (void)w->delivery.Nak(delay_ms);
       handed_back_->Inc();
     }
@@ -640,9 +644,28 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
   std::vector<std::unique_ptr<PendingWork>> fresh, again;
   for (auto& w : live) (suspect(*w) ? again : fresh).push_back(std::move(w));
   if (!fresh.empty()) RunLive(std::move(fresh));
-  for (auto& w : again) {
+  RunEachAlone(std::move(again));
+}
+
+void ModelServer::RunEachAlone(std::vector<std::unique_ptr<PendingWork>> work) {
+  for (size_t i = 0; i < work.size(); ++i) {
+    // One of them may have just taken an out-of-process runtime down: the
+    // next runs once it is back, not into its restart (which would hand
+    // it back and use up one of its deliveries for another's crash).
+    const int64_t until_us = d_.clock->NowMonoUs() + kRuntimeBackWaitMs * 1000;
+    while (!d_.runtime->Available() && !stop_ && d_.clock->NowMonoUs() < until_us)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (!d_.runtime->Available()) {
+      std::vector<std::unique_ptr<PendingWork>> rest(std::make_move_iterator(work.begin() + static_cast<std::ptrdiff_t>(i)),
+                                                     std::make_move_iterator(work.end()));
+      Release(std::move(rest),
+              Unavailable("model '" + d_.config.name + "' runtime was unavailable on every delivery of this work",
+                          "runtime_unavailable"),
+              kRedeliverDelayMs);
+      return;
+    }
     std::vector<std::unique_ptr<PendingWork>> one;
-    one.push_back(std::move(w));
+    one.push_back(std::move(work[i]));
     RunLive(std::move(one));
   }
 }
@@ -714,12 +737,7 @@ void ModelServer::RunLive(std::vector<std::unique_ptr<PendingWork>> live) {
         // each message on its own, so the others still get their answers.
         LOG_WARN("worker", c.name << ": " << out.status().ToString() << "; running the batch's " << live.size()
                                   << " messages one by one");
-        for (auto& w : live) {
-          std::vector<std::unique_ptr<PendingWork>> one;
-          one.push_back(std::move(w));
-          RunLive(std::move(one));
-        }
-        return;
+        return RunEachAlone(std::move(live));
       }
       failure = Status(StatusCode::kInternal, "model '" + c.name + "' failed: " + out.status().message(),
                        "runtime_error");
@@ -884,15 +902,11 @@ void ModelServer::RunItemBatch(std::vector<std::unique_ptr<PendingWork>> live) {
     return;
   }
   const int code = HttpStatusFor(s.code());
-  if (!s.ok() && code >= 400 && code < 500 && live.size() > 1) {
-    // One caller's bad input (an undecodable image) must not fail the
-    // others batched with it: rerun each message on its own.
-    for (auto& w : live) {
-      std::vector<std::unique_ptr<PendingWork>> one;
-      one.push_back(std::move(w));
-      RunItemBatch(std::move(one));
-    }
-    return;
+  if (!s.ok() && ((code >= 400 && code < 500) || s.code() == StatusCode::kInternal) && live.size() > 1) {
+    // One caller's bad input (an undecodable image, one the model fails
+    // on) must not fail the others batched with it: rerun each message on
+    // its own.
+    return RunEachAlone(std::move(live));
   }
   if (!s.ok() && s.code() == StatusCode::kInternal)
     s = Status(StatusCode::kInternal, "model '" + c.name + "' failed: " + s.message(),

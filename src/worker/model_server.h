@@ -161,6 +161,9 @@ class ModelServer final : public ModelAttachment {
   void RunBatch(std::vector<std::unique_ptr<PendingWork>> batch);
   // Runs messages that are still within their deadlines, answers each.
   void RunLive(std::vector<std::unique_ptr<PendingWork>> live);
+  // RunLive for each message on its own, each once the runtime is
+  // available (up to a few seconds; else the rest is handed back).
+  void RunEachAlone(std::vector<std::unique_ptr<PendingWork>> work);
   // Item work (TakesItems runtimes): whole inputs, no tokenizer.
   Result<std::unique_ptr<PendingWork>> PrepareItems(wire::WorkBody body) const;
   void RunItemBatch(std::vector<std::unique_ptr<PendingWork>> live);

@@ -31,6 +31,12 @@ ProgressKeeper::Watch ProgressKeeper::Start(std::vector<std::string> ack_subject
   return Watch(this, id);
 }
 
+void ProgressKeeper::Forget(const std::string& ack_subject) {
+  if (ack_subject.empty()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, subjects] : watched_) std::erase(subjects, ack_subject);
+}
+
 void ProgressKeeper::Stop(uint64_t id) {
   std::lock_guard<std::mutex> lock(mu_);
   watched_.erase(id);

@@ -49,6 +49,10 @@ class ProgressKeeper {
   };
   // Empty subjects (work pushed outside the stream) are skipped.
   Watch Start(std::vector<std::string> ack_subjects);
+  // Stops the notes for one message whatever watches it: one handed back
+  // to the queue (a progress note would hold off its redelivery until
+  // AckWait) while the rest of its batch still runs.
+  void Forget(const std::string& ack_subject);
 
   // Progress notes sent so far (for tests and metrics).
   uint64_t notes_sent() const;

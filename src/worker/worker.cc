@@ -595,8 +595,9 @@ const std::map<std::string, std::vector<Worker::PeerModel>>& Worker::Peers(bool 
     if (!value.ok()) continue;  // expired between Keys and Get
     try {
       json j = json::parse(*value);
+      const int64_t budget = j.value("memory_budget_bytes", int64_t{0});
       for (const json& m : j.value("models", json::array())) {
-        peers[m.value("name", "")].push_back({key, m.value("state", "")});
+        peers[m.value("name", "")].push_back({key, m.value("state", ""), budget});
       }
     } catch (const std::exception& e) {
       LOG_WARN("worker", "unreadable heartbeat of " << key << ": " << e.what());
@@ -846,7 +847,7 @@ void Worker::PollDemand() {
                !kv.second.pinned;
       });
       Status answer;
-      if (manager_->LargerThanBudget(c.model)) {
+      if (manager_->LargerThanBudget(c.model) && !PeerMayFit(c.model)) {
         answer = s;
       } else if (Status failed = manager_->LoadError(c.model); !failed.ok() && only_pinned) {
         answer = failed;
@@ -862,6 +863,15 @@ bool Worker::ServedByPeer(const std::map<std::string, std::vector<PeerModel>>& p
   if (it == peers.end()) return false;
   return std::any_of(it->second.begin(), it->second.end(),
                      [](const PeerModel& p) { return p.state == "loaded" || p.state == "loading"; });
+}
+
+bool Worker::PeerMayFit(const std::string& model) {
+  const int64_t need = manager_->FootprintBytes(model);
+  const auto& peers = Peers(true);
+  const auto it = peers.find(model);
+  return it != peers.end() && std::any_of(it->second.begin(), it->second.end(), [&](const PeerModel& p) {
+           return p.memory_budget_bytes == 0 || p.memory_budget_bytes >= need;
+         });
 }
 
 bool Worker::AnotherMayLoad(const std::string& model, int64_t now_ms) {

@@ -206,6 +206,7 @@ class Worker {
   struct PeerModel {
     std::string worker;
     std::string state;
+    int64_t memory_budget_bytes = 0;  // the peer's; 0: unlimited
   };
 
   Worker() = default;
@@ -243,6 +244,9 @@ class Worker {
   // first call for this model since it was last loaded here. Reads the
   // registry. Demand thread.
   bool AnotherMayLoad(const std::string& model, int64_t now_ms);
+  // Whether a live peer that has `model` has a memory budget it would fit
+  // (by this worker's measurement or estimate of it). Reads the registry.
+  bool PeerMayFit(const std::string& model);
   // Answers the work waiting for a model that failed to load here with
   // its load error (terminal), at most `max` messages.
   void DrainFailed(const std::string& model, const Status& error, int max);

@@ -26,23 +26,30 @@ using shoal::testing::ModelsDir;
 using shoal::testing::TestNatsServer;
 
 // Wraps the real runtime; fails any batch that contains token id 999, goes
-// away (as a crashed out-of-process runtime does) on one that contains 997
-// and takes 3.5 s over one that contains 998.
+// away for 300 ms (as a crashed out-of-process runtime does while it
+// restarts) on one that contains 997, and takes 3.5 s over one that
+// contains 998.
 class FailingRuntime : public shoal::testing::ForwardingRuntime {
  public:
   FailingRuntime(std::unique_ptr<Runtime> inner, std::atomic<int>* runs) : ForwardingRuntime(std::move(inner)), runs_(runs) {}
   Result<Embeddings> Run(const TokenBatch& b) override {
     ++*runs_;
+    if (!Available()) return Unavailable("restarting");
     for (int64_t id : b.input_ids) {
       if (id == 999) return Internal("injected failure");
-      if (id == 997) return Unavailable("injected crash");
+      if (id == 997) {
+        down_until_us_ = SystemClock::Get()->NowMonoUs() + 300'000;
+        return Unavailable("injected crash");
+      }
       if (id == 998) std::this_thread::sleep_for(std::chrono::milliseconds(3500));
     }
     return inner().Run(b);
   }
+  bool Available() const override { return SystemClock::Get()->NowMonoUs() >= down_until_us_; }
 
  private:
   std::atomic<int>* runs_;
+  std::atomic<int64_t> down_until_us_{0};
 };
 
 class WorkerTest : public ::testing::Test {
@@ -198,15 +205,22 @@ TEST_F(WorkerTest, OneCallersBadInputDoesNotFailTheOthersInItsBatch) {
       j.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 30000;
       return j;
     };
-    auto poisoned = std::async(std::launch::async, [&] { return Submit(job({7592, bad})); });
-    auto fine = std::async(std::launch::async, [&] { return Submit(job({7592, 2088})); });
+    // The bad one first in the stream, so it also runs first when each
+    // runs alone: the other must then wait for the runtime to come back,
+    // not be handed back into its restart.
     auto consumer = PullConsumer::Create(*client_, "SHOAL_WORK", wire::WorkSubject("tiny-bert"),
                                          wire::ConsumerName("tiny-bert"), ConsumerOptions{});
     ASSERT_TRUE(consumer.ok()) << consumer.status().ToString();
-    ASSERT_TRUE(shoal::testing::Eventually([&] {
-      auto n = (*consumer)->NumPending();
-      return n.ok() && *n == 2;
-    }, std::chrono::seconds(10)));
+    const auto pending = [&](uint64_t want) {
+      return shoal::testing::Eventually([&] {
+        auto n = (*consumer)->NumPending();
+        return n.ok() && *n == want;
+      }, std::chrono::seconds(10));
+    };
+    auto poisoned = std::async(std::launch::async, [&] { return Submit(job({7592, bad})); });
+    ASSERT_TRUE(pending(1));
+    auto fine = std::async(std::launch::async, [&] { return Submit(job({7592, 2088})); });
+    ASSERT_TRUE(pending(2));
     ASSERT_NO_FATAL_FAILURE(StartWorker());
     auto good = fine.get();
     EXPECT_TRUE(good.ok()) << good.status().ToString();
