@@ -164,6 +164,10 @@ void WordPieceTokenizer::ForEachId(std::string_view text, Sink& sink) const {
     const WordPieceTokenizer* self;
     Sink* out;
     std::vector<int32_t> pieces;
+    size_t long_piece_chars() const override {
+      return static_cast<size_t>(self->options_.max_input_chars_per_word);
+    }
+    void OnLongPiece(size_t) override { out->Add(self->unk_id_); }
     void OnPiece(std::string_view utf8,
                  std::span<const uint32_t> bounds) override {
       const size_t chars = bounds.size() - 1;

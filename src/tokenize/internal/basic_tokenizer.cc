@@ -80,6 +80,8 @@ void BasicTokenizer::FlushWord(bool ascii, Scratch* scratch, PieceSink* sink) co
 void BasicTokenizer::Emit(const char32_t* begin, const char32_t* end,
                           Scratch* scratch, PieceSink* sink) {
   if (begin == end) return;
+  const size_t chars = static_cast<size_t>(end - begin);
+  if (const size_t limit = sink->long_piece_chars(); limit > 0 && chars > limit) return sink->OnLongPiece(chars);
   scratch->utf8.clear();
   scratch->boundaries.clear();
   for (const char32_t* p = begin; p != end; ++p) {

@@ -29,6 +29,12 @@ class PieceSink {
   // the piece has code points. Both views are valid only during the call.
   virtual void OnPiece(std::string_view utf8,
                        std::span<const uint32_t> boundaries) = 0;
+  // Pieces of more code points than this (0: no bound) reach OnLongPiece
+  // instead, with their length only. A sink with no use for their text
+  // (WordPiece makes any piece over max_input_chars_per_word one [UNK])
+  // spares building it: 5 bytes per character, 1.25 GiB for a 256 MiB word.
+  virtual size_t long_piece_chars() const { return 0; }
+  virtual void OnLongPiece(size_t chars) { (void)chars; }
 };
 
 class BasicTokenizer {

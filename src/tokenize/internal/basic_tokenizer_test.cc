@@ -45,6 +45,20 @@ TEST(BasicTokenizer, ReportsCodePointBoundaries) {
   EXPECT_EQ(recorder.bounds[3], (std::vector<uint32_t>{0, 1}));
 }
 
+// A sink that bounds piece length gets longer pieces as a length only
+// (their text is never built), in order with the others.
+TEST(BasicTokenizer, PiecesOverTheSinksBoundArriveAsALengthOnly) {
+  struct Bounded : PieceSink {
+    std::vector<std::string> seen;
+    size_t long_piece_chars() const override { return 3; }
+    void OnLongPiece(size_t chars) override { seen.push_back("<" + std::to_string(chars) + ">"); }
+    void OnPiece(std::string_view utf8, std::span<const uint32_t>) override { seen.emplace_back(utf8); }
+  } sink;
+  BasicTokenizer basic(BasicTokenizerOptions{});
+  basic.Split("abc abcd,\u00e9\u00e9\u00e9\u00e9 x", &sink);
+  EXPECT_EQ(sink.seen, (std::vector<std::string>{"abc", "<4>", ",", "<4>", "x"}));
+}
+
 TEST(BasicTokenizer, StripsAccentsWithoutLowercasing) {
   BasicTokenizer basic(BasicTokenizerOptions{.lowercase = false, .strip_accents = true});
   EXPECT_EQ(basic.SplitToStrings("Caf\u00e9 \u00c5NGSTR\u00d6M"), (Pieces{"Cafe", "ANGSTROM"}));
