@@ -652,8 +652,9 @@ void ModelServer::RunEachAlone(std::vector<std::unique_ptr<PendingWork>> work) {
     // One of them may have just taken an out-of-process runtime down: the
     // next runs once it is back, not into its restart (which would hand
     // it back and use up one of its deliveries for another's crash).
-    const int64_t until_us = d_.clock->NowMonoUs() + kRuntimeBackWaitMs * 1000;
-    while (!d_.runtime->Available() && !stop_ && d_.clock->NowMonoUs() < until_us)
+    // Real time (it sleeps), whatever clock the server was given.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(kRuntimeBackWaitMs);
+    while (!d_.runtime->Available() && !stop_ && std::chrono::steady_clock::now() < until)
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     if (!d_.runtime->Available()) {
       std::vector<std::unique_ptr<PendingWork>> rest(std::make_move_iterator(work.begin() + static_cast<std::ptrdiff_t>(i)),
