@@ -233,17 +233,13 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
   // NATS refuses a message over the server's max_payload, headers
   // included: such a message goes to the blob store whatever its threshold
   // says, and without a store the request is too large for this cluster.
-  const int64_t max_body = client_->MaxBodyBytes();
-  const auto over_max = [max_body](const Chunk& ch) {
-    return max_body > 0 && static_cast<int64_t>(ch.data.size()) > max_body;
-  };
   if (!offload_) {
     for (const Chunk& ch : chunks)
-      if (over_max(ch))
+      if (!client_->BodyFits(ch.data.size()))
         return done(Status(StatusCode::kPayloadTooLarge,
                            "a work message of this request would take " + std::to_string(ch.data.size()) +
                                " bytes, more than the NATS server's max_payload leaves for a body (" +
-                               std::to_string(max_body) +
+                               std::to_string(client_->MaxBodyBytes()) +
                                "); send fewer or smaller inputs, or give the gateway a blob store (--blob-store)",
                            "message_too_large"));
   }
@@ -287,7 +283,7 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
 
   const std::string deadline = std::to_string(deadline_unix_ms);
   for (int c = 0; c < count; ++c) {
-    if (offload_ && (offload_->ShouldOffload(chunks[c].data.size()) || over_max(chunks[c]))) {
+    if (offload_ && (offload_->ShouldOffload(chunks[c].data.size()) || !client_->BodyFits(chunks[c].data.size()))) {
       // The put blocks on file or network I/O: never on this thread (an
       // HTTP event loop). The message follows once the blob is stored.
       const int64_t estimate = chunks[c].estimate;

@@ -95,6 +95,11 @@ class NatsClient {
   // PayloadTooLarge "message_too_large".
   static constexpr int64_t kHeaderRoom = 4096;
   int64_t MaxBodyBytes() const;
+  // Whether a body of `bytes` fits one message (true while unknown).
+  bool BodyFits(size_t bytes) const {
+    const int64_t max = MaxBodyBytes();
+    return max <= 0 || static_cast<int64_t>(bytes) <= max;
+  }
   // Core-NATS publish of a prepared message (headers allowed). Non-blocking.
   Status PublishMsg(natsMsg* msg);
   Status Publish(std::string_view subject, std::string_view data);

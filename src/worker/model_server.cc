@@ -198,9 +198,8 @@ Status ModelServer::Reply(const wire::WorkReply& reply, const std::string& reply
   std::string encoded = wire::EncodeWorkReply(reply);
   // NATS refuses a body over what max_payload leaves (headers included):
   // that goes by reference whatever the threshold says.
-  const int64_t max_body = d_.client->MaxBodyBytes();
-  const bool over_max = max_body > 0 && static_cast<int64_t>(encoded.size()) > max_body;
-  if (d_.blob && (d_.blob->ShouldOffload(encoded.size()) || over_max)) return ReplyByRef(encoded, reply, reply_to);
+  if (d_.blob && (d_.blob->ShouldOffload(encoded.size()) || !d_.client->BodyFits(encoded.size())))
+    return ReplyByRef(encoded, reply, reply_to);
   Status s = d_.client->Publish(reply_to, encoded);
   if (!s.ok()) LOG_WARN("worker", "reply to " << reply_to << " failed: " << s.ToString());
   return s;

@@ -6,18 +6,21 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/bounded_json.h"
+
 namespace shoal::cli::internal {
 
 namespace {
 
 using json = nlohmann::json;
 
-// A gateway answer as JSON, discarded when it is not JSON. Values nested
-// deeper than 64 are left out: quoting an answer (dump) recurses once per
-// level, and one nested a million deep would overflow the stack.
+// A gateway answer as JSON, discarded when it is not JSON or is nested
+// deeper than 64 (quoting an answer, dump, recurses once per level: one
+// nested a million deep would overflow the stack).
 json ParseAnswer(std::string_view body) {
-  return json::parse(body, [](int depth, json::parse_event_t, json&) { return depth <= 64; },
-                     /*allow_exceptions=*/false);
+  json j;
+  if (!ParseBoundedJson(body, "the answer", JsonBounds{}, &j).ok()) return json(json::value_t::discarded);
+  return j;
 }
 
 Status BadAnswer(const std::string& what, const std::string& why) {

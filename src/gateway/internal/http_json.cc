@@ -10,6 +10,7 @@
 
 #include <msgpack.hpp>
 
+#include "common/bounded_json.h"
 #include "common/utf8.h"
 
 namespace shoal::internal {
@@ -71,11 +72,6 @@ HttpResponse JsonResponse(int status, std::string body) {
 }
 
 namespace {
-
-// Thrown from the JSON parser's callback to stop it.
-struct StopParse {
-  Status status;
-};
 
 Status TooManyValuesError(const char* format) {
   return Status(StatusCode::kPayloadTooLarge, std::string("request body has more than ") +
@@ -146,32 +142,7 @@ struct MsgpackBodyCheck : msgpack::null_visitor {
 }  // namespace
 
 Status ParseJsonObject(const std::string& text, json* out) {
-  try {
-    uint64_t values = 0;
-    int depth = 0;
-    *out = json::parse(text, [&](int, json::parse_event_t event, json&) {
-      switch (event) {
-        case json::parse_event_t::object_start:
-        case json::parse_event_t::array_start:
-          if (++depth > kMaxRequestDepth) throw StopParse{TooDeepError("JSON")};
-          [[fallthrough]];
-        case json::parse_event_t::value:
-          if (++values > kMaxRequestValues) throw StopParse{TooManyValuesError("JSON")};
-          break;
-        case json::parse_event_t::object_end:
-        case json::parse_event_t::array_end:
-          --depth;
-          break;
-        case json::parse_event_t::key:
-          break;
-      }
-      return true;
-    });
-  } catch (const StopParse& stop) {
-    return stop.status;
-  } catch (const json::exception& e) {
-    return InvalidArgument(std::string("request body is not valid JSON: ") + e.what(), "invalid_json");
-  }
+  RETURN_IF_ERROR(ParseBoundedJson(text, "request body", {kMaxRequestDepth, kMaxRequestValues}, out));
   if (!out->is_object()) return InvalidArgument("request body must be a JSON object", "invalid_json");
   return Status::Ok();
 }

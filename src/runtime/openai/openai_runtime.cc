@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/bounded_json.h"
 #include "common/json_text.h"
 #include "runtime/openai/sse_parser.h"
 
@@ -36,22 +37,12 @@ constexpr uint64_t kMaxAnswerValues = uint64_t{1} << 25;
 // BadUpstream when it is not one or passes the bounds above. `what` names
 // it in the message ("/embeddings", "a stream event").
 Result<json> ParseAnswer(std::string_view text, const std::string& what) {
-  uint64_t values = 0;
-  bool over = false;
-  json doc = json::parse(
-      text,
-      [&](int depth, json::parse_event_t event, json&) {
-        if (event == json::parse_event_t::key || event == json::parse_event_t::object_end ||
-            event == json::parse_event_t::array_end)
-          return !over;
-        if (depth > kMaxAnswerDepth || ++values > kMaxAnswerValues) over = true;
-        return !over;
-      },
-      /*allow_exceptions=*/false);
-  if (over)
+  json doc;
+  const Status st = ParseBoundedJson(text, "the answer", {kMaxAnswerDepth, kMaxAnswerValues}, &doc);
+  if (st.reason() == "nesting_too_deep" || st.reason() == "too_many_values")
     return BadUpstream(what + " nested deeper than " + std::to_string(kMaxAnswerDepth) + " levels or holding more than " +
                        std::to_string(kMaxAnswerValues) + " values");
-  if (doc.is_discarded() || !doc.is_object()) return BadUpstream(what + " that is not a JSON object");
+  if (!st.ok() || !doc.is_object()) return BadUpstream(what + " that is not a JSON object");
   return doc;
 }
 
