@@ -337,6 +337,29 @@ std::vector<std::string> Worker::LoadedModels() const {
   return out;
 }
 
+Result<std::unique_ptr<PullConsumer>> Worker::CreateConsumer(const std::string& model) {
+  // A JetStream API call that times out or finds NATS away (a restart, a
+  // leader election) says nothing about the model: failing its load would
+  // keep it failed for retry_failed_after_ms. Real time, not clock_: a fake
+  // clock in a test would never end the wait.
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(kConsumerRetryMs);
+  int64_t delay_ms = 100;
+  while (true) {
+    auto consumer = PullConsumer::Create(*client_, options_.stream.name, wire::WorkSubject(model),
+                                         wire::ConsumerName(model), options_.consumer);
+    if (consumer.ok()) return consumer;
+    const Status& s = consumer.status();
+    const bool transient = (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) &&
+                           s.reason() != "jetstream_unavailable";
+    if (!transient || stop_ || std::chrono::steady_clock::now() + std::chrono::milliseconds(delay_ms) >= give_up)
+      return s;
+    LOG_WARN("worker", "creating the consumer of " << model << ": " << s.ToString() << "; trying again in "
+                                                     << delay_ms << " ms");
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    delay_ms = std::min<int64_t>(delay_ms * 2, 2000);
+  }
+}
+
 Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config) {
   ASSIGN_OR_RETURN(auto runtime, options_.runtime_factory ? options_.runtime_factory(config)
                                                           : CreateRuntime(config.runtime));
@@ -397,8 +420,7 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   // the server delivered to it since is this load's first work.
   std::unique_ptr<PullConsumer> consumer = park_->Take(c.name);
   if (!consumer) {
-    ASSIGN_OR_RETURN(consumer, PullConsumer::Create(*client_, options_.stream.name, wire::WorkSubject(c.name),
-                                                    wire::ConsumerName(c.name), options_.consumer));
+    ASSIGN_OR_RETURN(consumer, CreateConsumer(c.name));
   }
   const int64_t t_consumer = clock_->NowMonoUs();
   auto m = std::make_unique<LoadedModel>();

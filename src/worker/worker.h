@@ -211,6 +211,10 @@ class Worker {
 
   Worker() = default;
   Result<std::unique_ptr<struct LoadedModel>> LoadModel(const ModelConfig& config);
+  // The model's pull consumer; transient NATS errors (timeouts, a lost
+  // connection) are retried for up to kConsumerRetryMs.
+  Result<std::unique_ptr<PullConsumer>> CreateConsumer(const std::string& model);
+  static constexpr int64_t kConsumerRetryMs = 30000;
   void HeartbeatLoop();
   void PublishHeartbeat();
   std::string HeartbeatJson() const;

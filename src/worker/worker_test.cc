@@ -2,6 +2,7 @@
 // Worker (tiny-bert on libtorch) and the gateway's Dispatcher in-process.
 #include "worker/worker.h"
 
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -425,6 +426,39 @@ TEST_F(WorkerTest, ADeviceThisBuildCannotUseFailsTheStart) {
   auto workers = KvBucket::Open(*client_, wire::kWorkersBucket, 6000);
   ASSERT_TRUE(workers.ok());
   EXPECT_EQ((*workers)->Get("gpu-less").status().code(), StatusCode::kNotFound);
+}
+
+// NATS not answering while a model loads (a restart, a JetStream leader
+// election) delays the load rather than failing it: a failed model would
+// stay failed for retry_failed_after_ms although nothing is wrong with it.
+TEST_F(WorkerTest, ALoadOutlastsNatsNotAnsweringForAWhile) {
+  NatsOptions no;
+  no.url = server_.url();
+  no.js_api_timeout_ms = 500;  // each JetStream call gives up quickly
+  auto c = NatsClient::Connect(no);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  WorkerOptions wo;
+  wo.model_repository = ModelsDir();
+  wo.models = {"tiny-classifier"};
+  wo.worker_id = "patient";
+  wo.preload = {};
+  MetricsRegistry metrics;
+  auto w = Worker::Create(wo, c->get(), &metrics);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  const pid_t nats = server_.process().pid();
+  ASSERT_EQ(::kill(nats, SIGSTOP), 0);
+  struct Resume {
+    pid_t pid;
+    ~Resume() { ::kill(pid, SIGCONT); }
+  } resume{nats};
+  auto load = std::async(std::launch::async, [&] { return (*w)->Control("load", "tiny-classifier"); });
+  // Long enough for the consumer's creation to time out more than once.
+  ASSERT_EQ(load.wait_for(std::chrono::milliseconds(2500)), std::future_status::timeout);
+  ASSERT_EQ(::kill(nats, SIGCONT), 0);
+  auto r = load.get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ((*w)->LoadedModels(), std::vector<std::string>{"tiny-classifier"});
+  (*w)->Stop();
 }
 
 // A typo in --preload fails the start, as one in --models or --pin does.

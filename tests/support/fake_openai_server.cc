@@ -119,6 +119,11 @@ class FakeOpenAiServer::Impl {
       const std::string frame = "data: " + reply.events[i] + "\n\n";
       asio::write(sock, http::make_chunk(asio::buffer(frame)), ec);
     }
+    if (!ec && reply.stall_after_events) {
+      char byte;
+      while (!ec) sock.read_some(asio::buffer(&byte, 1), ec);  // until the client (or ~Impl) closes it
+      return false;
+    }
     if (!ec) asio::write(sock, http::make_chunk_last(), ec);
     return !ec;
   }

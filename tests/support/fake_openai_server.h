@@ -34,6 +34,9 @@ class FakeOpenAiServer {
     // then ignored.
     std::vector<std::string> events{};
     int64_t event_delay_ms = 0;
+    // After the events, keep the response open (no last chunk) until the
+    // client closes the connection.
+    bool stall_after_events = false;
   };
   using Handler = std::function<Reply(const Request&)>;
 

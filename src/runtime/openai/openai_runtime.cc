@@ -245,7 +245,7 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item,
   bool finished = false;  // an event gave a finish_reason
   Status bad;
   SseParser sse([&](std::string_view data) {
-    if (done) return true;  // read on to the end so the connection can be reused
+    if (done) return true;  // what follows [DONE] in the same piece is ignored
     if (data == "[DONE]") {
       done = true;
       return true;
@@ -274,7 +274,10 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item,
     return true;
   });
   ASSIGN_OR_RETURN(UpstreamReply reply,
-                   client_->Post("/" + endpoint, body, [&](std::string_view bytes) { return sse.Feed(bytes); }));
+                   client_->Post("/" + endpoint, body, [&](std::string_view bytes) {
+                     if (!sse.Feed(bytes)) return StreamStep::kAbandon;
+                     return done ? StreamStep::kEnded : StreamStep::kMore;
+                   }));
   if (reply.status / 100 != 2) return UpstreamError(reply.status, reply.body);
   if (!bad.ok()) return bad;
   if (reply.content_type.find("text/event-stream") == std::string::npos) {

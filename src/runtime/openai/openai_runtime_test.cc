@@ -3,6 +3,7 @@
 // mapping, timeouts and connection reuse.
 #include "runtime/openai/openai_runtime.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -249,6 +250,30 @@ TEST(OpenAiRuntime, AStreamIsCompleteOnlyWithDoneOrAFinishReason) {
   EXPECT_EQ(cut.code(), StatusCode::kBadGateway) << cut.ToString();
   EXPECT_EQ(cut.reason(), "upstream_error");
   EXPECT_NE(cut.message().find("without [DONE]"), std::string::npos) << cut.ToString();
+}
+
+// An upstream that sends [DONE] but keeps the response open: the answer is
+// complete at [DONE] (not a 504 after the whole timeout); the connection it
+// held is dropped, and the next request gets a fresh one.
+TEST(OpenAiRuntime, AStreamEndsAtDoneEvenWhenTheUpstreamKeepsItOpen) {
+  std::atomic<bool> stall{true};
+  FakeOpenAiServer server([&](const FakeOpenAiServer::Request&) {
+    FakeOpenAiServer::Reply reply;
+    reply.events = {ChatEvents("a", 1)[0], "[DONE]"};
+    reply.stall_after_events = stall;
+    return reply;
+  });
+  auto rt = Loaded(Config("generate", server.url() + "/v1", R"(,"timeout_ms":20000)"));
+  auto out = rt->RunItems({ChatRequest(true)}, [](size_t, std::string_view) {});
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  ASSERT_EQ(out->size(), 1u);
+  EXPECT_EQ(FromMsgpack((*out)[0])["object"], "shoal.stream.end") << FromMsgpack((*out)[0]).dump();
+  EXPECT_EQ(FromMsgpack((*out)[0])["events"], 1);
+  stall = false;
+  out = rt->RunItems({ChatRequest(true)}, [](size_t, std::string_view) {});
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(FromMsgpack((*out)[0])["object"], "shoal.stream.end");
+  EXPECT_EQ(rt->client()->connections_opened(), 2);
 }
 
 // An answer nested far deeper than any real one (as a body or as one

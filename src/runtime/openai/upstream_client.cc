@@ -195,14 +195,21 @@ Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& 
   const bool streamed = on_data && reply.status / 100 == 2 &&
                         reply.content_type.find("text/event-stream") != std::string::npos;
   if (streamed) {
+    bool ended = false;
     while (!parser.is_done()) {
       ec = RunOp(c.ioc, [&](auto handler) { http::async_read_some(c.stream, c.buffer, parser, std::move(handler)); });
+      if (ec && ended) return reply;  // complete, but the connection is not reusable
       if (ec) return fail(ec, "the stream broke");
       std::string& got = parser.get().body();
-      if (!got.empty()) {
-        if (!on_data(got)) return reply;  // abandoned: not reusable
-        got.clear();
+      if (!got.empty() && !ended) {
+        const StreamStep step = on_data(got);
+        if (step == StreamStep::kAbandon) return reply;  // not reusable
+        if (step == StreamStep::kEnded) {
+          ended = true;
+          c.stream.expires_at(std::min(deadline, Clock::now() + std::chrono::milliseconds(kDrainAfterEndMs)));
+        }
       }
+      got.clear();
     }
   } else {
     ec = RunOp(c.ioc, [&](auto handler) { http::async_read(c.stream, c.buffer, parser, std::move(handler)); });

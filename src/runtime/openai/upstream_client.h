@@ -35,9 +35,16 @@ struct UpstreamReply {
   std::string body;  // empty when the body went to a stream callback
 };
 
+// What a stream callback wants next.
+enum class StreamStep {
+  kMore,     // keep reading
+  kEnded,    // the answer is complete ([DONE]): read on only briefly, to reuse the connection
+  kAbandon,  // stop now (the connection is closed)
+};
+
 // Receives a streamed (text/event-stream) body as it arrives, in pieces of
-// any size. Returning false abandons the request (the connection is closed).
-using UpstreamDataFn = std::function<bool(std::string_view bytes)>;
+// any size.
+using UpstreamDataFn = std::function<StreamStep(std::string_view bytes)>;
 
 class UpstreamClient {
  public:
@@ -46,13 +53,18 @@ class UpstreamClient {
 
   // POSTs `json_body` to prefix + `path` ("/embeddings"). With `on_data`, a
   // 2xx text/event-stream body is passed to it as it arrives instead of
-  // being collected. Blocks up to timeout_ms. Errors: BadGateway
+  // being collected; once it answers kEnded, the rest of the body is read
+  // for at most kDrainAfterEndMs to keep the connection (an upstream that
+  // keeps the response open after [DONE] costs a connection, not the
+  // request). Blocks up to timeout_ms. Errors: BadGateway
   // "upstream_error" when the upstream cannot be reached or the connection
   // breaks, DeadlineExceeded "upstream_timeout" when the timeout passes.
   // HTTP error statuses are returned, not turned into errors (see
   // UpstreamError). Thread-safe: concurrent calls use different connections.
   Result<UpstreamReply> Post(const std::string& path, const std::string& json_body,
                              const UpstreamDataFn& on_data = {});
+
+  static constexpr int64_t kDrainAfterEndMs = 500;
 
   // Connections opened so far (for tests of connection reuse).
   int64_t connections_opened() const;
