@@ -739,8 +739,14 @@ void ModelServer::RunLive(std::vector<std::unique_ptr<PendingWork>> live) {
                                   << " messages one by one");
         return RunEachAlone(std::move(live));
       }
-      failure = Status(StatusCode::kInternal, "model '" + c.name + "' failed: " + out.status().message(),
-                       "runtime_error");
+      // The runtime refused this input (a text pair for a model that
+      // takes none): the caller's error, with the runtime's code; anything
+      // else is the model failing.
+      const int code = HttpStatusFor(out.status().code());
+      failure = code >= 400 && code < 500
+                    ? out.status()
+                    : Status(StatusCode::kInternal, "model '" + c.name + "' failed: " + out.status().message(),
+                             "runtime_error");
       break;
     }
     const bool width_changed = dim > 0 && out->dim != dim;

@@ -26,7 +26,8 @@ namespace {
 using shoal::testing::ModelsDir;
 using shoal::testing::TestNatsServer;
 
-// Wraps the real runtime; fails any batch that contains token id 999, goes
+// Wraps the real runtime; fails any batch that contains token id 999, refuses
+// one that contains 996 as bad input, goes
 // away for 300 ms (as a crashed out-of-process runtime does while it
 // restarts) on one that contains 997, and takes 3.5 s over one that
 // contains 998.
@@ -38,6 +39,7 @@ class FailingRuntime : public shoal::testing::ForwardingRuntime {
     if (!Available()) return Unavailable("restarting");
     for (int64_t id : b.input_ids) {
       if (id == 999) return Internal("injected failure");
+      if (id == 996) return InvalidArgument("injected refusal of the input", "token_type_out_of_range");
       if (id == 997) {
         down_until_us_ = SystemClock::Get()->NowMonoUs() + 300'000;
         return Unavailable("injected crash");
@@ -180,6 +182,20 @@ TEST_F(WorkerTest, RuntimeFailureIsATerminalErrorNotARetryLoop) {
   EXPECT_EQ(runs_.load() - before, 1);
   EXPECT_EQ(GetStreamState(*client_, "SHOAL_WORK")->msgs, 0u);
   // The worker still serves.
+  EXPECT_TRUE(Embed({"still alive"}).ok());
+}
+
+// An input the runtime refuses (a text pair for a model with one segment)
+// is the caller's error with the runtime's code, not a 500 runtime_error.
+TEST_F(WorkerTest, AnInputTheRuntimeRefusesIsTheCallersError) {
+  EmbedJob job;
+  job.model = "tiny-bert";
+  job.token_ids = {{996}};
+  job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 10000;
+  auto r = Submit(job);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  EXPECT_EQ(r.status().reason(), "token_type_out_of_range");
+  EXPECT_NE(r.status().message().find("injected refusal"), std::string::npos) << r.status().message();
   EXPECT_TRUE(Embed({"still alive"}).ok());
 }
 
