@@ -516,6 +516,49 @@ class NiceProbeRuntime final : public shoal::testing::ForwardingRuntime {
   std::atomic<int>* run_nice_;
 };
 
+// Takes 1.5 s over each load.
+class SlowLoadRuntime final : public shoal::testing::ForwardingRuntime {
+ public:
+  using ForwardingRuntime::ForwardingRuntime;
+  Status Load(const ModelConfig& c) override {
+    std::this_thread::sleep_for(1500ms);
+    return inner().Load(c);
+  }
+};
+
+// An operator's load shows as "loading" in the registry while it runs,
+// not one heartbeat after it ends (heartbeats are 10 s apart here): other
+// workers' demand loops read the registry to leave a model being loaded
+// to the worker loading it.
+TEST_F(FleetTest, AnOperatorLoadShowsAsLoadingWhileItRuns) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"});
+  WorkerOptions wo = Options();
+  wo.heartbeat_interval_ms = 10000;
+  wo.heartbeat_ttl_ms = 30000;
+  wo.runtime_factory = [](const ModelConfig& c) -> Result<std::unique_ptr<Runtime>> {
+    ASSIGN_OR_RETURN(auto inner, CreateRuntime(c.runtime));
+    return std::unique_ptr<Runtime>(new SlowLoadRuntime(std::move(inner)));
+  };
+  Member m = Start(wo);
+  ASSERT_NE(m.worker, nullptr);
+  auto kv = KvBucket::Open(*client_, wire::kWorkersBucket, 30000);
+  ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+  auto state = [&]() -> std::string {
+    auto hb = (*kv)->Get(m.worker->id());
+    if (!hb.ok()) return "";
+    const json doc = json::parse(*hb);
+    for (const json& x : doc["models"])
+      if (x["name"] == "tiny-a") return x["state"].get<std::string>();
+    return "";
+  };
+  ASSERT_EQ(state(), "not_loaded");
+  auto load = std::async(std::launch::async, [&] { return m.worker->Control("load", "tiny-a"); });
+  EXPECT_TRUE(Eventually([&] { return state() == "loading"; }, 1200ms)) << state();
+  auto r = load.get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(state(), "loaded");
+}
+
 TEST_F(FleetTest, LoadsRunAtTheLoadNiceValueServingDoesNot) {
   MakeFleetRepository(repo_.path(), {"tiny-a"});
   const int base = NiceProbeRuntime::ThreadNice();

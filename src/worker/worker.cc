@@ -614,7 +614,10 @@ const std::map<std::string, std::vector<Worker::PeerModel>>& Worker::Peers(bool 
   for (const std::string& key : *keys) {
     if (key == id_) continue;
     auto value = workers_kv_->Get(key);
-    if (!value.ok()) continue;  // expired between Keys and Get
+    if (!value.ok() && value.status().code() == StatusCode::kNotFound) continue;  // expired between Keys and Get
+    // A read that failed otherwise (a timeout) says nothing about the peer:
+    // a view without it would have this worker load what the peer serves.
+    if (!value.ok()) return peers_;
     try {
       json j = json::parse(*value);
       const int64_t budget = j.value("memory_budget_bytes", int64_t{0});
@@ -972,12 +975,14 @@ void Worker::DrainFailed(const std::string& model, const Status& error, int max)
 
 Result<std::string> Worker::Control(const std::string& action, const std::string& model) {
   Status s;
-  if (action == "load") {
-    s = manager_->Load(model);
+  if (action == "load" || action == "pin") {
+    // Peers see "loading" before the load runs (not one heartbeat after
+    // it), so their demand loops leave the model to this worker instead of
+    // loading, and evicting for, a second copy.
+    if (manager_->StartLoad(model).ok()) PublishHeartbeat();
+    s = action == "load" ? manager_->Load(model) : manager_->Pin(model);
   } else if (action == "unload") {
     s = manager_->Unload(model);
-  } else if (action == "pin") {
-    s = manager_->Pin(model);
   } else if (action == "unpin") {
     s = manager_->Unpin(model);
   } else if (action != "status") {
