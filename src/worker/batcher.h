@@ -19,6 +19,7 @@
 #include "common/model_config.h"
 #include "queue/nats_client.h"
 #include "wire/work_message.h"
+#include "worker/progress_keeper.h"
 
 namespace shoal {
 
@@ -38,6 +39,9 @@ struct PendingWork {
   int64_t tokens = 0;                      // sum of row lengths
   int64_t enqueued_mono_us = 0;           // when the worker pulled it
   int64_t published_mono_us = 0;          // when the gateway queued it (clock's monotonic time)
+  // Keeps pulled work ours from its pull until it is answered, however
+  // long it waits behind other passes: notes it in progress to JetStream.
+  ProgressKeeper::Watch progress;
 
   int64_t row_count() const { return static_cast<int64_t>(items.empty() ? rows.size() : items.size()); }
 };

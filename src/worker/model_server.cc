@@ -494,6 +494,7 @@ void ModelServer::FetchLoop() {
       }
       (*work)->headers = std::move(*headers);
       (*work)->delivery = std::move(delivery);
+      if (d_.progress != nullptr) (*work)->progress = d_.progress->Start({(*work)->delivery.AckSubject()});
       avg_tokens_per_msg_ = 0.9 * avg_tokens_per_msg_ + 0.1 * static_cast<double>((*work)->tokens);
       (*work)->enqueued_mono_us = now_mono;
       (*work)->published_mono_us =
@@ -624,11 +625,6 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
     live.push_back(std::move(w));
   }
   if (live.empty()) return;
-  std::vector<std::string> ack_subjects;
-  if (d_.progress != nullptr)
-    for (const auto& w : live) ack_subjects.push_back(w->delivery.AckSubject());
-  // Until the batch is answered.
-  ProgressKeeper::Watch keep = d_.progress ? d_.progress->Start(std::move(ack_subjects)) : ProgressKeeper::Watch();
   // A message delivered a third time, or for the last time allowed, may be
   // what broke its earlier batches (it crashed an out-of-process runtime or
   // ran it past its timeout, and the batch was handed back): it runs on its

@@ -104,8 +104,9 @@ struct ModelServerDeps {
   // `idle_poll_ms` (an open pull cannot be withdrawn when the device falls
   // behind).
   PullGate* pull_gate = nullptr;
-  // Notes progress on running work so a pass longer than AckWait is not
-  // redelivered mid-run (may be null: nothing keeps long work ours).
+  // Notes progress on pulled work, from its pull until it is answered, so
+  // neither a pass longer than AckWait nor work waiting behind one is
+  // redelivered meanwhile (may be null: nothing keeps long work ours).
   ProgressKeeper* progress = nullptr;
   int64_t idle_poll_ms = 20;
   // While other models wait for the device, a batch is cut to about this

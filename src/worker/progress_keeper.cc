@@ -22,6 +22,16 @@ ProgressKeeper::Watch::~Watch() {
   if (keeper_ != nullptr) keeper_->Stop(id_);
 }
 
+ProgressKeeper::Watch& ProgressKeeper::Watch::operator=(Watch&& o) noexcept {
+  if (this != &o) {
+    if (keeper_ != nullptr) keeper_->Stop(id_);
+    keeper_ = o.keeper_;
+    id_ = o.id_;
+    o.keeper_ = nullptr;
+  }
+  return *this;
+}
+
 ProgressKeeper::Watch ProgressKeeper::Start(std::vector<std::string> ack_subjects) {
   std::erase_if(ack_subjects, [](const std::string& s) { return s.empty(); });
   if (ack_subjects.empty()) return Watch();
@@ -33,8 +43,13 @@ ProgressKeeper::Watch ProgressKeeper::Start(std::vector<std::string> ack_subject
 
 void ProgressKeeper::Forget(const std::string& ack_subject) {
   if (ack_subject.empty()) return;
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [id, subjects] : watched_) std::erase(subjects, ack_subject);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, subjects] : watched_) std::erase(subjects, ack_subject);
+  }
+  // A round that copied the subject before it was erased may be sending
+  // its note now: wait for that round to end.
+  std::lock_guard<std::mutex> published(publish_mu_);
 }
 
 void ProgressKeeper::Stop(uint64_t id) {
@@ -65,8 +80,11 @@ void ProgressKeeper::Loop() {
     if (due.empty()) continue;
     lock.unlock();
     uint64_t sent = 0;
-    for (const auto& subject : due)
-      if (client_->Publish(subject, "+WPI").ok()) ++sent;
+    {
+      std::lock_guard<std::mutex> publishing(publish_mu_);
+      for (const auto& subject : due)
+        if (client_->Publish(subject, "+WPI").ok()) ++sent;
+    }
     lock.lock();
     notes_sent_ += sent;
   }

@@ -2,9 +2,10 @@
 // message not acknowledged within AckWait, so a forward pass longer than
 // that (a large OCR page, a long generation behind an OpenAI-compatible
 // backend) would be handed to a second worker while the first still runs
-// it: duplicate work, duplicate answers. While a batch runs, the keeper
-// tells JetStream every `interval_ms` that its messages are in progress
-// (an "+WPI" to each message's ack subject). It publishes on its own
+// it: duplicate work, duplicate answers; so would work pulled while such a
+// pass runs and waiting behind it. From a message's pull until it is
+// answered, the keeper tells JetStream every `interval_ms` that it is in
+// progress (an "+WPI" to its ack subject). It publishes on its own
 // thread and never touches a Delivery, so the executor may ack at any time;
 // a progress note for a message already acked is ignored by the server.
 // One per worker. Thread-safe.
@@ -37,7 +38,7 @@ class ProgressKeeper {
    public:
     Watch() = default;
     Watch(Watch&& o) noexcept : keeper_(o.keeper_), id_(o.id_) { o.keeper_ = nullptr; }
-    Watch& operator=(Watch&&) = delete;
+    Watch& operator=(Watch&& o) noexcept;
     Watch(const Watch&) = delete;
     ~Watch();
 
@@ -51,7 +52,9 @@ class ProgressKeeper {
   Watch Start(std::vector<std::string> ack_subjects);
   // Stops the notes for one message whatever watches it: one handed back
   // to the queue (a progress note would hold off its redelivery until
-  // AckWait) while the rest of its batch still runs.
+  // AckWait) while the rest of its batch still runs. Returns once no note
+  // for it can be sent any more (one already on its way has been), so a
+  // -NAK sent after it is the last word.
   void Forget(const std::string& ack_subject);
 
   // Progress notes sent so far (for tests and metrics).
@@ -64,6 +67,7 @@ class ProgressKeeper {
   NatsClient* const client_;
   const int64_t interval_ms_;
   mutable std::mutex mu_;
+  std::mutex publish_mu_;  // held while a round of notes is published (never with mu_)
   std::condition_variable cv_;
   bool stop_ = false;                                      // guarded by mu_
   uint64_t next_id_ = 1;                                   // guarded by mu_

@@ -61,6 +61,30 @@ TEST(ProgressKeeperTest, NotesLongWatchesUntilTheyEnd) {
   EXPECT_EQ(keeper.notes_sent(), static_cast<uint64_t>(a + b));
   std::this_thread::sleep_for(200ms);  // the watch ended: no more notes
   EXPECT_EQ(count("_ack.a +WPI"), a);
+
+  // Forget stops one message's notes while the rest of its watch goes on;
+  // a watch assigned over another stops the one it replaces.
+  {
+    std::lock_guard<std::mutex> lock(seen.mu);
+    seen.notes.clear();
+  }
+  {
+    auto batch = keeper.Start({"_ack.kept", "_ack.handed_back"});
+    ProgressKeeper::Watch single = keeper.Start({"_ack.replaced"});
+    std::this_thread::sleep_for(150ms);
+    keeper.Forget("_ack.handed_back");
+    single = keeper.Start({"_ack.replacement"});
+    ASSERT_TRUE(client->Flush(2000).ok());
+    std::this_thread::sleep_for(50ms);
+    const auto handed_back = count("_ack.handed_back +WPI"), replaced = count("_ack.replaced +WPI");
+    std::this_thread::sleep_for(300ms);
+    ASSERT_TRUE(client->Flush(2000).ok());
+    std::this_thread::sleep_for(50ms);
+    EXPECT_EQ(count("_ack.handed_back +WPI"), handed_back) << "noted after Forget returned";
+    EXPECT_EQ(count("_ack.replaced +WPI"), replaced) << "noted after its watch was replaced";
+    EXPECT_GE(count("_ack.kept +WPI"), handed_back + 3);
+    EXPECT_GE(count("_ack.replacement +WPI"), 3);
+  }
 }
 
 }  // namespace

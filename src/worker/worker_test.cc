@@ -267,6 +267,33 @@ TEST_F(WorkerTest, PassLongerThanAckWaitIsNotRedelivered) {
   EXPECT_EQ(GetStreamState(*client_, "SHOAL_WORK")->msgs, 0u);
 }
 
+// Work pulled while a long pass runs waits in the batcher for that pass:
+// it is kept ours too (noted in progress from its pull, not only once its
+// own batch runs), so it is not redelivered and run twice.
+TEST_F(WorkerTest, WorkWaitingBehindALongPassIsNotRedelivered) {
+  auto submit = [&](std::vector<std::vector<int32_t>> ids) {
+    auto p = std::make_shared<std::promise<Result<EmbedResult>>>();
+    EmbedJob job;
+    job.model = "tiny-bert";
+    job.token_ids = std::move(ids);
+    job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 20000;
+    dispatcher_->SubmitEmbed(std::move(job), [p](Result<EmbedResult> r) { p->set_value(std::move(r)); });
+    return p->get_future();
+  };
+  const int before = runs_.load();
+  auto slow = submit({{998}});  // a 3.5 s pass; AckWait is 1 s
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return runs_.load() > before; }, std::chrono::seconds(10)));
+  auto waiting = submit({{5, 6}});
+  auto a = slow.get();
+  auto b = waiting.get();
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // past AckWait again
+  EXPECT_EQ(metrics_.GetCounter("shoal_worker_redelivered_total", "", {{"model", "tiny-bert"}})->Value(), 0);
+  EXPECT_EQ(runs_.load() - before, 2) << "a message was redelivered and run again";
+  EXPECT_EQ(GetStreamState(*client_, "SHOAL_WORK")->msgs, 0u);
+}
+
 TEST_F(WorkerTest, ExpiredWorkIsDroppedAndAcked) {
   // Publish work whose deadline already passed, straight to the queue.
   wire::WorkBody body;

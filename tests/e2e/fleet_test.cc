@@ -124,6 +124,8 @@ TEST_F(E2eFleet, RegistryForgetsADeadWorkerWhenItsHeartbeatsExpire) {
   Shoal w1 = StartFleetWorker(nats_.url(), repo_.path(), FastWorker("tiny-a"));
   Shoal w2 = StartFleetWorker(nats_.url(), repo_.path(), FastWorker());
   const std::string id1 = WorkerId(w1);
+  // The gateway knows the model once it has read a worker's catalog.
+  ASSERT_TRUE(Eventually([&] { return HttpGet(gateway.port, "/v1/models/tiny-a").status == 200; }));
   ASSERT_TRUE(Eventually([&] { return WhereIs(gateway.port, "tiny-a").size() == 2; }))
       << HttpGet(gateway.port, "/v1/models/tiny-a").body << "\n" << HttpGet(gateway.port, "/readyz").body;
   EXPECT_EQ(WhereIs(gateway.port, "tiny-a")[id1], "loaded");
