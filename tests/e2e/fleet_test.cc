@@ -34,14 +34,13 @@ std::vector<std::string> FastWorker(const std::string& preload = "none") {
           "--heartbeat-ttl-ms", "1500", "--ack-wait-ms",   "2000",  "--demand-poll-ms", "100"};
 }
 
-// The gateway's view of one model: worker id -> state.
+// The gateway's view of one model: worker id -> state; empty while the
+// gateway does not know the model (it has not read a catalog with it yet),
+// which the callers' own expectations then catch.
 std::map<std::string, std::string> WhereIs(int port, const std::string& model) {
   std::map<std::string, std::string> out;
   auto r = HttpGet(port, "/v1/models/" + model);
-  if (r.status != 200) {
-    ADD_FAILURE() << "GET /v1/models/" << model << ": " << r.status << " " << r.error << " " << r.body;
-    return out;
-  }
+  if (r.status != 200) return out;
   const json body = json::parse(r.body);
   for (const json& w : body.at("workers")) out[w.at("worker").get<std::string>()] = w.at("state").get<std::string>();
   return out;
@@ -124,8 +123,6 @@ TEST_F(E2eFleet, RegistryForgetsADeadWorkerWhenItsHeartbeatsExpire) {
   Shoal w1 = StartFleetWorker(nats_.url(), repo_.path(), FastWorker("tiny-a"));
   Shoal w2 = StartFleetWorker(nats_.url(), repo_.path(), FastWorker());
   const std::string id1 = WorkerId(w1);
-  // The gateway knows the model once it has read a worker's catalog.
-  ASSERT_TRUE(Eventually([&] { return HttpGet(gateway.port, "/v1/models/tiny-a").status == 200; }));
   ASSERT_TRUE(Eventually([&] { return WhereIs(gateway.port, "tiny-a").size() == 2; }))
       << HttpGet(gateway.port, "/v1/models/tiny-a").body << "\n" << HttpGet(gateway.port, "/readyz").body;
   EXPECT_EQ(WhereIs(gateway.port, "tiny-a")[id1], "loaded");
