@@ -39,22 +39,27 @@ std::vector<std::string> SplitLines(std::string_view text) {
 struct IdVectorSink {
   std::vector<int32_t>* ids;
   void Add(int32_t id) { ids->push_back(id); }
+  bool full() const { return false; }
 };
 
 struct CountingSink {
   int count = 0;
   void Add(int32_t) { ++count; }
+  bool full() const { return false; }
 };
 
-// Keeps ids up to `keep` and counts the rest.
+// Keeps ids up to `keep` and counts the rest; with `stop`, wants no more
+// once it has had more than `keep`.
 struct TruncatingSink {
   std::vector<int32_t>* ids;
   size_t keep;
+  bool stop = false;
   int count = 0;
   void Add(int32_t id) {
     if (static_cast<size_t>(count) < keep) ids->push_back(id);
     ++count;
   }
+  bool full() const { return stop && static_cast<size_t>(count) > keep; }
 };
 
 }  // namespace
@@ -168,6 +173,7 @@ void WordPieceTokenizer::ForEachId(std::string_view text, Sink& sink) const {
       return static_cast<size_t>(self->options_.max_input_chars_per_word);
     }
     void OnLongPiece(size_t) override { out->Add(self->unk_id_); }
+    bool full() const override { return out->full(); }
     void OnPiece(std::string_view utf8,
                  std::span<const uint32_t> bounds) override {
       const size_t chars = bounds.size() - 1;
@@ -219,12 +225,12 @@ std::vector<int32_t> WordPieceTokenizer::EncodeNoSpecials(std::string_view text)
   return ids;
 }
 
-Encoding WordPieceTokenizer::Encode(std::string_view text, int max_len) const {
+Encoding WordPieceTokenizer::Encode(std::string_view text, int max_len, bool stop_when_truncated) const {
   Encoding encoding;
   const size_t keep = max_len <= 0 ? std::numeric_limits<size_t>::max()
                                    : static_cast<size_t>(std::max(max_len, 2) - 2);
   encoding.ids.push_back(cls_id_);
-  TruncatingSink sink{&encoding.ids, keep};
+  TruncatingSink sink{&encoding.ids, keep, stop_when_truncated};
   ForEachId(text, sink);
   encoding.ids.push_back(sep_id_);
   encoding.full_length = sink.count + 2;
@@ -232,13 +238,17 @@ Encoding WordPieceTokenizer::Encode(std::string_view text, int max_len) const {
   return encoding;
 }
 
-Encoding WordPieceTokenizer::EncodePair(std::string_view a, std::string_view b, int max_len) const {
+Encoding WordPieceTokenizer::EncodePair(std::string_view a, std::string_view b, int max_len,
+                                        bool stop_when_truncated) const {
   // Neither text keeps more than the whole budget, so only that much of
-  // each is stored; the sinks still count every piece for full_length.
+  // each is stored; the sinks still count every piece for full_length
+  // (with stop_when_truncated, up to one text over the budget: longest_first
+  // cuts a text that alone is over the budget to the same length however
+  // much longer it is).
   const size_t budget = max_len <= 0 ? std::numeric_limits<size_t>::max()
                                      : static_cast<size_t>(std::max(max_len, 3) - 3);
   std::vector<int32_t> first, second;
-  TruncatingSink sink_a{&first, budget}, sink_b{&second, budget};
+  TruncatingSink sink_a{&first, budget, stop_when_truncated}, sink_b{&second, budget, stop_when_truncated};
   ForEachId(a, sink_a);
   ForEachId(b, sink_b);
   Encoding encoding;

@@ -43,7 +43,9 @@ struct WordPieceOptions {
 
 struct Encoding {
   std::vector<int32_t> ids;
-  int full_length = 0;  // tokens incl. [CLS]/[SEP] before truncation
+  // Tokens incl. [CLS]/[SEP] before truncation; with stop_when_truncated,
+  // a lower bound once truncated (more than max_len).
+  int full_length = 0;
   bool truncated = false;
   // A pair ([CLS] a [SEP] b [SEP]): index of b's first token, where the
   // token type switches to 1. 0 for a single text.
@@ -79,12 +81,17 @@ class WordPieceTokenizer {
   // [CLS] ids [SEP]. If that is longer than max_len, keeps the first
   // max_len-2 pieces, then [SEP], and sets truncated. max_len <= 0 means no
   // limit; [CLS] and [SEP] are always present, so max_len 1 acts like 2.
-  Encoding Encode(std::string_view text, int max_len) const;
+  // `stop_when_truncated`: stop reading the text at the first word boundary
+  // past what is kept (the same ids; full_length then only says the text
+  // was longer): a long document cut to 512 tokens is not tokenized whole.
+  Encoding Encode(std::string_view text, int max_len, bool stop_when_truncated = false) const;
   // A pair for cross-encoders: [CLS] a [SEP] b [SEP]. If longer than
   // max_len, drops pieces from the end of the longer text first (Hugging
   // Face's "longest_first"), and sets truncated. max_len <= 0: no limit; at
   // least one piece of each non-empty text is kept when max_len allows.
-  Encoding EncodePair(std::string_view a, std::string_view b, int max_len) const;
+  // `stop_when_truncated`: as for Encode; each text is read only until it
+  // alone is over the budget, which gives the same ids.
+  Encoding EncodePair(std::string_view a, std::string_view b, int max_len, bool stop_when_truncated = false) const;
   // Encode(text, 0).full_length without building the id vector.
   int CountTokens(std::string_view text) const;
 

@@ -275,6 +275,39 @@ TEST(WordPieceTokenizer, EncodePairTruncatesLongestFirst) {
   EXPECT_EQ(tiny.second_start, 2);
 }
 
+// With stop_when_truncated a long text gives the same ids, read only as far
+// as it is kept (full_length then only says it was longer than max_len).
+TEST(WordPieceTokenizer, StoppingAtTheTruncationGivesTheSameIds) {
+  auto tokenizer = LoadTestTokenizer();
+  ASSERT_NE(tokenizer, nullptr);
+  std::string long_text;
+  for (int i = 0; i < 1000; ++i) long_text += "hello world the quick ";
+  const Encoding whole = tokenizer->Encode(long_text, 8);
+  const Encoding stopped = tokenizer->Encode(long_text, 8, true);
+  EXPECT_EQ(stopped.ids, whole.ids);
+  EXPECT_TRUE(stopped.truncated);
+  EXPECT_EQ(whole.full_length, 4002);
+  EXPECT_GT(stopped.full_length, 8);
+  EXPECT_LT(stopped.full_length, 20) << "read the whole text";
+  // Texts that fit are read whole either way.
+  EXPECT_EQ(tokenizer->Encode("hello world", 8, true).full_length, 4);
+  EXPECT_FALSE(tokenizer->Encode("hello world", 8, true).truncated);
+  // Pairs: longest_first gives the same cut however much longer a text
+  // over the budget is, one of them long or both.
+  const std::vector<std::string> texts = {"the", "hello world", "hello world the quick", long_text};
+  for (int max_len : {3, 6, 7, 9, 12})
+    for (const std::string& a : texts)
+      for (const std::string& b : texts) {
+        SCOPED_TRACE(std::to_string(max_len) + " " + std::to_string(a.size()) + " " + std::to_string(b.size()));
+        const Encoding all = tokenizer->EncodePair(a, b, max_len);
+        const Encoding cut = tokenizer->EncodePair(a, b, max_len, true);
+        EXPECT_EQ(cut.ids, all.ids);
+        EXPECT_EQ(cut.second_start, all.second_start);
+        EXPECT_EQ(cut.truncated, all.truncated);
+      }
+  EXPECT_LT(tokenizer->EncodePair(long_text, long_text, 12, true).full_length, 40) << "read the whole texts";
+}
+
 TEST(WordPieceTokenizer, CountTokensMatchesEncode) {
   auto tokenizer = LoadTestTokenizer();
   ASSERT_NE(tokenizer, nullptr);

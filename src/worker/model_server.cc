@@ -283,7 +283,10 @@ Result<std::unique_ptr<PendingWork>> ModelServer::Prepare(std::string_view data)
   if (!pairs && !body.texts_pair.empty())
     return InvalidArgument("model '" + c.name + "' takes single texts, not pairs");
   for (size_t i = 0; i < body.texts.size(); ++i) {
-    Encoding e = pairs ? tok.EncodePair(body.texts[i], body.texts_pair[i], max_len) : tok.Encode(body.texts[i], max_len);
+    // With truncate, a long text is read only as far as it is kept; without
+    // it, whole, for the count its error reports.
+    Encoding e = pairs ? tok.EncodePair(body.texts[i], body.texts_pair[i], max_len, body.truncate)
+                       : tok.Encode(body.texts[i], max_len, body.truncate);
     if (e.truncated) {
       if (!body.truncate) return too_long(i, e.full_length);
       w->truncated_any = true;

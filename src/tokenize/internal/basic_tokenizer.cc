@@ -19,6 +19,7 @@ void BasicTokenizer::Split(std::string_view text, PieceSink* sink) const {
     if (info & kDrop) continue;  // a dropped char joins its neighbours
     if (info & kSpace) {
       FlushWord(ascii, &scratch, sink);
+      if (sink->full()) return;
       ascii = true;
       continue;
     }
@@ -26,6 +27,7 @@ void BasicTokenizer::Split(std::string_view text, PieceSink* sink) const {
       FlushWord(ascii, &scratch, sink);
       scratch.word.push_back(cp);
       FlushWord(false, &scratch, sink);
+      if (sink->full()) return;
       ascii = true;
       continue;
     }

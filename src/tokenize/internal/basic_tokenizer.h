@@ -35,6 +35,9 @@ class PieceSink {
   // spares building it: 5 bytes per character, 1.25 GiB for a 256 MiB word.
   virtual size_t long_piece_chars() const { return 0; }
   virtual void OnLongPiece(size_t chars) { (void)chars; }
+  // True once the sink needs no more pieces: Split stops at the next word
+  // boundary.
+  virtual bool full() const { return false; }
 };
 
 class BasicTokenizer {
