@@ -285,6 +285,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   ASSIGN_OR_RETURN(w->push_sub_,
                    client->Subscribe(wire::kPushSubjectPrefix + w->id_ + ".>", &Worker::OnPush, self));
   RETURN_IF_ERROR(w->workers_kv_->Put(w->id_, w->HeartbeatJson()));
+  w->registered_ = true;
   w->heartbeat_ = std::thread([self] { self->HeartbeatLoop(); });
   w->demand_ = std::thread([self] { self->DemandLoop(); });
   if (options.load_report_interval_ms > 0) w->load_report_ = std::thread([self] { self->LoadReportLoop(); });
@@ -320,7 +321,9 @@ void Worker::Stop() {
     park_->CloseAll();  // waits for the last pulls to expire (at most --fetch-poll-ms)
   }
   drain_consumers_.clear();
-  if (workers_kv_) (void)workers_kv_->Delete(id_);
+  // Only an entry this worker wrote: a start refused for an id in use must
+  // not delete the entry of the live worker that holds it.
+  if (workers_kv_ && registered_) (void)workers_kv_->Delete(id_);
   (void)client_->Flush(1000);
 }
 

@@ -314,6 +314,7 @@ class Worker {
   int64_t oldest_read_mono_us_ = 0;
 
   std::atomic<bool> stop_{false};
+  bool registered_ = false;  // this worker wrote its registry entry (set once by Create)
   std::mutex publish_mu_;  // held while a heartbeat is published
   std::atomic<bool> device_faulted_{false};  // set under publish_mu_; no more heartbeats, loads or drains
   std::mutex hb_mu_;

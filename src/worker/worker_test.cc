@@ -536,6 +536,10 @@ TEST_F(WorkerTest, AWorkerIdInUseElsewhereIsRefused) {
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().reason(), "worker_id_in_use") << w.status().ToString();
   EXPECT_NE(w.status().message().find("another-host"), std::string::npos) << w.status().message();
+  // The refused start leaves the live worker's entry alone.
+  auto entry = (*kv)->Get("twin");
+  ASSERT_TRUE(entry.ok()) << "the refused start deleted the live worker's entry: " << entry.status().ToString();
+  EXPECT_NE(entry->find("another-host"), std::string::npos) << *entry;
   // This host, a process that has exited: free.
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
