@@ -46,9 +46,35 @@ std::string InModelDir(const ModelConfig& c, const std::string& p) {
   return (std::filesystem::path(c.dir) / p).lexically_normal().string();
 }
 
+// The program a command names, found on the PATH of `env` (the runtime's,
+// where the config may put a virtualenv's bin first): execvpe would search
+// the worker's own PATH. A name with a slash is used as is; without a PATH
+// in `env`, execvpe's own search applies.
+Result<std::string> FindProgram(const std::string& name, const std::vector<std::string>& env, const std::string& cwd) {
+  if (name.empty() || name.find('/') != std::string::npos) return name;
+  const std::string* path = nullptr;
+  for (const auto& e : env)
+    if (e.rfind("PATH=", 0) == 0) path = &e;
+  if (path == nullptr) return name;
+  const std::string dirs = path->substr(5);
+  for (size_t start = 0; start <= dirs.size();) {
+    size_t end = dirs.find(':', start);
+    if (end == std::string::npos) end = dirs.size();
+    std::filesystem::path full = std::filesystem::path(end > start ? dirs.substr(start, end - start) : ".") / name;
+    if (full.is_relative()) full = std::filesystem::path(cwd) / full;
+    std::error_code ec;
+    if (::access(full.c_str(), X_OK) == 0 && !std::filesystem::is_directory(full, ec)) return full.string();
+    start = end + 1;
+  }
+  return Status(StatusCode::kBadGateway, "runtime command '" + name + "' is not on the runtime's PATH (" + dirs + ")",
+                "runtime_start_failed");
+}
+
 // Starts `argv` with `env` in `cwd`; the child dies with this thread's
 // process (PDEATHSIG), so a killed worker never leaves runtimes behind.
 Result<pid_t> Spawn(const std::vector<std::string>& argv, const std::vector<std::string>& env, const std::string& cwd) {
+  if (argv.empty()) return InvalidArgument("runtime command is empty");
+  ASSIGN_OR_RETURN(const std::string program, FindProgram(argv[0], env, cwd));
   std::vector<char*> args, envp;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -68,7 +94,7 @@ Result<pid_t> Spawn(const std::vector<std::string>& argv, const std::vector<std:
       for (int fd = 3; fd < 65536; ++fd) ::close(fd);
     }
     if (::chdir(cwd.c_str()) != 0) ::_exit(126);
-    ::execvpe(args[0], args.data(), envp.data());
+    ::execvpe(program.c_str(), args.data(), envp.data());
     ::_exit(127);
   }
   return pid;

@@ -289,6 +289,36 @@ TEST(ProcessRuntime, ADeadRuntimesGroupIsKilledAndItsEnvWins) {
   std::filesystem::remove_all(dir);
 }
 
+// A command without a slash is looked up on the PATH the config gives the
+// runtime (a virtualenv's bin first), not on the worker's; one on neither
+// fails the load with a message that says so.
+TEST(ProcessRuntime, TheCommandIsFoundOnTheRuntimesOwnPath) {
+  std::string dir = (std::filesystem::temp_directory_path() / "shoal-path-XXXXXX").string();
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  std::filesystem::create_directory(dir + "/venv-bin");
+  const std::string program = dir + "/venv-bin/shoal-test-python";
+  std::ofstream(program) << "#!/bin/sh\nexec /usr/bin/python3 \"$@\"\n";
+  std::filesystem::permissions(program, std::filesystem::perms::owner_all);
+  ModelConfig m = PythonModel();
+  ASSERT_FALSE(m.process.command.empty());
+  m.process.command[0] = "shoal-test-python";
+  const char* worker_path = std::getenv("PATH");
+  m.process.env = {{"PATH", dir + "/venv-bin:" + (worker_path ? worker_path : "/usr/bin:/bin")}};
+  {
+    ProcessRuntime rt;
+    Status st = rt.Load(m);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    auto out = rt.Run(ReferenceBatch(TorchScriptReference()));
+    ASSERT_TRUE(out.ok()) << out.status().ToString();
+  }
+  m.process.env = {{"PATH", dir + "/elsewhere"}};
+  ProcessRuntime missing;
+  Status st = missing.Load(m);
+  EXPECT_EQ(st.reason(), "runtime_start_failed") << st.ToString();
+  EXPECT_NE(st.message().find("not on the runtime's PATH"), std::string::npos) << st.ToString();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ProcessRuntime, MisbehavingRepliesFailTheBatchAndRestartTheRuntime) {
   const json ref = TorchScriptReference();
   for (const std::string mode : {"oversized", "garbage", "hang"}) {
