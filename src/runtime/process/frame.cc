@@ -11,17 +11,19 @@
 namespace shoal::runtime_protocol {
 namespace {
 
-// Waits until `fd` is ready for `events` or the deadline passes.
-Status WaitReady(int fd, short events, int64_t deadline_mono_us) {
+// Waits until `fd` is ready for `events`, the deadline passes, or (with
+// `exit_fd` >= 0) the peer process has exited while `fd` is not ready.
+Status WaitReady(int fd, short events, int64_t deadline_mono_us, int exit_fd) {
   while (true) {
     const int64_t left_us = deadline_mono_us - NowMonoUs();
     if (left_us <= 0) return DeadlineExceeded("runtime did not answer in time", "runtime_timeout");
-    pollfd p{fd, events, 0};
-    const int n = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left_us / 1000 + 1, 1000)));
+    pollfd p[2] = {{fd, events, 0}, {exit_fd, POLLIN, 0}};
+    const int n = ::poll(p, exit_fd >= 0 ? 2 : 1, static_cast<int>(std::min<int64_t>(left_us / 1000 + 1, 1000)));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return Unavailable(std::string("poll: ") + std::strerror(errno), "runtime_io");
     if (n == 0) continue;
-    if (p.revents & (events | POLLHUP | POLLERR)) return Status::Ok();
+    if (p[0].revents & (events | POLLHUP | POLLERR)) return Status::Ok();
+    if (exit_fd >= 0 && p[1].revents != 0) return Unavailable("the runtime process exited", "peer_closed");
   }
 }
 
@@ -32,7 +34,7 @@ int64_t NowMonoUs() {
       .count();
 }
 
-Status WriteFrame(int fd, std::string_view payload, int64_t deadline_mono_us) {
+Status WriteFrame(int fd, std::string_view payload, int64_t deadline_mono_us, int exit_fd) {
   const uint32_t n = static_cast<uint32_t>(payload.size());
   const unsigned char head[4] = {static_cast<unsigned char>(n >> 24), static_cast<unsigned char>(n >> 16),
                                  static_cast<unsigned char>(n >> 8), static_cast<unsigned char>(n)};
@@ -40,7 +42,7 @@ Status WriteFrame(int fd, std::string_view payload, int64_t deadline_mono_us) {
   for (std::string_view part : parts) {
     size_t off = 0;
     while (off < part.size()) {
-      RETURN_IF_ERROR(WaitReady(fd, POLLOUT, deadline_mono_us));
+      RETURN_IF_ERROR(WaitReady(fd, POLLOUT, deadline_mono_us, exit_fd));
       const ssize_t w = ::send(fd, part.data() + off, part.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (w < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
       if (w < 0) return Unavailable(std::string("runtime socket: ") + std::strerror(errno), "peer_closed");
@@ -50,11 +52,11 @@ Status WriteFrame(int fd, std::string_view payload, int64_t deadline_mono_us) {
   return Status::Ok();
 }
 
-Result<std::string> ReadFrame(int fd, int64_t max_bytes, int64_t deadline_mono_us) {
+Result<std::string> ReadFrame(int fd, int64_t max_bytes, int64_t deadline_mono_us, int exit_fd) {
   auto read_exact = [&](char* dst, size_t len) -> Status {
     size_t off = 0;
     while (off < len) {
-      RETURN_IF_ERROR(WaitReady(fd, POLLIN, deadline_mono_us));
+      RETURN_IF_ERROR(WaitReady(fd, POLLIN, deadline_mono_us, exit_fd));
       const ssize_t r = ::recv(fd, dst + off, len - off, MSG_DONTWAIT);
       if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
       if (r < 0) return Unavailable(std::string("runtime socket: ") + std::strerror(errno), "peer_closed");

@@ -38,6 +38,41 @@ int64_t ChildResidentBytes(pid_t pid) {
   return resident * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
 }
 
+// Whether child `pid` has exited, leaving it unreaped: while it is a zombie
+// its pid, and so its process group's id, cannot be reused, so the group
+// kill of KillGroupAndReap reaches only what it started. `info` (may be
+// null) says how it ended.
+bool HasExited(pid_t pid, siginfo_t* info) {
+  siginfo_t local{};
+  siginfo_t* i = info != nullptr ? info : &local;
+  i->si_pid = 0;
+  if (::waitid(P_PID, static_cast<id_t>(pid), i, WEXITED | WNOHANG | WNOWAIT) != 0) return errno == ECHILD;
+  return i->si_pid == pid;
+}
+
+// Kills what is left of `pid`'s process group (`pid` too, if it still
+// runs), then reaps `pid`.
+void KillGroupAndReap(pid_t pid) {
+  siginfo_t info{};
+  // Reaped already (never here): its group's id may be another's by now.
+  if (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 && errno == ECHILD) return;
+  ::kill(-pid, SIGKILL);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+}
+
+// A descriptor that becomes readable when `pid` exits; -1 where the kernel
+// has no pidfd_open (before Linux 5.3).
+int OpenPidFd(pid_t pid) {
+#ifdef SYS_pidfd_open
+  return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+#else
+  (void)pid;
+  return -1;
+#endif
+}
+
 // Resolves a path given in the model config: absolute as is, else relative
 // to the model directory.
 std::string InModelDir(const ModelConfig& c, const std::string& p) {
@@ -169,18 +204,16 @@ Status ProcessRuntime::Start() {
   // The runtime listens; connect once it does (or give up if it exits).
   int fd = -1;
   while (true) {
-    int status = 0;
-    if (::waitpid(pid, &status, WNOHANG) == pid) {
-      pid_ = -1;
-      ::kill(-pid, SIGKILL);  // what it started in its process group
+    siginfo_t exited{};
+    if (HasExited(pid, &exited)) {
       {
         std::lock_guard<std::mutex> io(io_mu_);
-        StopProcessLocked(false);  // removes the socket directory
+        StopProcessLocked(false);  // kills its group, reaps it, removes the socket directory
       }
       return Status(StatusCode::kBadGateway,
                     "runtime process exited during start (" +
-                        (WIFEXITED(status) ? "exit code " + std::to_string(WEXITSTATUS(status))
-                                           : "signal " + std::to_string(WTERMSIG(status))) +
+                        (exited.si_code == CLD_EXITED ? "exit code " + std::to_string(exited.si_status)
+                                                      : "signal " + std::to_string(exited.si_status)) +
                         "): " + argv[0],
                     "runtime_start_failed");
     }
@@ -202,6 +235,7 @@ Status ProcessRuntime::Start() {
                             "runtime_start_failed");
   }
   fd_ = fd;
+  pidfd_ = OpenPidFd(pid);
   auto fail = [&](Status s) {
     StopProcessLocked(false);
     return s;
@@ -241,8 +275,12 @@ Status ProcessRuntime::Start() {
 
 Result<Reply> ProcessRuntime::CallLocked(const std::string& frame, uint64_t id, int64_t timeout_ms) {
   const int64_t deadline = NowMonoUs() + timeout_ms * 1000;
-  RETURN_IF_ERROR(runtime_protocol::WriteFrame(fd_, frame, deadline));
-  ASSIGN_OR_RETURN(std::string data, runtime_protocol::ReadFrame(fd_, config_.process.max_frame_bytes, deadline));
+  // With the pidfd, a process that dies mid-call ends the wait at once,
+  // even when processes it started (forked multiprocessing workers) still
+  // hold the socket open.
+  RETURN_IF_ERROR(runtime_protocol::WriteFrame(fd_, frame, deadline, pidfd_));
+  ASSIGN_OR_RETURN(std::string data,
+                   runtime_protocol::ReadFrame(fd_, config_.process.max_frame_bytes, deadline, pidfd_));
   last_io_mono_us_ = NowMonoUs();
   auto reply = runtime_protocol::DecodeReply(data);
   if (!reply.ok()) return Status(StatusCode::kBadGateway, reply.status().message(), "malformed_frame");
@@ -268,18 +306,12 @@ void ProcessRuntime::StopProcessLocked(bool graceful) {
   }
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
+  if (pidfd_ >= 0) ::close(pidfd_);
+  pidfd_ = -1;
   if (pid > 0) {
-    int status = 0;
     const int64_t until = NowMonoUs() + (graceful ? 2'000'000 : 0);
-    while (::waitpid(pid, &status, WNOHANG) == 0) {
-      if (NowMonoUs() >= until) {
-        ::kill(-pid, SIGKILL);  // its whole process group
-        ::waitpid(pid, &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    ::kill(-pid, SIGKILL);  // anything it left behind in its group
+    while (!HasExited(pid, nullptr) && NowMonoUs() < until) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    KillGroupAndReap(pid);  // its whole process group: anything it left behind too
   }
   if (!socket_dir_.empty()) {
     std::error_code ec;
@@ -358,15 +390,16 @@ void ProcessRuntime::SuperviseLoop() {
     if (up_) {
       std::unique_lock<std::mutex> io(io_mu_, std::try_to_lock);  // a batch in flight is its own health check
       if (io.owns_lock() && up_) {
-        int status = 0;
+        siginfo_t exited{};
         const pid_t pid = pid_.load();
-        if (pid > 0 && ::waitpid(pid, &status, WNOHANG) == pid) {
+        if (pid > 0 && HasExited(pid, &exited)) {
           pid_ = -1;
           // The group outlives its leader: what the runtime started (worker
           // processes, helpers) would otherwise keep memory and ports.
-          ::kill(-pid, SIGKILL);
-          MarkDownLocked(Crashed(WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status))
-                                                     : "exited with code " + std::to_string(WEXITSTATUS(status))));
+          KillGroupAndReap(pid);
+          MarkDownLocked(Crashed(exited.si_code == CLD_EXITED
+                                     ? "exited with code " + std::to_string(exited.si_status)
+                                     : "killed by signal " + std::to_string(exited.si_status)));
         } else if (NowMonoUs() - last_io_mono_us_ >= config_.process.health_interval_ms * 1000) {
           const uint64_t id = next_id_++;
           auto pong = CallLocked(runtime_protocol::EncodeSimple(id, "ping"), id,

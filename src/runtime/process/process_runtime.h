@@ -62,6 +62,7 @@ class ProcessRuntime final : public Runtime {
   ModelConfig config_;
   std::mutex io_mu_;             // the socket: one request at a time
   int fd_ = -1;                  // guarded by io_mu_
+  int pidfd_ = -1;               // guarded by io_mu_: readable once the process exits (-1: none)
   std::string socket_dir_;       // guarded by io_mu_
   uint64_t next_id_ = 1;         // guarded by io_mu_
   int64_t last_io_mono_us_ = 0;  // guarded by io_mu_

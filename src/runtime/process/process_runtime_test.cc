@@ -335,6 +335,32 @@ TEST(ProcessRuntime, MisbehavingRepliesFailTheBatchAndRestartTheRuntime) {
   }
 }
 
+// A runtime that dies mid-batch while a process it forked still holds the
+// socket open (forked multiprocessing workers do): the batch fails at once
+// (and goes back to the queue), not after request_timeout_ms, and the
+// helper dies with its group.
+TEST(ProcessRuntime, ARuntimeThatDiesWhileItsHelperHoldsTheSocketFailsTheBatchAtOnce) {
+  std::string dir = (std::filesystem::temp_directory_path() / "shoal-helper-XXXXXX").string();
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  ModelConfig m = BadModel("fork-then-die");
+  m.process.request_timeout_ms = 60000;
+  m.process.env = {{"HELPER_PID_FILE", dir + "/helper"}};
+  ProcessRuntime rt;
+  ASSERT_TRUE(rt.Load(m).ok());
+  const pid_t first = rt.pid();
+  auto out = rt.Run(ReferenceBatch(TorchScriptReference()));
+  EXPECT_EQ(out.status().code(), StatusCode::kUnavailable) << out.status().ToString();
+  EXPECT_NE(out.status().message().find("exited"), std::string::npos) << out.status().ToString();
+  EXPECT_TRUE(Gone(first));
+  pid_t helper = 0;
+  std::ifstream(dir + "/helper") >> helper;
+  ASSERT_GT(helper, 0);
+  EXPECT_TRUE(Eventually([&] { return Gone(helper); }, 10s)) << "the runtime's helper outlived it";
+  ::kill(helper, SIGKILL);
+  rt.Unload();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ProcessRuntime, AnErrorReplyFailsOnlyThatBatch) {
   ProcessRuntime rt;
   ASSERT_TRUE(rt.Load(BadModel("error")).ok());

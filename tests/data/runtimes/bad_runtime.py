@@ -10,6 +10,9 @@
   error          answers `run` with ok:false, keeps serving
   crash-once     like the real runtime, but dies (SIGKILL-like exit) on the
                  first `run` while $CRASH_MARKER does not exist; creates it
+  fork-then-die  on `run`, forks a helper that sleeps holding the socket
+                 (as forked multiprocessing workers do), writes its pid to
+                 $HELPER_PID_FILE, then exits
 Everything else behaves as runtimes/python/shoal_runtime.py.
 """
 
@@ -40,6 +43,14 @@ class BadServer(shoal_runtime.Server):
             if not os.path.exists(marker):
                 open(marker, "w").close()
                 os._exit(9)
+        if self.mode == "fork-then-die":
+            helper = os.fork()
+            if helper == 0:
+                time.sleep(600)
+                os._exit(0)
+            with open(os.environ["HELPER_PID_FILE"], "w") as f:
+                f.write(str(helper))
+            os._exit(7)
         if self.mode == "error":
             return shoal_runtime.error("boom", "this runtime refuses every batch")
         return super().run(req)
