@@ -838,8 +838,10 @@ void Worker::PollDemand() {
                    });
   for (const Candidate& c : candidates) {
     if (loading_here || stop_) break;
-    // The cached view said nobody serves it; make sure before claiming.
-    if (c.replica == 0 && ServedByPeer(Peers(true), c.model)) continue;
+    // The cached view said nobody serves it (or `replica` workers do); make
+    // sure before claiming: a replica loaded since, whose claim is gone,
+    // would otherwise get one more copy.
+    if (c.replica == 0 ? ServedByPeer(Peers(true), c.model) : ServingPeers(Peers(true), c.model) > c.replica) continue;
     if (!Claim(c.model, c.replica)) continue;
     Status s = manager_->StartLoad(c.model);
     if (s.ok()) {
@@ -887,10 +889,15 @@ void Worker::PollDemand() {
 }
 
 bool Worker::ServedByPeer(const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& model) {
+  return ServingPeers(peers, model) > 0;
+}
+
+int Worker::ServingPeers(const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& model) {
   const auto it = peers.find(model);
-  if (it == peers.end()) return false;
-  return std::any_of(it->second.begin(), it->second.end(),
-                     [](const PeerModel& p) { return p.state == "loaded" || p.state == "loading"; });
+  if (it == peers.end()) return 0;
+  return static_cast<int>(std::count_if(it->second.begin(), it->second.end(), [](const PeerModel& p) {
+    return p.state == "loaded" || p.state == "loading";
+  }));
 }
 
 bool Worker::PeerMayFit(const std::string& model) {

@@ -239,6 +239,8 @@ class Worker {
   void ReleaseAllClaims();
   // Whether a live peer reports `model` as loaded or loading.
   static bool ServedByPeer(const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& model);
+  // How many live peers have `model` loaded or loading.
+  static int ServingPeers(const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& model);
   // For a model that failed to load here: whether a peer serves it or may
   // still load it, so its waiting work is not answered with this worker's
   // load error yet. True while a live peer holds the placement claim or
