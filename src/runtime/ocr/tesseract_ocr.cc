@@ -232,6 +232,14 @@ Result<OcrResult> TesseractOcr::Recognize(std::string_view image_bytes) {
     return InvalidArgument("image header is corrupt or truncated", kInvalidImage);
   }
   const OcrOptions& opt = impl_->options;
+  // Tesseract refuses a side over 32767 pixels ("Image too large"), which
+  // would be a 500 from Recognize below; it is the image's fault.
+  constexpr l_int32 kMaxSide = 32767;
+  if (w > kMaxSide || h > kMaxSide) {
+    return InvalidArgument("image is " + std::to_string(w) + "x" + std::to_string(h) + ": OCR takes at most " +
+                               std::to_string(kMaxSide) + " pixels a side",
+                           "image_too_large");
+  }
   if (int64_t{w} * h > opt.max_pixels) {
     return InvalidArgument("image is " + std::to_string(w) + "x" + std::to_string(h) +
                                ", over the limit of " + std::to_string(opt.max_pixels) +

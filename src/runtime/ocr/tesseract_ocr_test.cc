@@ -272,6 +272,9 @@ TEST_F(TesseractOcrTest, RejectsBadImagesWithReasons) {
 
   // 40000 x 40000 = 1.6 gigapixels claimed by a 45-byte file.
   ExpectError(e, PngHeader(40000, 40000), StatusCode::kInvalidArgument, "image_too_large");
+  // Within max_pixels, but a side longer than Tesseract takes (32767).
+  ExpectError(e, PngHeader(40000, 20), StatusCode::kInvalidArgument, "image_too_large");
+  ExpectError(e, PngHeader(20, 32768), StatusCode::kInvalidArgument, "image_too_large");
   ExpectError(e, std::string("GIF89a\x01\x00\x01\x00\x00\x00\x00\x00", 14),
               StatusCode::kUnsupportedMedia, "unsupported_image_format");
 

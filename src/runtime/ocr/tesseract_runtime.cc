@@ -91,14 +91,11 @@ Result<std::vector<std::string>> TesseractRuntime::RunItems(const std::vector<st
   if (!engine_) return Unavailable("the OCR model is not loaded");
   std::vector<std::string> out;
   out.reserve(items.size());
-  for (size_t i = 0; i < items.size(); ++i) {
-    Result<OcrResult> r = engine_->Recognize(items[i]);
-    if (!r.ok()) {
-      const Status& st = r.status();
-      std::string where = items.size() > 1 ? "image " + std::to_string(i) + ": " : "";
-      return Status(st.code(), where + st.message(), std::string(st.reason()));
-    }
-    out.push_back(EncodeOcrResult(*r));
+  for (const std::string& item : items) {
+    // An image that fails fails alone: the others in the batch (other
+    // callers' pages, seconds each) keep their results, not run again.
+    Result<OcrResult> r = engine_->Recognize(item);
+    out.push_back(r.ok() ? EncodeOcrResult(*r) : ItemError(r.status()));
   }
   return out;
 }
