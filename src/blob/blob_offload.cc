@@ -150,8 +150,14 @@ Result<std::string> BlobOffload::Fetch(std::string_view ref_text) {
   auto data = store_->Get(*ref);
   if (!data.ok()) {
     const Status& st = data.status();
-    // A store that did not answer in time may answer the next try.
-    if (st.code() == StatusCode::kUnavailable || st.code() == StatusCode::kDeadlineExceeded)
+    // What the payload or its reference is (absent, damaged, another
+    // store's) is final: 502 with the store's reason. Anything else (no
+    // answer in time, a leaderless stream, a read error) says nothing about
+    // the payload: the next try may get it.
+    const bool about_the_blob = st.code() == StatusCode::kNotFound || st.reason() == kBlobNotFound ||
+                                st.reason() == kBlobCorrupt || st.reason() == kBlobRefInvalid ||
+                                st.reason() == kBlobStoreMismatch;
+    if (!about_the_blob)
       return Unavailable("the blob store did not deliver offloaded payload " + ref->name + ": " + st.message(),
                          "blob_store_unavailable");
     return Status(StatusCode::kBadGateway, "offloaded payload " + ref->name + ": " + st.message(),
@@ -163,6 +169,11 @@ Result<std::string> BlobOffload::Fetch(std::string_view ref_text) {
 
 Status BlobOffload::Delete(std::string_view ref_text) {
   ASSIGN_OR_RETURN(BlobRef ref, ParseBlobRef(ref_text));
+  // Another store's reference names nothing here: a blob of this store
+  // that happens to have the same name is not its to delete.
+  if (ref.scheme != store_->scheme() || ref.store != store_->store_id())
+    return InvalidArgument("blob reference " + std::string(ref_text) + " does not belong to this store",
+                           kBlobStoreMismatch);
   return store_->Delete(ref.name);
 }
 

@@ -111,6 +111,31 @@ TEST_F(BlobOffloadTest, MissingAndTamperedPayloadsAreClearErrors) {
   EXPECT_EQ(garbage.status().reason(), kBlobRefInvalid);
 }
 
+// A store that fails to read a payload for a reason of its own (here the
+// open fails: ELOOP; EMFILE, EACCES or EIO alike) says nothing about the
+// payload: 503 blob_store_unavailable, which the worker retries, not a
+// terminal 502 blob_not_found.
+TEST_F(BlobOffloadTest, AStoreReadErrorIsUnavailableNotMissing) {
+  BlobRef ref = PutAsync("payload bytes, long enough");
+  std::filesystem::rename(dir_ / ref.name, dir_ / "elsewhere");
+  std::filesystem::create_symlink(dir_ / "elsewhere", dir_ / ref.name);
+  auto got = offload_->Fetch(ref.ToString());
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), StatusCode::kUnavailable) << got.status().ToString();
+  EXPECT_EQ(got.status().reason(), "blob_store_unavailable");
+}
+
+// A reference of another store names nothing here: deleting it leaves this
+// store's blob of the same name alone.
+TEST_F(BlobOffloadTest, AnotherStoresReferenceDeletesNothingHere) {
+  BlobRef ref = PutAsync("payload bytes, long enough");
+  BlobRef foreign = ref;
+  foreign.store = "another";
+  EXPECT_EQ(offload_->Delete(foreign.ToString()).reason(), kBlobStoreMismatch);
+  EXPECT_EQ(Files(), 1u);
+  EXPECT_TRUE(offload_->Fetch(ref.ToString()).ok());
+}
+
 // A NATS object store that does not answer in time (here: its server is
 // stopped) is a retryable 503 blob_store_unavailable, not a terminal 502
 // blob_not_found: the payload is still there, as the next fetch shows.

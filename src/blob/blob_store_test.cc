@@ -333,6 +333,12 @@ TEST_P(BlobStoreTest, RefusesForeignReferencesAndBadNames) {
   EXPECT_STATUS(store_->Put("x", "../escape").status(), StatusCode::kInvalidArgument, kBlobRefInvalid);
   EXPECT_STATUS(store_->Put("x", "a/b").status(), StatusCode::kInvalidArgument, kBlobRefInvalid);
   EXPECT_STATUS(store_->Delete(".."), StatusCode::kInvalidArgument, kBlobRefInvalid);
+  // The longest name a blob may have (255 characters) is stored and read.
+  const std::string longest = "n" + std::string(254, 'a');
+  auto named = store_->Put("y", longest);
+  ASSERT_TRUE(named.ok()) << named.status().ToString();
+  EXPECT_EQ(*store_->Get(*named), "y");
+  EXPECT_STATUS(store_->Put("x", longest + "a").status(), StatusCode::kInvalidArgument, kBlobRefInvalid);
 }
 
 TEST_P(BlobStoreTest, SweepRemovesOldBlobsOnly) {

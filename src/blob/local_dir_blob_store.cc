@@ -76,7 +76,9 @@ Result<BlobRef> LocalDirBlobStore::PutFrom(const BlobSource& source, const std::
   std::string name = name_in.empty() ? blob_internal::RandomId() : name_in;
   RETURN_IF_ERROR(ValidateBlobName(name));
   const std::string final_path = PathOf(name);
-  const std::string temp_path = options_.dir + "/" + kTempPrefix + name + "." + blob_internal::RandomId();
+  // Not named after the blob: a name of 255 characters (the most a name
+  // may have) plus the prefix would be over the file system's NAME_MAX.
+  const std::string temp_path = options_.dir + "/" + kTempPrefix + blob_internal::RandomId();
   Fd f;
   f.fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0640);
   if (f.fd < 0) return Errno("create " + temp_path);
