@@ -25,6 +25,11 @@ Result<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& options, 
   auto g = std::unique_ptr<Gateway>(new Gateway());
   ASSIGN_OR_RETURN(g->dispatcher_, Dispatcher::Create(options.dispatcher, client, metrics));
   if (!options.blob.store_url.empty()) {
+    if (options.blob.ttl_ms < options.router.max_timeout_ms)
+      LOG_WARN("gateway", "--blob-ttl-ms " << options.blob.ttl_ms << " is shorter than the longest request deadline ("
+                                           << options.router.max_timeout_ms
+                                           << " ms): the sweep may delete the payload of a request still waiting "
+                                              "in the queue, which then fails with blob_not_found");
     ASSIGN_OR_RETURN(g->blob_, BlobOffload::Create(options.blob, client, metrics));
     g->dispatcher_->SetBlobOffload(g->blob_.get());
   }
