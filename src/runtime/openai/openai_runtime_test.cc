@@ -330,6 +330,22 @@ TEST(OpenAiRuntime, ConnectionRefusedIsBadGateway) {
   EXPECT_EQ(out.status().reason(), "upstream_error");
 }
 
+// A host name is resolved (off the caller's thread, bounded by the connect
+// timeout); one that does not resolve is an upstream error, not a hang.
+TEST(OpenAiRuntime, ResolvesHostNames) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) { return FakeOpenAiServer::Embeddings(r.body); });
+  auto rt = Loaded(Config("embed", "http://localhost:" + std::to_string(server.port()) + "/v1"));
+  for (int i = 0; i < 2; ++i) {
+    auto out = rt->RunItems({"hello"}, {});
+    ASSERT_TRUE(out.ok()) << out.status().ToString();
+    EXPECT_EQ(Row((*out)[0]), (std::vector<float>{0.6f, 0.8f}));
+  }
+  auto nowhere = Loaded(Config("embed", "http://no-such-host.invalid/v1", R"(,"connect_timeout_ms":2000)"));
+  const Status st = nowhere->RunItems({"hello"}, {}).status();
+  EXPECT_TRUE(st.code() == StatusCode::kBadGateway || st.code() == StatusCode::kDeadlineExceeded) << st.ToString();
+  EXPECT_NE(st.message().find("cannot resolve no-such-host.invalid"), std::string::npos) << st.ToString();
+}
+
 TEST(OpenAiRuntime, SlowUpstreamTimesOut) {
   FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
     auto reply = FakeOpenAiServer::Embeddings(r.body);

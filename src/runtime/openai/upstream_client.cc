@@ -1,6 +1,8 @@
 #include "runtime/openai/upstream_client.h"
 
+#include <condition_variable>
 #include <optional>
+#include <thread>
 #include <utility>
 
 #include <boost/asio.hpp>
@@ -24,6 +26,66 @@ struct UpstreamClient::Connection {
   beast::tcp_stream stream{ioc};
   beast::flat_buffer buffer;
   bool used = false;  // has carried a request (may have been closed since)
+};
+
+// Name resolution (getaddrinfo) cannot be cancelled or bounded, so it runs
+// on a thread of its own, one at a time per client; callers wait for it only
+// until their deadline. An answer is kept for kTtl; an older one is used
+// while a fresh resolution fails or is late, so a DNS outage does not take
+// a reachable upstream away.
+struct UpstreamClient::Resolver {
+  static constexpr std::chrono::seconds kTtl{30};
+  struct Lookup {  // one resolution; outlives its thread's callers
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    error_code ec;
+    tcp::resolver::results_type results;
+  };
+
+  Result<tcp::resolver::results_type> Resolve(const std::string& host, const std::string& port,
+                                              Clock::time_point deadline) {
+    std::shared_ptr<Lookup> lookup;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!last.empty() && Clock::now() - last_at < kTtl) return last;
+      if (!in_flight) {
+        in_flight = std::make_shared<Lookup>();
+        std::thread([l = in_flight, host, port] {
+          net::io_context ioc;
+          tcp::resolver resolver(ioc);
+          error_code ec;
+          auto results = resolver.resolve(host, port, ec);
+          std::lock_guard<std::mutex> done(l->mu);
+          l->ec = ec;
+          l->results = std::move(results);
+          l->done = true;
+          l->cv.notify_all();
+        }).detach();
+      }
+      lookup = in_flight;
+    }
+    std::unique_lock<std::mutex> wait(lookup->mu);
+    const bool done = lookup->cv.wait_until(wait, deadline, [&] { return lookup->done; });
+    const error_code ec = lookup->ec;
+    const auto results = lookup->results;
+    wait.unlock();
+    std::lock_guard<std::mutex> lock(mu);
+    if (done && in_flight == lookup) in_flight.reset();
+    if (done && !ec && !results.empty()) {
+      last = results;
+      last_at = Clock::now();
+      return results;
+    }
+    if (!last.empty()) return last;  // stale, but the best known
+    if (!done) return DeadlineExceeded("cannot resolve " + host + " in time", "upstream_timeout");
+    return Status(StatusCode::kBadGateway, "cannot resolve " + host + ": " + ec.message(), "upstream_error");
+  }
+
+  std::mutex mu;
+  std::shared_ptr<Lookup> in_flight;       // guarded by mu
+  tcp::resolver::results_type last;        // guarded by mu
+  Clock::time_point last_at{};             // guarded by mu
 };
 
 namespace {
@@ -98,7 +160,8 @@ Result<std::unique_ptr<UpstreamClient>> UpstreamClient::Create(const UpstreamOpt
   return c;
 }
 
-UpstreamClient::UpstreamClient(const UpstreamOptions& options) : options_(options) {}
+UpstreamClient::UpstreamClient(const UpstreamOptions& options)
+    : options_(options), resolver_(std::make_unique<Resolver>()) {}
 UpstreamClient::~UpstreamClient() = default;
 
 int64_t UpstreamClient::connections_opened() const {
@@ -146,14 +209,14 @@ Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& 
   };
   const bool pooled = c.used;
   if (!pooled) {
-    error_code ec;
-    tcp::resolver resolver(c.ioc);
-    auto endpoints = resolver.resolve(host_, port_, ec);
-    if (ec) return fail(ec, "cannot resolve " + host_);
     const auto connect_deadline =
         std::min(deadline, Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms));
+    auto endpoints = resolver_->Resolve(host_, port_, connect_deadline);
+    if (!endpoints.ok()) return Status(endpoints.status().code(), where + ": " + endpoints.status().message(),
+                                       endpoints.status().reason());
+    error_code ec;
     c.stream.expires_at(connect_deadline);
-    ec = RunOp(c.ioc, [&](auto handler) { c.stream.async_connect(endpoints, std::move(handler)); });
+    ec = RunOp(c.ioc, [&](auto handler) { c.stream.async_connect(*endpoints, std::move(handler)); });
     if (ec) {
       if (IsTimeout(ec))
         return DeadlineExceeded(where + ": connect timed out", "upstream_timeout");

@@ -72,6 +72,7 @@ class UpstreamClient {
 
  private:
   struct Connection;
+  struct Resolver;  // the upstream's addresses, resolved off the caller's thread (see the .cc)
   explicit UpstreamClient(const UpstreamOptions& options);
   std::unique_ptr<Connection> TakeIdle();
   void ReturnIdle(std::unique_ptr<Connection> c);
@@ -86,6 +87,7 @@ class UpstreamClient {
   mutable std::mutex mu_;
   std::vector<std::unique_ptr<Connection>> idle_;  // guarded by mu_
   int64_t opened_ = 0;                             // guarded by mu_
+  std::unique_ptr<Resolver> resolver_;
 };
 
 // Maps an upstream HTTP error answer onto Shoal's status codes, keeping the
