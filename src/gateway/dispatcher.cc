@@ -148,6 +148,7 @@ void Dispatcher::SubmitEmbed(EmbedJob job, EmbedCallback done) {
     body.task = job.task;
     body.model = job.model;
     body.truncate = job.truncate;
+    body.first_input = static_cast<int64_t>(begin);
     const size_t end = std::min(n, begin + chunk);
     int64_t estimate = 0;
     if (!job.texts.empty()) {

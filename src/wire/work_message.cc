@@ -123,9 +123,13 @@ void PackWorkBody(const WorkBody& b, WorkBody* movable, size_t move_bytes, Strin
     }
   }
   PackStr(pk, "params");
-  pk.pack_map(1);
+  pk.pack_map(b.first_input > 0 ? 2 : 1);
   PackStr(pk, "truncate");
   b.truncate ? pk.pack_true() : pk.pack_false();
+  if (b.first_input > 0) {
+    PackStr(pk, "first_input");
+    pk.pack_int64(b.first_input);
+  }
 }
 
 }  // namespace
@@ -229,6 +233,9 @@ Result<WorkBody> DecodeWorkBody(std::string_view data) {
         for (uint32_t j = 0; j < kv.val.via.map.size; ++j) {
           const auto& p = kv.val.via.map.ptr[j];
           if (KeyOf(p.key) == "truncate" && p.val.type == msgpack::type::BOOLEAN) b.truncate = p.val.via.boolean;
+          if (KeyOf(p.key) == "first_input" && p.val.type == msgpack::type::POSITIVE_INTEGER &&
+              p.val.via.u64 <= (uint64_t{1} << 32))
+            b.first_input = static_cast<int64_t>(p.val.via.u64);
         }
       }
     }

@@ -67,6 +67,9 @@ struct WorkBody {
   // MessagePack). On the wire each is a MessagePack bin.
   std::vector<std::string> items;
   bool truncate = false;  // params.truncate
+  // params.first_input: the request's index of inputs[0] (a request split
+  // into chunks), so errors name the input as the client numbered it.
+  int64_t first_input = 0;
 
   size_t size() const {
     if (!items.empty()) return items.size();

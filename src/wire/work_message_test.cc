@@ -19,6 +19,12 @@ TEST(WorkBody, RoundTripsTexts) {
   EXPECT_EQ(d->texts, b.texts);
   EXPECT_TRUE(d->token_ids.empty());
   EXPECT_TRUE(d->truncate);
+  EXPECT_EQ(d->first_input, 0);
+  b.first_input = 64;  // a later chunk of a split request
+  d = DecodeWorkBody(EncodeWorkBody(b));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->first_input, 64);
+  EXPECT_TRUE(d->truncate);
 }
 
 TEST(WorkBody, RoundTripsTokenIds) {

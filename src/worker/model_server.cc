@@ -272,7 +272,8 @@ Result<std::unique_ptr<PendingWork>> ModelServer::Prepare(std::string_view data)
   const int max_len = c.max_seq_len;
   const auto& tok = *d_.tokenizer;
   auto too_long = [&](size_t i, int64_t n) {
-    return Unprocessable("input " + std::to_string(i) + " has " + std::to_string(n) +
+    return Unprocessable("input " + std::to_string(body.first_input + static_cast<int64_t>(i)) + " has " +
+                             std::to_string(n) +
                              " tokens; model '" + c.name + "' takes at most " + std::to_string(max_len) +
                              " (send \"truncate\": true to cut it)",
                          "input_too_long");
@@ -297,10 +298,11 @@ Result<std::unique_ptr<PendingWork>> ModelServer::Prepare(std::string_view data)
   const int64_t vocab = static_cast<int64_t>(tok.vocab_size());
   for (size_t i = 0; i < body.token_ids.size(); ++i) {
     auto& in = body.token_ids[i];
-    if (in.empty()) return InvalidArgument("input " + std::to_string(i) + " is an empty token array");
+    const int64_t input = body.first_input + static_cast<int64_t>(i);  // as the client numbered it
+    if (in.empty()) return InvalidArgument("input " + std::to_string(input) + " is an empty token array");
     for (int32_t id : in)
       if (id < 0 || id >= vocab)
-        return InvalidArgument("input " + std::to_string(i) + " has token id " + std::to_string(id) +
+        return InvalidArgument("input " + std::to_string(input) + " has token id " + std::to_string(id) +
                                    " outside the vocabulary [0, " + std::to_string(vocab) + ")",
                                "invalid_token_id");
     // Token arrays are the model's own ids without special tokens, as the

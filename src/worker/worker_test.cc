@@ -150,6 +150,11 @@ TEST_F(WorkerTest, TooLongInputIs422UnlessTruncated) {
   auto r = Embed({"short", long_text});
   EXPECT_EQ(r.status().code(), StatusCode::kUnprocessable);
   EXPECT_EQ(r.status().reason(), "input_too_long");
+  // Split into chunks of 3, the error still names the input as the client
+  // numbered it (the fifth: input 4, the second of its chunk).
+  r = Embed({"a", "b", "c", "d", long_text});
+  EXPECT_EQ(r.status().reason(), "input_too_long");
+  EXPECT_NE(r.status().message().find("input 4 has"), std::string::npos) << r.status().message();
   auto t = Embed({"short", long_text}, /*truncate=*/true);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   EXPECT_TRUE(t->truncated_any);
