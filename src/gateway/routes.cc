@@ -496,6 +496,12 @@ void Router::Embeddings(HttpRequest&& req, HttpResponder respond) {
                                            want_msgpack, retry](Result<EmbedResult> result) {
     if (!result.ok()) return respond(ErrorResponse(result.status(), retry));
     EmbedResult& r = *result;
+    // The model's width was not known before its first load (a config
+    // with dim 0): the same 400 as when it is.
+    if (dims > r.dim)
+      return respond(ErrorResponse(InvalidArgument("dimensions " + std::to_string(dims) + " exceeds the model's " +
+                                                       std::to_string(r.dim),
+                                                   "invalid_dimensions")));
     Shorten(&r, dims, normalize);
     if (want_msgpack) return respond(EmbeddingsMsgpack(r, model));
     std::string out;

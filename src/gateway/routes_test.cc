@@ -161,6 +161,16 @@ TEST_F(RoutesTest, DimensionsShortensAndRenormalises) {
   auto j = json::parse(r.body);
   EXPECT_EQ(j["data"][1]["embedding"], json::parse("[1,0]"));  // [2,0] renormalised
   EXPECT_EQ(Call("POST", "/v1/embeddings", R"({"model":"m","input":"a","dimensions":5})").status, 400);
+  // A model whose width the catalog does not know yet (dim 0 until its
+  // first load): too many dimensions are refused once the answer says the
+  // width, not passed through at full width.
+  auto snap = std::make_shared<FleetSnapshot>(*snapshot_);
+  snap->models["m"].dim = 0;
+  snapshot_ = snap;
+  r = Call("POST", "/v1/embeddings", R"({"model":"m","input":"a","dimensions":5})");
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(ErrorCode(r), "invalid_dimensions");
+  EXPECT_EQ(Call("POST", "/v1/embeddings", R"({"model":"m","input":"a","dimensions":4})").status, 200);
 }
 
 TEST_F(RoutesTest, AcceptsEveryOpenAIInputForm) {
