@@ -135,6 +135,22 @@ Status InputsFromMsgpack(const msgpack::object& input, int max_inputs, EmbedJob*
     return InvalidArgument("inputs must be a string, an array of strings, or token arrays", "invalid_input");
   const auto& arr = input.via.array;
   if (arr.size == 0) return InvalidArgument("inputs must not be an empty array", "empty_input");
+  const auto token_row = [](const msgpack::object& ids, std::vector<int32_t>* row) -> Status {
+    for (uint32_t k = 0; k < ids.via.array.size; ++k) {
+      const auto& t = ids.via.array.ptr[k];
+      if (t.type != msgpack::type::POSITIVE_INTEGER || t.via.u64 > INT32_MAX)
+        return InvalidArgument("token ids must be non-negative 32-bit integers", "invalid_token_id");
+      row->push_back(static_cast<int32_t>(t.via.u64));
+    }
+    return Status::Ok();
+  };
+  if (arr.ptr[0].type == msgpack::type::POSITIVE_INTEGER || arr.ptr[0].type == msgpack::type::NEGATIVE_INTEGER) {
+    // One pre-tokenized input, as in JSON.
+    std::vector<int32_t> row;
+    RETURN_IF_ERROR(token_row(input, &row));
+    job->token_ids.push_back(std::move(row));
+    return Status::Ok();
+  }
   if (static_cast<int>(arr.size) > max_inputs)
     return InvalidArgument("too many inputs: " + std::to_string(arr.size) + " (at most " +
                                std::to_string(max_inputs) + " per request)",
@@ -151,12 +167,7 @@ Status InputsFromMsgpack(const msgpack::object& input, int max_inputs, EmbedJob*
       if (item.via.array.size == 0)
         return InvalidArgument("inputs[" + std::to_string(i) + "] is an empty token array", "empty_input");
       std::vector<int32_t> row;
-      for (uint32_t k = 0; k < item.via.array.size; ++k) {
-        const auto& t = item.via.array.ptr[k];
-        if (t.type != msgpack::type::POSITIVE_INTEGER || t.via.u64 > INT32_MAX)
-          return InvalidArgument("token ids must be non-negative 32-bit integers", "invalid_token_id");
-        row.push_back(static_cast<int32_t>(t.via.u64));
-      }
+      RETURN_IF_ERROR(token_row(item, &row));
       job->token_ids.push_back(std::move(row));
     } else {
       return InvalidArgument("inputs[" + std::to_string(i) + "] must be a string or an array of token ids",
@@ -550,7 +561,7 @@ void Router::Encode(const std::string& model, HttpRequest&& req, HttpResponder r
       if (kv.key.type != msgpack::type::STR) continue;
       std::string_view k(kv.key.via.str.ptr, kv.key.via.str.size);
       if (k == "inputs") inputs = &kv.val;
-      if (k == "truncate") {
+      if (k == "truncate" && kv.val.type != msgpack::type::NIL) {  // nil: the default, as JSON's null
         if (kv.val.type != msgpack::type::BOOLEAN)
           return respond(ErrorResponse(InvalidArgument("truncate must be a boolean", "invalid_truncate")));
         job.truncate = kv.val.via.boolean;

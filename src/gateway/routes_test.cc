@@ -294,6 +294,20 @@ TEST_F(RoutesTest, EncodeSpeaksJsonAndMessagePack) {
   std::memcpy(&third, m["embeddings"].via.bin.ptr + 8 * sizeof(float), sizeof third);
   EXPECT_EQ(third, 3.0f);
 
+  // MessagePack takes what JSON takes: one flat token array is one input,
+  // and a nil truncate is the default, as JSON's null.
+  msgpack::sbuffer flat;
+  msgpack::packer<msgpack::sbuffer> fp(flat);
+  fp.pack_map(2);
+  fp.pack(std::string("inputs"));
+  fp.pack(std::vector<int>{101, 7, 102});
+  fp.pack(std::string("truncate"));
+  fp.pack_nil();
+  r = Call("POST", "/v1/encode/m", std::string(flat.data(), flat.size()), {{"content-type", "application/msgpack"}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(submitter_.last.token_ids, (std::vector<std::vector<int32_t>>{{101, 7, 102}}));
+  EXPECT_FALSE(submitter_.last.truncate);
+
   r = Call("POST", "/v1/encode/m", "\xc1\xc1", {{"content-type", "application/msgpack"}});
   EXPECT_EQ(r.status, 400);
   EXPECT_EQ(ErrorCode(r), "invalid_msgpack");
