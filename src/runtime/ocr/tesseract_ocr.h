@@ -30,7 +30,9 @@ struct OcrOptions {
   // estimate from the glyph size. Hints outside 70..2400 are rejected.
   int dpi = 0;
   // Images with more pixels (width x height, read from the header before
-  // decoding) are refused, so a small compressed file cannot claim gigabytes.
+  // decoding) are refused, so a small compressed file cannot claim more
+  // memory than this allows: recognition peaks at about 13 bytes per pixel
+  // (1.3 GB for a 10000x10000 RGBA PNG of 418 KB).
   int64_t max_pixels = 100'000'000;
   // Whether Tesseract may run its OpenMP parallel regions (several threads
   // per image). Off: each Recognize() stays on the calling thread, which
