@@ -70,9 +70,8 @@ class FleetControl final : public ModelController {
   // BeginStop(), then joins the threads. Idempotent.
   void Stop();
 
-  // Which workers a request goes to, and the action each gets (a load
-  // where the model is already loaded becomes a status query). Pure; exposed
-  // for tests.
+  // Which workers a request goes to, and the action each gets. Pure;
+  // exposed for tests.
   struct Target {
     std::string worker;
     std::string action;

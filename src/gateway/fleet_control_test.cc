@@ -5,6 +5,7 @@
 #include "gateway/fleet_control.h"
 
 #include <nats/nats.h>
+#include <signal.h>
 
 #include <chrono>
 #include <future>
@@ -82,10 +83,27 @@ TEST(FleetControlPlan, Errors) {
   EXPECT_TRUE(FleetControl::Plan(snap, "unload", "m", "")->empty());  // loaded nowhere: nothing to do
 }
 
-Result<std::unique_ptr<NatsClient>> Connect(const std::string& url) {
+Result<std::unique_ptr<NatsClient>> Connect(const std::string& url, int64_t js_api_timeout_ms = 5000) {
   NatsOptions no;
   no.url = url;
+  no.js_api_timeout_ms = js_api_timeout_ms;
   return NatsClient::Connect(no);
+}
+
+// A heartbeat or catalog entry with a null or mistyped field (another
+// version of Shoal) is read as far as it can be, not dropped whole.
+TEST(FleetViewParsing, NullFieldsTakeTheirDefaults) {
+  WorkerInfo w;
+  ASSERT_TRUE(ParseWorkerHeartbeat(
+      R"({"id":"w1","memory_used_bytes":null,"device":7,"models":[{"name":"m","state":"loaded","memory_bytes":null,"error":null},{"state":"loaded"}]})",
+      &w));
+  EXPECT_EQ(w.id, "w1");
+  EXPECT_EQ(w.memory_used_bytes, 0);
+  EXPECT_EQ(w.device, "cpu");
+  ASSERT_EQ(w.models.size(), 1u);  // the entry without a name is skipped
+  EXPECT_TRUE(w.Has("m", "loaded"));
+  EXPECT_EQ(w.models.at("m").memory_bytes, 0);
+  EXPECT_FALSE(ParseWorkerHeartbeat(R"({"id":null})", &w));
 }
 
 // A stopping gateway answers an action still waiting for a worker (a load
@@ -151,6 +169,35 @@ TEST(FleetViewCatalog, OutlivesALostConnectionToNats) {
   EXPECT_FALSE(snap->nats_connected);
   ASSERT_EQ(snap->models.count("org/m"), 1u);
   EXPECT_EQ(snap->models.at("org/m").dim, 4);
+}
+
+// While connected, a registry read that times out keeps the workers of the
+// last good read: a view without them would show their models not loaded
+// and plan operator actions on nobody.
+TEST(FleetViewRegistry, KeepsTheLastWorkersWhileTheRegistryDoesNotAnswer) {
+  shoal::testing::TestNatsServer nats;
+  auto client = Connect(nats.url(), /*js_api_timeout_ms=*/300);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  auto workers = KvBucket::Open(**client, wire::kWorkersBucket, 60000);
+  ASSERT_TRUE(workers.ok()) << workers.status().ToString();
+  ASSERT_TRUE((*workers)->Put("w1", R"({"id":"w1","models":[{"name":"m","state":"loaded"}]})").ok());
+  auto models = KvBucket::Open(**client, wire::kModelsBucket, 0);
+  ASSERT_TRUE(models.ok());
+  ASSERT_TRUE((*models)->Put(wire::ModelKvKey("m"), R"({"name":"m","task":"embed","dim":null,"labels":null})").ok());
+  MetricsRegistry metrics;
+  auto view = FleetView::Create(FleetViewOptions{}, client->get(), &metrics);
+  ASSERT_TRUE(view.ok()) << view.status().ToString();
+  (*view)->Refresh();
+  ASSERT_EQ((*view)->Snapshot()->workers.size(), 1u);
+  ASSERT_EQ((*view)->Snapshot()->models.count("m"), 1u) << "a catalog entry with null fields was dropped";
+  const pid_t pid = nats.process().pid();
+  ASSERT_EQ(::kill(pid, SIGSTOP), 0);
+  (*view)->Refresh();  // its reads time out; the connection still stands
+  ::kill(pid, SIGCONT);
+  const auto snap = (*view)->Snapshot();
+  EXPECT_TRUE(snap->nats_connected);
+  ASSERT_EQ(snap->workers.size(), 1u) << "a registry timeout hid a live worker";
+  EXPECT_TRUE(snap->workers[0].Has("m", "loaded"));
 }
 
 }  // namespace

@@ -9,31 +9,51 @@
 #include "wire/work_message.h"
 
 namespace shoal {
+namespace {
+
+// `j[key]` as a T; `fallback` when it is absent, null or of another type
+// (an entry written by another version of Shoal is read as far as it can
+// be, not dropped whole).
+template <typename T>
+T Field(const nlohmann::json& j, const char* key, T fallback) {
+  if (!j.is_object()) return fallback;
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  try {
+    return it->get<T>();
+  } catch (const nlohmann::json::exception&) {
+    return fallback;
+  }
+}
+
+}  // namespace
 
 bool ParseWorkerHeartbeat(const std::string& json_text, WorkerInfo* out) {
   try {
     auto j = nlohmann::json::parse(json_text);
-    out->id = j.value("id", "");
-    out->memory_used_bytes = j.value("memory_used_bytes", int64_t{0});
-    out->memory_budget_bytes = j.value("memory_budget_bytes", int64_t{0});
-    out->host_memory_used_bytes = j.value("host_memory_used_bytes", int64_t{0});
-    out->host_memory_budget_bytes = j.value("host_memory_budget_bytes", int64_t{0});
-    out->max_models = j.value("max_models", 0);
-    out->host = j.value("host", "");
-    out->device_slots = std::max(1, j.value("device_slots", 1));
-    out->device = j.value("device", "cpu");
-    out->busy_seconds = j.value("busy_seconds", 0.0);
-    out->heartbeat_unix_ms = j.value("heartbeat_unix_ms", int64_t{0});
-    out->started_unix_ms = j.value("started_unix_ms", int64_t{0});
-    for (const auto& m : j.value("models", nlohmann::json::array())) {
+    out->id = Field<std::string>(j, "id", "");
+    out->memory_used_bytes = Field<int64_t>(j, "memory_used_bytes", 0);
+    out->memory_budget_bytes = Field<int64_t>(j, "memory_budget_bytes", 0);
+    out->host_memory_used_bytes = Field<int64_t>(j, "host_memory_used_bytes", 0);
+    out->host_memory_budget_bytes = Field<int64_t>(j, "host_memory_budget_bytes", 0);
+    out->max_models = Field<int>(j, "max_models", 0);
+    out->host = Field<std::string>(j, "host", "");
+    out->device_slots = std::max(1, Field<int>(j, "device_slots", 1));
+    out->device = Field<std::string>(j, "device", "cpu");
+    out->busy_seconds = Field<double>(j, "busy_seconds", 0.0);
+    out->heartbeat_unix_ms = Field<int64_t>(j, "heartbeat_unix_ms", 0);
+    out->started_unix_ms = Field<int64_t>(j, "started_unix_ms", 0);
+    for (const auto& m : Field<nlohmann::json>(j, "models", nlohmann::json::array())) {
+      const std::string name = Field<std::string>(m, "name", "");
+      if (name.empty()) continue;
       WorkerModel wm;
-      wm.state = m.value("state", "loaded");
-      wm.pinned = m.value("pinned", false);
-      wm.memory_bytes = m.value("memory_bytes", int64_t{0});
-      wm.last_used_unix_ms = m.value("last_used_unix_ms", int64_t{0});
-      wm.error = m.value("error", "");
-      wm.backlog = m.value("backlog", uint64_t{0});
-      out->models[m.value("name", "")] = std::move(wm);
+      wm.state = Field<std::string>(m, "state", "loaded");
+      wm.pinned = Field<bool>(m, "pinned", false);
+      wm.memory_bytes = Field<int64_t>(m, "memory_bytes", 0);
+      wm.last_used_unix_ms = Field<int64_t>(m, "last_used_unix_ms", 0);
+      wm.error = Field<std::string>(m, "error", "");
+      wm.backlog = Field<uint64_t>(m, "backlog", 0);
+      out->models[name] = std::move(wm);
     }
     return !out->id.empty();
   } catch (const std::exception&) {
@@ -80,6 +100,7 @@ void FleetView::Refresh() {
   const std::shared_ptr<const FleetSnapshot> last = Snapshot();
   auto s = std::make_shared<FleetSnapshot>();
   bool catalog_read = false;
+  bool workers_read = false;
   s->nats_connected = client_->IsConnected();
   if (s->nats_connected) {
     auto st = GetStreamState(*client_, options_.stream);
@@ -96,10 +117,15 @@ void FleetView::Refresh() {
     }
     if (workers_kv_) {
       auto keys = workers_kv_->Keys();
+      workers_read = keys.ok();
       if (keys.ok())
         for (const auto& k : *keys) {
           auto v = workers_kv_->Get(k);
-          if (!v.ok()) continue;
+          if (!v.ok() && v.status().code() == StatusCode::kNotFound) continue;  // expired between Keys and Get
+          if (!v.ok()) {
+            workers_read = false;  // a timeout says nothing about the worker
+            break;
+          }
           WorkerInfo info;
           if (ParseWorkerHeartbeat(*v, &info)) {
             s->workers.push_back(std::move(info));
@@ -124,13 +150,13 @@ void FleetView::Refresh() {
           try {
             auto j = nlohmann::json::parse(*v);
             CatalogModel m;
-            m.name = j.value("name", "");
-            m.task = j.value("task", "embed");
-            m.dim = j.value("dim", 0);
-            m.max_seq_len = j.value("max_seq_len", 0);
-            m.normalize = j.value("normalize", true);
-            m.labels = j.value("labels", std::vector<std::string>{});
-            m.runtime = j.value("runtime", "torchscript");
+            m.name = Field<std::string>(j, "name", "");
+            m.task = Field<std::string>(j, "task", "embed");
+            m.dim = Field<int>(j, "dim", 0);
+            m.max_seq_len = Field<int>(j, "max_seq_len", 0);
+            m.normalize = Field<bool>(j, "normalize", true);
+            m.labels = Field<std::vector<std::string>>(j, "labels", {});
+            m.runtime = Field<std::string>(j, "runtime", "torchscript");
             m.config_json = *v;
             if (!m.name.empty()) s->models[m.name] = std::move(m);
           } catch (const std::exception& e) {
@@ -143,6 +169,13 @@ void FleetView::Refresh() {
   // (NATS down or slow), the last one read stands, so requests fail as the
   // queue's unavailability (503), not as models that do not exist (404).
   if (!catalog_read) s->models = last->models;
+  // Likewise the workers, while connected: a registry read that failed
+  // (a JetStream timeout) would otherwise hide live workers and their
+  // models for a refresh (an unload planned on that view reaches nobody).
+  if (s->nats_connected && workers_kv_ && !workers_read) {
+    s->workers = last->workers;
+    s->worker_json = last->worker_json;
+  }
   s->refreshed_unix_ms = SystemClock::Get()->NowUnixMs();
   std::lock_guard<std::mutex> lock(mu_);
   snapshot_ = std::move(s);

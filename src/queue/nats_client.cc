@@ -43,6 +43,10 @@ Status FromNats(int s, const std::string& what, int js_err) {
   // Nobody answers the JetStream API: the server runs without JetStream.
   if (s == NATS_NO_RESPONDERS && js_err == kJetStreamNotEnabled)
     return Unavailable(msg + "; is JetStream enabled on the NATS server? (nats-server -js)", "jetstream_unavailable");
+  // A clustered JetStream between leaders (an election, a restarting peer):
+  // temporary, so callers that retry transient errors retry it.
+  if (js_err == JSClusterNotAvailErr || js_err == JSStreamOfflineErr || js_err == JSConsumerOfflineErr)
+    return Unavailable(msg);
   switch (s) {
     case NATS_TIMEOUT: return DeadlineExceeded(msg);
     case NATS_NOT_FOUND: return NotFound(msg);
@@ -441,9 +445,12 @@ void PullConsumer::Interrupt() {
   // here and drops those still on the wire, unacked, so they would reach
   // nobody until AckWait. The drain gives up (and closes the subscription)
   // if the server does not confirm within a second. Without a connection
-  // nothing more can arrive, and a drain would only wait for that second.
+  // nothing more can arrive, and a drain would only wait for that second;
+  // an unsubscribe would drop what is queued here (nats.c closes the
+  // subscription at once), so the subscription is left as it is: TakeQueued
+  // reads what is queued, and the hand-backs go out on reconnect.
   if (conn_ != nullptr && natsConnection_Status(conn_) != NATS_CONN_STATUS_CONNECTED) {
-    (void)natsSubscription_Unsubscribe(sub_.get());
+    interrupted_offline_ = true;
     return;
   }
   (void)natsSubscription_DrainTimeout(sub_.get(), 1000);
@@ -494,8 +501,11 @@ std::vector<Delivery> PullConsumer::TakeQueued(int64_t max_wait_ms) {
       continue;
     }
     // NATS_TIMEOUT: nothing queued now; anything else: the drain has
-    // completed and closed the subscription.
-    if (s != NATS_TIMEOUT || natsSubscription_DrainCompletionStatus(sub_.get()) != NATS_ILLEGAL_STATE) break;
+    // completed and closed the subscription. Interrupted while offline:
+    // nothing more comes.
+    if (s != NATS_TIMEOUT || interrupted_offline_ ||
+        natsSubscription_DrainCompletionStatus(sub_.get()) != NATS_ILLEGAL_STATE)
+      break;
     if (std::chrono::steady_clock::now() >= deadline) break;
   }
   return out;
@@ -671,6 +681,7 @@ Result<std::unique_ptr<KvBucket>> KvBucket::Open(NatsClient& client, const std::
   if (s != NATS_OK) return FromNats(s, "kv bucket " + bucket, s == NATS_NO_RESPONDERS ? kJetStreamNotEnabled : 0);
   auto b = std::unique_ptr<KvBucket>(new KvBucket());
   b->kv_.reset(kv);
+  b->timeout_ms_ = client.options().js_api_timeout_ms;
   return b;
 }
 
@@ -681,6 +692,7 @@ Result<std::unique_ptr<KvBucket>> KvBucket::Bind(NatsClient& client, const std::
   if (s != NATS_OK) return FromNats(s, "kv bucket " + bucket, s == NATS_NO_RESPONDERS ? kJetStreamNotEnabled : 0);
   auto b = std::unique_ptr<KvBucket>(new KvBucket());
   b->kv_.reset(kv);
+  b->timeout_ms_ = client.options().js_api_timeout_ms;
   return b;
 }
 
@@ -719,7 +731,12 @@ Status KvBucket::Delete(const std::string& key) {
 
 Result<std::vector<std::string>> KvBucket::Keys() {
   kvKeysList list{};
-  natsStatus s = kvStore_Keys(&list, kv_.get(), nullptr);
+  // Without options the listing waits for its last entry for ever: a server
+  // gone mid-listing (the client reconnects for ever) would hang the caller.
+  kvWatchOptions o;
+  kvWatchOptions_Init(&o);
+  o.Timeout = timeout_ms_;
+  natsStatus s = kvStore_Keys(&list, kv_.get(), &o);
   std::vector<std::string> out;
   if (s == NATS_NOT_FOUND) return out;  // no keys
   if (s != NATS_OK) return FromNats(s, "kv keys");

@@ -288,6 +288,7 @@ class PullConsumer {
   NatsSubscriptionPtr sub_;         // on inbox_.*
   uint64_t pulls_ = 0;              // fetcher thread only
   std::atomic<int64_t> pulls_end_ms_{0};  // steady clock: when the last pull sent expires
+  std::atomic<bool> interrupted_offline_{false};  // Interrupt() found no connection: nothing more arrives
   Status SendPull(const std::string& reply, size_t batch, int64_t wait_ms, bool no_wait);
 };
 
@@ -314,6 +315,7 @@ class KvBucket {
  private:
   KvBucket() = default;
   KvStorePtr kv_;
+  int64_t timeout_ms_ = 5000;  // Keys(): the client's js_api_timeout_ms
 };
 
 }  // namespace shoal

@@ -172,6 +172,60 @@ TEST(NatsClientReconnect, NoPullIsBufferedWhileDisconnected) {
   EXPECT_EQ((*pc)->Undelivered(), 0);
 }
 
+// A subscription interrupted while NATS is away (a parked consumer closed
+// during a restart) keeps what the server had already sent to it: those
+// deliveries are handed back on reconnect, not left unacked until AckWait.
+TEST(NatsClientReconnect, InterruptWhileDisconnectedKeepsWhatWasQueued) {
+  shoal::testing::TempDir dir;
+  NatsServerOptions so;
+  so.data_dir = dir.path() + "/data";
+  auto server = NatsServerProcess::Start(so);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  so.port = (*server)->port();
+  NatsOptions o;
+  o.url = (*server)->url();
+  auto client = NatsClient::Connect(o);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  ASSERT_TRUE(EnsureWorkStream(**client, {}).ok());
+  ConsumerOptions co;  // AckWait 30 s: a lost delivery would be back only then
+  auto pc = PullConsumer::Create(**client, "SHOAL_WORK", "shoal.work.m", "shoal_m", co);
+  ASSERT_TRUE(pc.ok()) << pc.status().ToString();
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  for (const char* data : {"b", "c"})
+    ASSERT_EQ(js_Publish(nullptr, (*client)->js(), "shoal.work.m", data, 1, nullptr, &jerr), NATS_OK);
+  const std::string pull = R"({"batch":2,"expires":5000000000})";
+  ASSERT_EQ(natsConnection_PublishRequest((*client)->conn(), "$JS.API.CONSUMER.MSG.NEXT.SHOAL_WORK.shoal_m",
+                                          (*pc)->Inbox().c_str(), pull.data(), static_cast<int>(pull.size())),
+            NATS_OK);
+  for (int i = 0; i < 500 && (*pc)->Undelivered() < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_EQ((*pc)->Undelivered(), 2);
+
+  (*server)->Stop();
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return !(*client)->IsConnected(); }, std::chrono::seconds(10)));
+  (*pc)->Interrupt();
+  std::vector<Delivery> held = (*pc)->TakeQueued(5000);
+  ASSERT_EQ(held.size(), 2u);
+  for (Delivery& d : held) EXPECT_TRUE(d.Nak().ok());
+  pc->reset();
+
+  server = NatsServerProcess::Start(so);  // same port and store
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return (*client)->IsConnected(); }, std::chrono::seconds(20)));
+  ASSERT_TRUE((*client)->Flush(2000).ok());
+  auto next = PullConsumer::Create(**client, "SHOAL_WORK", "shoal.work.m", "shoal_m", co);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  std::vector<std::string> again;
+  for (int i = 0; i < 10 && again.size() < 2; ++i) {
+    auto got = (*next)->Fetch(2, 500);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    for (Delivery& d : *got) {
+      again.emplace_back(d.Data());
+      (void)d.Ack();
+    }
+  }
+  EXPECT_EQ(again, (std::vector<std::string>{"b", "c"})) << "handed back on reconnect, not after AckWait";
+}
+
 TEST_F(NatsClientTest, KvPutGetKeysAndTtl) {
   auto kv = KvBucket::Open(*client_, "SHOAL_TEST", 1000);
   ASSERT_TRUE(kv.ok()) << kv.status().ToString();

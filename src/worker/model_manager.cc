@@ -346,9 +346,12 @@ Status ModelManager::Load(const std::string& name) {
   std::unique_lock<std::mutex> lock(mu_);
   Entry* e = Find(name);
   if (e == nullptr) return NotFound("model '" + name + "' is not served here", "model_not_found");
+  // Already loaded: a no-op, which leaves its place in the eviction order
+  // alone (an operator's check is not a use).
+  const bool was_loaded = e->state == ModelState::kLoaded;
   RETURN_IF_ERROR(
       WaitLoadedLocked(lock, *e, kNoDeadline, /*retry_failed=*/true, /*count_wait=*/false));
-  TouchLocked(*e);
+  if (!was_loaded) TouchLocked(*e);
   return Status::Ok();
 }
 

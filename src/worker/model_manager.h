@@ -243,7 +243,7 @@ class ModelManager {
   Status LoadError(const std::string& name) const;
 
   // Loads `name` and blocks until it is loaded, retrying a failed model.
-  // OK if it is already loaded.
+  // OK if it is already loaded (then a no-op: its last use stays as it was).
   Status Load(const std::string& name);
 
   // Unloads `name` now, blocking while its runtime unloads. OK if it is not

@@ -315,6 +315,20 @@ TEST_F(ModelManagerTest, BudgetForTwoWithTrafficForThreeEvictsLeastRecentlyUsedN
   EXPECT_EQ(mm->memory_used_bytes(), 300);
 }
 
+// An operator's load of a model already loaded is a no-op: it does not
+// move the model to the back of the eviction order (a check is not a use).
+TEST_F(ModelManagerTest, LoadingALoadedModelLeavesItsPlaceInTheEvictionOrder) {
+  auto mm = Make(Options(200, {}), {Model("a", 100), Model("b", 100), Model("c", 100)});
+  ASSERT_TRUE(mm->Start().ok());
+  Use(*mm, "a");
+  Use(*mm, "b");
+  ASSERT_TRUE(mm->Load("a").ok());  // already loaded: a stays the least recently used
+  Use(*mm, "c");
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kNotLoaded);
+  EXPECT_TRUE(mm->IsLoaded("b"));
+  EXPECT_TRUE(mm->IsLoaded("c"));
+}
+
 TEST(EvictionPolicy, ParsesItsNames) {
   EXPECT_EQ(*ParseEvictionPolicy("lru"), EvictionPolicy::kLru);
   EXPECT_EQ(*ParseEvictionPolicy("gdsf"), EvictionPolicy::kGdsf);
