@@ -87,32 +87,38 @@ Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& o) {
   // as a slow consumer.
   natsOptions_SetMaxPendingMsgs(opts, 1 << 20);
   // An operator sees the connection come and go (nats.c reconnects on its
-  // own; work waits meanwhile). The client outlives its connection (its
-  // options_ are destroyed after conn_).
+  // own; work waits meanwhile). The callbacks run on nats.c's own thread and
+  // may still run while the client is destroyed (closing does not wait for
+  // them): they log a copy of the name that the closed callback, the last
+  // to run on that thread, frees.
   auto client = std::unique_ptr<NatsClient>(new NatsClient());
   client->options_ = o;
+  auto* name = new std::string(o.name);
   natsOptions_SetDisconnectedCB(
       opts,
-      [](natsConnection* nc, void* self) {
+      [](natsConnection* nc, void* n) {
         if (natsConnection_IsClosed(nc)) return;
-        LOG_WARN("nats", "connection '" << static_cast<NatsClient*>(self)->options_.name
-                                        << "' lost the NATS server; reconnecting");
+        LOG_WARN("nats", "connection '" << *static_cast<std::string*>(n) << "' lost the NATS server; reconnecting");
       },
-      client.get());
+      name);
   natsOptions_SetReconnectedCB(
       opts,
-      [](natsConnection* nc, void* self) {
-        if (natsConnection_IsClosed(nc)) return;  // the client may be going away
+      [](natsConnection* nc, void* n) {
+        if (natsConnection_IsClosed(nc)) return;
         char url[256] = {0};
         (void)natsConnection_GetConnectedUrl(nc, url, sizeof(url));
-        LOG_INFO("nats", "connection '" << static_cast<NatsClient*>(self)->options_.name << "' reconnected to "
-                                        << url);
+        LOG_INFO("nats", "connection '" << *static_cast<std::string*>(n) << "' reconnected to " << url);
       },
-      client.get());
+      name);
+  natsOptions_SetClosedCB(
+      opts, [](natsConnection*, void* n) { delete static_cast<std::string*>(n); }, name);
 
   natsConnection* nc = nullptr;
   s = natsConnection_Connect(&nc, opts);
-  if (s != NATS_OK) return FromNats(s, "connect to " + o.url);
+  if (s != NATS_OK) {
+    if (nc == nullptr) delete name;  // no connection: no callback will run
+    return FromNats(s, "connect to " + o.url);
+  }
   client->conn_.reset(nc);
 
   jsOptions jo;
