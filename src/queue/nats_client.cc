@@ -682,7 +682,11 @@ Result<std::unique_ptr<KvBucket>> KvBucket::Open(NatsClient& client, const std::
     cfg.TTL = ttl_ms * int64_t{1000000};
     cfg.StorageType = js_FileStorage;
     s = js_CreateKeyValue(&kv, client.js(), &cfg);
-    if (s != NATS_OK) s = js_KeyValue(&kv, client.js(), bucket.c_str());  // lost a race
+    if (s != NATS_OK) {
+      const Status created = FromNats(s, "create kv bucket " + bucket);
+      s = js_KeyValue(&kv, client.js(), bucket.c_str());  // lost a race to another creator?
+      if (s != NATS_OK) return created;  // no: the creation's own error says why
+    }
   }
   if (s != NATS_OK) return FromNats(s, "kv bucket " + bucket, s == NATS_NO_RESPONDERS ? kJetStreamNotEnabled : 0);
   auto b = std::unique_ptr<KvBucket>(new KvBucket());
