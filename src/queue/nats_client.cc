@@ -517,11 +517,12 @@ std::vector<Delivery> PullConsumer::TakeQueued(int64_t max_wait_ms) {
   return out;
 }
 
-Result<std::unique_ptr<PullConsumer>> PullConsumer::Create(NatsClient& client, const std::string& stream,
-                                                           const std::string& subject,
-                                                           const std::string& durable,
-                                                           const ConsumerOptions& o) {
-  RETURN_IF_ERROR(o.Validate());
+namespace {
+
+// Creates the durable consumer if missing (updating ack_wait/max_deliver if
+// it exists; binding to it as it is if it cannot be updated).
+Status AddDurable(jsCtx* js, const std::string& stream, const std::string& subject, const std::string& durable,
+                  const ConsumerOptions& o) {
   jsConsumerConfig cc;
   jsConsumerConfig_Init(&cc);
   cc.Durable = durable.c_str();
@@ -534,19 +535,32 @@ Result<std::unique_ptr<PullConsumer>> PullConsumer::Create(NatsClient& client, c
   cc.DeliverPolicy = js_DeliverAll;
   jsConsumerInfo* ci = nullptr;
   jsErrCode jerr = static_cast<jsErrCode>(0);
-  natsStatus s = js_AddConsumer(&ci, client.js(), stream.c_str(), &cc, nullptr, &jerr);
+  natsStatus s = js_AddConsumer(&ci, js, stream.c_str(), &cc, nullptr, &jerr);
   if (s != NATS_OK && jerr == JSConsumerNameExistErr) {
-    s = js_UpdateConsumer(&ci, client.js(), stream.c_str(), &cc, nullptr, &jerr);
+    s = js_UpdateConsumer(&ci, js, stream.c_str(), &cc, nullptr, &jerr);
   }
   if (s != NATS_OK) {
     // Existing consumer with a config we can't update: bind to it anyway.
     jsErrCode jerr2 = static_cast<jsErrCode>(0);
-    s = js_GetConsumerInfo(&ci, client.js(), stream.c_str(), durable.c_str(), nullptr, &jerr2);
+    s = js_GetConsumerInfo(&ci, js, stream.c_str(), durable.c_str(), nullptr, &jerr2);
     if (s != NATS_OK) return FromNats(s, "add consumer " + durable, jerr);
   }
   jsConsumerInfo_Destroy(ci);
+  return Status::Ok();
+}
 
+}  // namespace
+
+Result<std::unique_ptr<PullConsumer>> PullConsumer::Create(NatsClient& client, const std::string& stream,
+                                                           const std::string& subject,
+                                                           const std::string& durable,
+                                                           const ConsumerOptions& o) {
+  RETURN_IF_ERROR(o.Validate());
+  RETURN_IF_ERROR(AddDurable(client.js(), stream, subject, durable, o));
+  natsStatus s = NATS_OK;
   auto pc = std::unique_ptr<PullConsumer>(new PullConsumer());
+  pc->subject_ = subject;
+  pc->options_ = o;
   pc->conn_ = client.conn();
   pc->js_ = client.js();
   pc->stream_ = stream;
@@ -644,10 +658,38 @@ Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait
     if (std::strcmp(status, "404") == 0 || std::strcmp(status, "408") == 0) break;
     const std::string why = std::string("pull from ") + durable_ + " refused: " + status + " " +
                             (description != nullptr ? description : "");
+    // Nobody answers for the durable (503), or it was deleted under the
+    // pull (409 Consumer Deleted): an operator or a stream reset removed
+    // it. Put it back (at most once a second), so the model is served
+    // again instead of refused at every pull until the worker restarts.
+    const bool gone = std::strcmp(status, "503") == 0 ||
+                      (std::strcmp(status, "409") == 0 && description != nullptr &&
+                       std::strcmp(description, "Consumer Deleted") == 0);
+    if (gone && SteadyNowMs() - recreated_ms_ >= 1000) RecreateIfGone(why);
     if (out.empty()) return std::strcmp(status, "503") == 0 ? Unavailable(why, "jetstream_unavailable") : Unavailable(why);
     break;
   }
+  // Pulls to a deleted durable are answered by nobody, and nats-server
+  // sends no status for them: they look like an idle model's.
+  if (out.empty() && SteadyNowMs() - checked_ms_ >= options_.existence_check_ms) {
+    checked_ms_ = SteadyNowMs();
+    RecreateIfGone("");
+  }
   return out;
+}
+
+void PullConsumer::RecreateIfGone(const std::string& why) {
+  if (why.empty()) {  // not known to be gone: ask
+    jsConsumerInfo* ci = nullptr;
+    jsErrCode jerr = static_cast<jsErrCode>(0);
+    const natsStatus s = js_GetConsumerInfo(&ci, js_, stream_.c_str(), durable_.c_str(), nullptr, &jerr);
+    if (s == NATS_OK) jsConsumerInfo_Destroy(ci);
+    if (!(s == NATS_NOT_FOUND || jerr == JSConsumerNotFoundErr)) return;  // there, or NATS cannot tell now
+  }
+  recreated_ms_ = SteadyNowMs();
+  const Status added = AddDurable(js_, stream_, subject_, durable_, options_);
+  LOG_WARN("nats", "consumer " << durable_ << " is gone" << (why.empty() ? "" : " (" + why + ")") << "; "
+                               << (added.ok() ? "created it again" : "creating it again: " + added.ToString()));
 }
 
 int64_t PullConsumer::PullLeftMs() const { return std::max<int64_t>(0, pulls_end_ms_.load() - SteadyNowMs()); }

@@ -218,6 +218,10 @@ struct ConsumerOptions {
   int64_t ack_wait_ms = 30000;
   int max_deliver = 5;
   int max_ack_pending = 10000;
+  // A consumer whose pulls keep coming back empty checks this often that
+  // its durable still exists (an operator's `nats consumer rm`, a stream
+  // reset), and creates it again if not.
+  int64_t existence_check_ms = 30000;
   Status Validate() const;
 };
 
@@ -289,6 +293,13 @@ class PullConsumer {
   uint64_t pulls_ = 0;              // fetcher thread only
   std::atomic<int64_t> pulls_end_ms_{0};  // steady clock: when the last pull sent expires
   std::atomic<bool> interrupted_offline_{false};  // Interrupt() found no connection: nothing more arrives
+  std::string subject_;             // what the durable filters on (to create it again)
+  ConsumerOptions options_;
+  int64_t recreated_ms_ = 0;        // fetcher thread only: when the durable was last created again
+  int64_t checked_ms_ = 0;          // fetcher thread only: when an empty Fetch last checked that it exists
+  // After an empty Fetch: creates the durable again if it no longer exists
+  // (checked at most every options_.existence_check_ms).
+  void RecreateIfGone(const std::string& why);
   Status SendPull(const std::string& reply, size_t batch, int64_t wait_ms, bool no_wait);
 };
 

@@ -226,6 +226,33 @@ TEST(NatsClientReconnect, InterruptWhileDisconnectedKeepsWhatWasQueued) {
   EXPECT_EQ(again, (std::vector<std::string>{"b", "c"})) << "handed back on reconnect, not after AckWait";
 }
 
+// A durable consumer deleted under a worker (an operator's `nats consumer
+// rm`, a stream reset) is created again by the next pulls, so the model is
+// served again without restarting the worker.
+TEST_F(NatsClientTest, ADeletedDurableIsCreatedAgainByThePulls) {
+  ASSERT_TRUE(EnsureWorkStream(*client_, {}).ok());
+  ConsumerOptions co;
+  co.existence_check_ms = 200;
+  auto pc = PullConsumer::Create(*client_, "SHOAL_WORK", "shoal.work.gone", "shoal_gone", co);
+  ASSERT_TRUE(pc.ok()) << pc.status().ToString();
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  ASSERT_EQ(js_DeleteConsumer(client_->js(), "SHOAL_WORK", "shoal_gone", nullptr, &jerr), NATS_OK);
+  ASSERT_EQ(js_Publish(nullptr, client_->js(), "shoal.work.gone", "x", 1, nullptr, &jerr), NATS_OK);
+  std::vector<std::string> got;
+  for (int i = 0; i < 20 && got.empty(); ++i) {
+    auto f = (*pc)->Fetch(1, 300);
+    if (!f.ok()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      continue;
+    }
+    for (Delivery& d : *f) {
+      got.emplace_back(d.Data());
+      (void)d.Ack();
+    }
+  }
+  EXPECT_EQ(got, std::vector<std::string>{"x"});
+}
+
 TEST_F(NatsClientTest, KvPutGetKeysAndTtl) {
   auto kv = KvBucket::Open(*client_, "SHOAL_TEST", 1000);
   ASSERT_TRUE(kv.ok()) << kv.status().ToString();
