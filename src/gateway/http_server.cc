@@ -356,6 +356,15 @@ void HttpServer::Impl::Connection::Parse() {
     if (parser_->is_done()) return Dispatch();
     if (ec == http::error::need_more || used == 0) break;
   }
+  // The parser takes body bytes as they come, so what it leaves unread once
+  // the headers are done is an unfinished chunk-size line or trailer: no
+  // bound of its own (the body limit counts chunk data), it would grow the
+  // buffer for as long as a client sends bytes without a line end.
+  constexpr size_t kMaxLineBytes = 8192;  // as the request line and headers
+  if (parser_->is_header_done() && buffer_.size() > kMaxLineBytes)
+    return FailRequest(400, InvalidArgument("malformed HTTP request: a chunk-size line or trailer is longer than " +
+                                                std::to_string(kMaxLineBytes) + " bytes",
+                                            "malformed_request"));
   // curl and others wait for "100 Continue" before sending a large body.
   if (parser_->is_header_done() && !continue_checked_) {
     continue_checked_ = true;

@@ -481,6 +481,28 @@ TEST(HttpServer, BodyOverTheLimitIs413AndCloses) {
   EXPECT_EQ(calls, 1);
 }
 
+// A chunk-size line or a trailer that never ends is refused once it is
+// longer than a header line may be, not buffered for as long as the client
+// sends (the body limit counts chunk data only).
+TEST(HttpServer, AnEndlessChunkSizeLineOrTrailerIs400AndCloses) {
+  int calls = 0;
+  auto server = Start(CountingOk(&calls));
+  ASSERT_TRUE(server);
+  for (const std::string& head : {std::string("1;"), std::string("1\r\nb\r\n0\r\nX-Trailer: ")}) {
+    Client client(server->port());
+    ASSERT_FALSE(client.WriteRaw("POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + head));
+    // 1 MiB without a line end, a piece at a time; the server answers and
+    // closes well before all of it is sent, so later writes may fail.
+    for (int i = 0; i < 16; ++i)
+      if (client.WriteRaw(std::string(64 * 1024, 'a'))) break;
+    Response res = client.Read();
+    EXPECT_EQ(res.result_int(), 400) << head;
+    EXPECT_EQ(ErrorOf(res)["code"], "malformed_request");
+    EXPECT_TRUE(client.PeerClosed());
+  }
+  EXPECT_EQ(calls, 0);
+}
+
 TEST(HttpServer, MalformedRequestIs400AndCloses) {
   int calls = 0;
   auto server = Start(CountingOk(&calls));
