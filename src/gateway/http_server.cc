@@ -437,8 +437,11 @@ void HttpServer::Impl::Connection::Dispatch() {
 
 void HttpServer::Impl::Connection::Respond(HttpResponse r) {
   if (closed_) return;
-  if (r.status < 100 || r.status > 999) {
-    r = InternalError("handler returned HTTP status " + std::to_string(r.status));
+  // 1xx is no final answer; Beast refuses (throws on) a body with 204 or
+  // 304, which would end the process from an io thread.
+  if (r.status < 200 || r.status > 999 || ((r.status == 204 || r.status == 304) && !r.body.empty())) {
+    r = InternalError("handler returned HTTP status " + std::to_string(r.status) +
+                      (r.body.empty() ? "" : " with a body"));
   }
   response_ = {};
   response_.version(version_);

@@ -481,6 +481,24 @@ TEST(HttpServer, BodyOverTheLimitIs413AndCloses) {
   EXPECT_EQ(calls, 1);
 }
 
+// A handler's answer HTTP cannot carry (no final status, or a body on 204
+// or 304) is a 500, not an exception that ends the process.
+TEST(HttpServer, AnAnswerHttpCannotCarryIs500) {
+  auto server = Start([](HttpRequest&& req, HttpResponder respond) {
+    HttpResponse r;
+    r.status = std::stoi(req.path.substr(1, 3));
+    r.body = req.path.size() > 4 ? "body" : "";
+    respond(std::move(r));
+  });
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  EXPECT_EQ(client.RoundTrip(Client::Get("/100")).result_int(), 500);
+  EXPECT_EQ(client.RoundTrip(Client::Get("/204/b")).result_int(), 500);
+  EXPECT_EQ(client.RoundTrip(Client::Get("/304/b")).result_int(), 500);
+  EXPECT_EQ(client.RoundTrip(Client::Get("/204")).result_int(), 204);
+  EXPECT_EQ(client.RoundTrip(Client::Get("/200/b")).result_int(), 200);
+}
+
 // A chunk-size line or a trailer that never ends is refused once it is
 // longer than a header line may be, not buffered for as long as the client
 // sends (the body limit counts chunk data only).
