@@ -310,6 +310,7 @@ Status ModelManager::Preload(const std::string& name) {
   if (e->state == ModelState::kLoaded) return Status::Ok();
   // Memory still being freed (a preload just given back) is room soon.
   cv_.wait(lock, [this] { return unloading_count_ == 0 || stopping_; });
+  if (e->state == ModelState::kLoaded) return Status::Ok();  // loaded by another caller meanwhile
   if (e->state != ModelState::kLoading && !FitsWithoutEvictionLocked(*e))
     return NoRoom("model '" + name + "' would not fit without evicting");
   e->preloading = true;
