@@ -133,36 +133,56 @@ TEST_F(NatsClientTest, PullConsumerFetchesAcksAndRedelivers) {
   ASSERT_TRUE(client_->Flush(1000).ok());
 }
 
+// A real nats-server with a file store, stopped and started again on the
+// same port and store while the client reconnects.
+class NatsClientReconnect : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    options_.data_dir = dir_.path() + "/data";
+    auto server = NatsServerProcess::Start(options_);
+    ASSERT_TRUE(server.ok()) << server.status().ToString();
+    server_ = std::move(server).value();
+    options_.port = server_->port();
+    NatsOptions o;
+    o.url = server_->url();
+    auto client = NatsClient::Connect(o);
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    client_ = std::move(client).value();
+    ASSERT_TRUE(EnsureWorkStream(*client_, {}).ok());
+  }
+  void StopServer() {
+    server_->Stop();
+    ASSERT_TRUE(shoal::testing::Eventually([&] { return !client_->IsConnected(); }, std::chrono::seconds(10)));
+  }
+  void RestartServer() {
+    auto server = NatsServerProcess::Start(options_);  // same port and store
+    ASSERT_TRUE(server.ok()) << server.status().ToString();
+    server_ = std::move(server).value();
+    ASSERT_TRUE(shoal::testing::Eventually([&] { return client_->IsConnected(); }, std::chrono::seconds(20)));
+  }
+
+  shoal::testing::TempDir dir_;
+  NatsServerOptions options_;
+  std::unique_ptr<NatsServerProcess> server_;
+  std::unique_ptr<NatsClient> client_;
+};
+
 // While the connection is down, a fetch fails at once rather than leave a
 // pull in nats.c's reconnect buffer: a worker polling through an outage
 // would otherwise have all its pulls sent together on reconnect, and more
 // work delivered to it than it asked for.
-TEST(NatsClientReconnect, NoPullIsBufferedWhileDisconnected) {
-  shoal::testing::TempDir dir;
-  NatsServerOptions so;
-  so.data_dir = dir.path() + "/data";
-  auto server = NatsServerProcess::Start(so);
-  ASSERT_TRUE(server.ok()) << server.status().ToString();
-  so.port = (*server)->port();
-  NatsOptions o;
-  o.url = (*server)->url();
-  auto client = NatsClient::Connect(o);
-  ASSERT_TRUE(client.ok()) << client.status().ToString();
-  ASSERT_TRUE(EnsureWorkStream(**client, {}).ok());
-  auto pc = PullConsumer::Create(**client, "SHOAL_WORK", "shoal.work.m", "shoal_m", ConsumerOptions{});
+TEST_F(NatsClientReconnect, NoPullIsBufferedWhileDisconnected) {
+  auto pc = PullConsumer::Create(*client_, "SHOAL_WORK", "shoal.work.m", "shoal_m", ConsumerOptions{});
   ASSERT_TRUE(pc.ok()) << pc.status().ToString();
 
-  (*server)->Stop();
-  ASSERT_TRUE(shoal::testing::Eventually([&] { return !(*client)->IsConnected(); }, std::chrono::seconds(10)));
+  ASSERT_NO_FATAL_FAILURE(StopServer());
   for (int i = 0; i < 5; ++i) {
     auto f = (*pc)->Fetch(10, 50);
     EXPECT_EQ(f.status().code(), StatusCode::kUnavailable) << f.status().ToString();
   }
-  server = NatsServerProcess::Start(so);  // same port and store
-  ASSERT_TRUE(server.ok()) << server.status().ToString();
-  ASSERT_TRUE(shoal::testing::Eventually([&] { return (*client)->IsConnected(); }, std::chrono::seconds(20)));
-  for (const char* body : {"a", "b", "c"}) ASSERT_TRUE((*client)->Publish("shoal.work.m", body).ok());
-  ASSERT_TRUE((*client)->Flush(2000).ok());
+  ASSERT_NO_FATAL_FAILURE(RestartServer());
+  for (const char* body : {"a", "b", "c"}) ASSERT_TRUE(client_->Publish("shoal.work.m", body).ok());
+  ASSERT_TRUE(client_->Flush(2000).ok());
   auto one = (*pc)->Fetch(1, 2000);
   ASSERT_TRUE(one.ok()) << one.status().ToString();
   ASSERT_EQ(one->size(), 1u);
@@ -172,47 +192,27 @@ TEST(NatsClientReconnect, NoPullIsBufferedWhileDisconnected) {
   EXPECT_EQ((*pc)->Undelivered(), 0);
 }
 
-// A subscription interrupted while NATS is away (a parked consumer closed
-// during a restart) keeps what the server had already sent to it: those
-// deliveries are handed back on reconnect, not left unacked until AckWait.
-TEST(NatsClientReconnect, InterruptWhileDisconnectedKeepsWhatWasQueued) {
-  shoal::testing::TempDir dir;
-  NatsServerOptions so;
-  so.data_dir = dir.path() + "/data";
-  auto server = NatsServerProcess::Start(so);
-  ASSERT_TRUE(server.ok()) << server.status().ToString();
-  so.port = (*server)->port();
-  NatsOptions o;
-  o.url = (*server)->url();
-  auto client = NatsClient::Connect(o);
-  ASSERT_TRUE(client.ok()) << client.status().ToString();
-  ASSERT_TRUE(EnsureWorkStream(**client, {}).ok());
-  ConsumerOptions co;  // AckWait 30 s: a lost delivery would be back only then
-  auto pc = PullConsumer::Create(**client, "SHOAL_WORK", "shoal.work.m", "shoal_m", co);
-  ASSERT_TRUE(pc.ok()) << pc.status().ToString();
+// Publishes "b" and "c" to `subject` and has the server deliver both to
+// `pc` by a pull sent by hand, while no Fetch waits for them (as a pull
+// answered after its Fetch gave up does to a busy worker).
+void DeliverUnfetched(NatsClient& client, PullConsumer& pc, const std::string& subject, const std::string& durable) {
   jsErrCode jerr = static_cast<jsErrCode>(0);
   for (const char* data : {"b", "c"})
-    ASSERT_EQ(js_Publish(nullptr, (*client)->js(), "shoal.work.m", data, 1, nullptr, &jerr), NATS_OK);
+    ASSERT_EQ(js_Publish(nullptr, client.js(), subject.c_str(), data, 1, nullptr, &jerr), NATS_OK);
   const std::string pull = R"({"batch":2,"expires":5000000000})";
-  ASSERT_EQ(natsConnection_PublishRequest((*client)->conn(), "$JS.API.CONSUMER.MSG.NEXT.SHOAL_WORK.shoal_m",
-                                          (*pc)->Inbox().c_str(), pull.data(), static_cast<int>(pull.size())),
+  const std::string next = "$JS.API.CONSUMER.MSG.NEXT.SHOAL_WORK." + durable;
+  ASSERT_EQ(natsConnection_PublishRequest(client.conn(), next.c_str(), pc.Inbox().c_str(), pull.data(),
+                                          static_cast<int>(pull.size())),
             NATS_OK);
-  for (int i = 0; i < 500 && (*pc)->Undelivered() < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  ASSERT_EQ((*pc)->Undelivered(), 2);
+  for (int i = 0; i < 500 && pc.Undelivered() < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_EQ(pc.Undelivered(), 2);
+}
 
-  (*server)->Stop();
-  ASSERT_TRUE(shoal::testing::Eventually([&] { return !(*client)->IsConnected(); }, std::chrono::seconds(10)));
-  (*pc)->Interrupt();
-  std::vector<Delivery> held = (*pc)->TakeQueued(5000);
-  ASSERT_EQ(held.size(), 2u);
-  for (Delivery& d : held) EXPECT_TRUE(d.Nak().ok());
-  pc->reset();
-
-  server = NatsServerProcess::Start(so);  // same port and store
-  ASSERT_TRUE(server.ok()) << server.status().ToString();
-  ASSERT_TRUE(shoal::testing::Eventually([&] { return (*client)->IsConnected(); }, std::chrono::seconds(20)));
-  ASSERT_TRUE((*client)->Flush(2000).ok());
-  auto next = PullConsumer::Create(**client, "SHOAL_WORK", "shoal.work.m", "shoal_m", co);
+// Handed back, "b" and "c" go to the next subscriber at once, not after
+// AckWait.
+void ExpectHandedBack(NatsClient& client, const std::string& subject, const std::string& durable,
+                      const ConsumerOptions& co) {
+  auto next = PullConsumer::Create(client, "SHOAL_WORK", subject, durable, co);
   ASSERT_TRUE(next.ok()) << next.status().ToString();
   std::vector<std::string> again;
   for (int i = 0; i < 10 && again.size() < 2; ++i) {
@@ -220,10 +220,32 @@ TEST(NatsClientReconnect, InterruptWhileDisconnectedKeepsWhatWasQueued) {
     ASSERT_TRUE(got.ok()) << got.status().ToString();
     for (Delivery& d : *got) {
       again.emplace_back(d.Data());
+      EXPECT_EQ(d.NumDelivered(), 2u);
       (void)d.Ack();
     }
   }
-  EXPECT_EQ(again, (std::vector<std::string>{"b", "c"})) << "handed back on reconnect, not after AckWait";
+  EXPECT_EQ(again, (std::vector<std::string>{"b", "c"})) << "not handed back";
+}
+
+// A subscription interrupted while NATS is away (a parked consumer closed
+// during a restart) keeps what the server had already sent to it: those
+// deliveries are handed back on reconnect, not left unacked until AckWait.
+TEST_F(NatsClientReconnect, InterruptWhileDisconnectedKeepsWhatWasQueued) {
+  ConsumerOptions co;  // AckWait 30 s: a lost delivery would be back only then
+  auto pc = PullConsumer::Create(*client_, "SHOAL_WORK", "shoal.work.m", "shoal_m", co);
+  ASSERT_TRUE(pc.ok()) << pc.status().ToString();
+  ASSERT_NO_FATAL_FAILURE(DeliverUnfetched(*client_, **pc, "shoal.work.m", "shoal_m"));
+
+  ASSERT_NO_FATAL_FAILURE(StopServer());
+  (*pc)->Interrupt();
+  std::vector<Delivery> held = (*pc)->TakeQueued(5000);
+  ASSERT_EQ(held.size(), 2u);
+  for (Delivery& d : held) EXPECT_TRUE(d.Nak().ok());
+  pc->reset();
+
+  ASSERT_NO_FATAL_FAILURE(RestartServer());
+  ASSERT_TRUE(client_->Flush(2000).ok());
+  ExpectHandedBack(*client_, "shoal.work.m", "shoal_m", co);
 }
 
 // A durable consumer deleted under a worker (an operator's `nats consumer
@@ -335,18 +357,7 @@ TEST_F(NatsClientTest, InterruptKeepsWhatTheServerAlreadySentForTakeQueued) {
   ConsumerOptions co;  // AckWait 30 s: a lost delivery would be back only then
   auto pc = PullConsumer::Create(*client_, "SHOAL_WORK", "shoal.work.late", "shoal_late", co);
   ASSERT_TRUE(pc.ok()) << pc.status().ToString();
-  jsErrCode jerr = static_cast<jsErrCode>(0);
-  for (const char* data : {"b", "c"})
-    ASSERT_EQ(js_Publish(nullptr, client_->js(), "shoal.work.late", data, 1, nullptr, &jerr), NATS_OK);
-  // A pull answered after its Fetch gave up, as happens to a busy worker:
-  // the server sends both messages to this subscription, delivered and
-  // unacked, while no Fetch waits for them.
-  const std::string pull = R"({"batch":2,"expires":5000000000})";
-  ASSERT_EQ(natsConnection_PublishRequest(client_->conn(), "$JS.API.CONSUMER.MSG.NEXT.SHOAL_WORK.shoal_late",
-                                          (*pc)->Inbox().c_str(), pull.data(), static_cast<int>(pull.size())),
-            NATS_OK);
-  for (int i = 0; i < 500 && (*pc)->Undelivered() < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  ASSERT_EQ((*pc)->Undelivered(), 2);
+  ASSERT_NO_FATAL_FAILURE(DeliverUnfetched(*client_, **pc, "shoal.work.late", "shoal_late"));
 
   (*pc)->Interrupt();
   std::vector<Delivery> late = (*pc)->TakeQueued(5000);
@@ -354,21 +365,7 @@ TEST_F(NatsClientTest, InterruptKeepsWhatTheServerAlreadySentForTakeQueued) {
   EXPECT_EQ(late[0].Data(), "b");
   EXPECT_EQ(late[1].Data(), "c");
   for (Delivery& d : late) ASSERT_TRUE(d.Nak().ok());
-
-  // Handed back, they go to the next subscriber at once, not after AckWait.
-  auto next = PullConsumer::Create(*client_, "SHOAL_WORK", "shoal.work.late", "shoal_late", co);
-  ASSERT_TRUE(next.ok());
-  std::vector<std::string> again;
-  for (int i = 0; i < 10 && again.size() < 2; ++i) {
-    auto got = (*next)->Fetch(2, 500);
-    ASSERT_TRUE(got.ok()) << got.status().ToString();
-    for (Delivery& d : *got) {
-      again.emplace_back(d.Data());
-      EXPECT_EQ(d.NumDelivered(), 2u);
-      (void)d.Ack();
-    }
-  }
-  EXPECT_EQ(again, (std::vector<std::string>{"b", "c"}));
+  ExpectHandedBack(*client_, "shoal.work.late", "shoal_late", co);
 }
 
 // Wake ends a long Fetch at once and keeps the subscription: its pull stays
