@@ -1,6 +1,7 @@
 #include "gateway/fleet_control.h"
 
 #include <algorithm>
+#include <future>
 #include <limits>
 
 #include <nlohmann/json.hpp>
@@ -154,7 +155,7 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
   out.action = job.action;
   const int64_t timeout =
       job.action == "load" || job.action == "pin" ? options_.load_timeout_ms : options_.timeout_ms;
-  for (const Target& t : targets) {
+  auto ask = [&](const Target& t) {
     ControlResult r;
     r.worker = t.worker;
     json req = {{"action", t.action}, {"model", job.model}};
@@ -177,8 +178,13 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
         r.status = Internal(std::string("unreadable reply from worker '") + t.worker + "': " + ex.what());
       }
     }
-    out.results.push_back(std::move(r));
-  }
+    return r;
+  };
+  // Every worker at once: a load or pin can take minutes on each, and one
+  // after another they would add up (and outlast the caller's timeout).
+  std::vector<std::future<ControlResult>> asked;
+  for (const Target& t : targets) asked.push_back(std::async(std::launch::async, ask, std::cref(t)));
+  for (auto& f : asked) out.results.push_back(f.get());
   (void)snapshot_();  // the next GET /v1/models shows what was done
   return out;
 }

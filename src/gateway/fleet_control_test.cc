@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <future>
+#include <mutex>
 
 #include <gtest/gtest.h>
 
@@ -144,6 +145,50 @@ TEST(FleetControlStop, AnswersAnActionUnderWayWithShuttingDown) {
     EXPECT_EQ(r.status().reason(), "shutting_down");
   }
   EXPECT_EQ(asked.load(), 1);
+}
+
+// An action for several workers asks them all at once: a load that takes
+// minutes on each does not add up worker after worker. Here neither worker
+// answers until both have been asked.
+TEST(FleetControlRun, AsksEveryWorkerAtOnce) {
+  shoal::testing::TestNatsServer nats;
+  auto client = Connect(nats.url());
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  struct Asked {
+    std::mutex mu;
+    std::vector<std::string> reply_to;
+  } asked;
+  auto note = [](natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
+    auto* a = static_cast<Asked*>(closure);
+    std::lock_guard<std::mutex> lock(a->mu);
+    a->reply_to.emplace_back(natsMsg_GetReply(msg));
+    natsMsg_Destroy(msg);
+  };
+  auto sub_a = (*client)->Subscribe(wire::ControlSubject("a"), note, &asked);
+  auto sub_b = (*client)->Subscribe(wire::ControlSubject("b"), note, &asked);
+  ASSERT_TRUE(sub_a.ok() && sub_b.ok());
+  auto snap = std::make_shared<FleetSnapshot>(Fleet({R"({"id":"a","models":[{"name":"m","state":"loaded"}]})",
+                                                     R"({"id":"b","models":[{"name":"m","state":"loaded"}]})"}));
+  FleetControlOptions o;
+  o.load_timeout_ms = 600000;
+  auto control = FleetControl::Create(o, client->get(), [snap] { return snap; });
+  ASSERT_TRUE(control.ok());
+  std::promise<Result<ControlOutcome>> done;
+  (*control)->Act("load", "m", "", [&](Result<ControlOutcome> r) { done.set_value(std::move(r)); });
+  const bool both = shoal::testing::Eventually([&] {
+    std::lock_guard<std::mutex> lock(asked.mu);
+    return asked.reply_to.size() == 2;
+  }, std::chrono::seconds(10));
+  if (!both) (*control)->Stop();  // ends the wait for the first worker's answer
+  ASSERT_TRUE(both) << "the second worker was not asked before the first answered";
+  for (const std::string& to : asked.reply_to)
+    ASSERT_TRUE((*client)->Publish(to, R"({"ok":true,"status":{"state":"loaded"}})").ok());
+  auto r = done.get_future().get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->results.size(), 2u);
+  EXPECT_EQ(r->results[0].worker, "a");
+  EXPECT_EQ(r->results[1].worker, "b");
+  for (const auto& res : r->results) EXPECT_TRUE(res.status.ok()) << res.status.ToString();
 }
 
 // While NATS cannot be reached the gateway keeps the catalog it last read:
