@@ -171,9 +171,7 @@ Status BlobOffload::Delete(std::string_view ref_text) {
   ASSIGN_OR_RETURN(BlobRef ref, ParseBlobRef(ref_text));
   // Another store's reference names nothing here: a blob of this store
   // that happens to have the same name is not its to delete.
-  if (ref.scheme != store_->scheme() || ref.store != store_->store_id())
-    return InvalidArgument("blob reference " + std::string(ref_text) + " does not belong to this store",
-                           kBlobStoreMismatch);
+  RETURN_IF_ERROR(store_->CheckRef(ref));
   return store_->Delete(ref.name);
 }
 

@@ -101,7 +101,6 @@ class BlobStore {
   // removed: the clean-up of orphans left by crashed gateways and workers.
   virtual Result<size_t> Sweep(int64_t older_than_ms) = 0;
 
- protected:
   // InvalidArgument/kBlobStoreMismatch unless `ref` belongs to this store.
   Status CheckRef(const BlobRef& ref) const;
 };

@@ -116,23 +116,17 @@ void FleetView::Refresh() {
       if (kv.ok()) models_kv_ = std::move(kv).value();
     }
     if (workers_kv_) {
-      auto keys = workers_kv_->Keys();
-      workers_read = keys.ok();
-      if (keys.ok())
-        for (const auto& k : *keys) {
-          auto v = workers_kv_->Get(k);
-          if (!v.ok() && v.status().code() == StatusCode::kNotFound) continue;  // expired between Keys and Get
-          if (!v.ok()) {
-            workers_read = false;  // a timeout says nothing about the worker
-            break;
-          }
+      auto entries = workers_kv_->Entries();
+      workers_read = entries.ok();
+      if (entries.ok())
+        for (auto& [k, v] : *entries) {
           WorkerInfo info;
-          if (ParseWorkerHeartbeat(*v, &info)) {
+          if (ParseWorkerHeartbeat(v, &info)) {
             s->workers.push_back(std::move(info));
           } else {
             LOG_WARN("gateway", "unreadable heartbeat " << k);
           }
-          s->worker_json.push_back(std::move(v).value());
+          s->worker_json.push_back(std::move(v));
         }
     }
     if (models_kv_) {

@@ -493,10 +493,12 @@ void Router::Embeddings(HttpRequest&& req, HttpResponder respond) {
   st = CheckModel(job.model, "embed", &entry);
   if (!st.ok()) return respond(ErrorResponse(st, retry));
   const int model_dim = entry.dim;
-  if (dims > 0 && model_dim > 0 && dims > model_dim)
-    return respond(ErrorResponse(InvalidArgument("dimensions " + std::to_string(dims) + " exceeds the model's " +
-                                                     std::to_string(model_dim),
-                                                 "invalid_dimensions")));
+  const auto too_wide = [dims](int dim) {
+    return ErrorResponse(
+        InvalidArgument("dimensions " + std::to_string(dims) + " exceeds the model's " + std::to_string(dim),
+                        "invalid_dimensions"));
+  };
+  if (dims > 0 && model_dim > 0 && dims > model_dim) return respond(too_wide(model_dim));
   auto deadline = Deadline(req);
   if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));
   job.deadline_unix_ms = *deadline;
@@ -504,15 +506,12 @@ void Router::Embeddings(HttpRequest&& req, HttpResponder respond) {
   const bool want_msgpack = internal::AcceptsMsgpack(req.Header("accept"));
   std::string model = job.model;
   submitter_->SubmitEmbed(std::move(job), [respond = std::move(respond), model, base64, dims, normalize,
-                                           want_msgpack, retry](Result<EmbedResult> result) {
+                                           want_msgpack, retry, too_wide](Result<EmbedResult> result) {
     if (!result.ok()) return respond(ErrorResponse(result.status(), retry));
     EmbedResult& r = *result;
     // The model's width was not known before its first load (a config
     // with dim 0): the same 400 as when it is.
-    if (dims > r.dim)
-      return respond(ErrorResponse(InvalidArgument("dimensions " + std::to_string(dims) + " exceeds the model's " +
-                                                       std::to_string(r.dim),
-                                                   "invalid_dimensions")));
+    if (dims > r.dim) return respond(too_wide(r.dim));
     Shorten(&r, dims, normalize);
     if (want_msgpack) return respond(EmbeddingsMsgpack(r, model));
     std::string out;

@@ -781,6 +781,18 @@ Status KvBucket::Delete(const std::string& key) {
   return FromNats(kvStore_Delete(kv_.get(), key.c_str()), "kv delete " + key);
 }
 
+Result<std::vector<std::pair<std::string, std::string>>> KvBucket::Entries() {
+  ASSIGN_OR_RETURN(std::vector<std::string> keys, Keys());
+  std::vector<std::pair<std::string, std::string>> out;
+  for (std::string& key : keys) {
+    auto value = Get(key);
+    if (!value.ok() && value.status().code() == StatusCode::kNotFound) continue;  // expired between Keys and Get
+    if (!value.ok()) return value.status();
+    out.emplace_back(std::move(key), std::move(value).value());
+  }
+  return out;
+}
+
 Result<std::vector<std::string>> KvBucket::Keys() {
   kvKeysList list{};
   // Without options the listing waits for its last entry for ever: a server

@@ -322,6 +322,10 @@ class KvBucket {
   Status Delete(const std::string& key);
   // All live keys (may be empty).
   Result<std::vector<std::string>> Keys();
+  // Every live key with its value, in key order. A key that expires while
+  // they are read is left out; any other failed read fails the whole call
+  // (a view without that entry would be wrong, not just old).
+  Result<std::vector<std::pair<std::string, std::string>>> Entries();
 
  private:
   KvBucket() = default;

@@ -187,7 +187,7 @@ void ModelServer::Release(std::vector<std::unique_ptr<PendingWork>> work, const 
     if (w->delivery.is_core() || static_cast<int64_t>(w->delivery.NumDelivered()) >= d_.max_deliver) {
       Fail(w->delivery, w->headers, last_chance);
     } else {
-      if (d_.progress != nullptr) d_.progress->Forget(w->delivery.AckSubject());
+      w->progress.Finish();
       (void)w->delivery.Nak(delay_ms);
       handed_back_->Inc();
     }

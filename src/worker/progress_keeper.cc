@@ -41,15 +41,13 @@ ProgressKeeper::Watch ProgressKeeper::Start(std::vector<std::string> ack_subject
   return Watch(this, id);
 }
 
-void ProgressKeeper::Forget(const std::string& ack_subject) {
-  if (ack_subject.empty()) return;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [id, subjects] : watched_) std::erase(subjects, ack_subject);
-  }
-  // A round that copied the subject before it was erased may be sending
-  // its note now: wait for that round to end.
-  std::lock_guard<std::mutex> published(publish_mu_);
+void ProgressKeeper::Watch::Finish() {
+  if (keeper_ == nullptr) return;
+  keeper_->Stop(id_);
+  // A round that copied its subjects before they were dropped may be
+  // sending their notes now: wait for that round to end.
+  std::lock_guard<std::mutex> published(keeper_->publish_mu_);
+  keeper_ = nullptr;
 }
 
 void ProgressKeeper::Stop(uint64_t id) {

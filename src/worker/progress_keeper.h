@@ -39,6 +39,10 @@ class ProgressKeeper {
     Watch() = default;
     Watch(Watch&& o) noexcept : keeper_(o.keeper_), id_(o.id_) { o.keeper_ = nullptr; }
     Watch& operator=(Watch&& o) noexcept;
+    // Stops the notes now and returns once none can still be on its way, so
+    // a -NAK sent after it is the last word (a note after it would hold the
+    // handed-back message until AckWait).
+    void Finish();
     Watch(const Watch&) = delete;
     ~Watch();
 
@@ -50,12 +54,6 @@ class ProgressKeeper {
   };
   // Empty subjects (work pushed outside the stream) are skipped.
   Watch Start(std::vector<std::string> ack_subjects);
-  // Stops the notes for one message whatever watches it: one handed back
-  // to the queue (a progress note would hold off its redelivery until
-  // AckWait) while the rest of its batch still runs. Returns once no note
-  // for it can be sent any more (one already on its way has been), so a
-  // -NAK sent after it is the last word.
-  void Forget(const std::string& ack_subject);
 
   // Progress notes sent so far (for tests and metrics).
   uint64_t notes_sent() const;

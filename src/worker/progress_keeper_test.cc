@@ -62,17 +62,18 @@ TEST(ProgressKeeperTest, NotesLongWatchesUntilTheyEnd) {
   std::this_thread::sleep_for(200ms);  // the watch ended: no more notes
   EXPECT_EQ(count("_ack.a +WPI"), a);
 
-  // Forget stops one message's notes while the rest of its watch goes on;
-  // a watch assigned over another stops the one it replaces.
+  // Finish stops one message's notes while other watches go on; a watch
+  // assigned over another stops the one it replaces.
   {
     std::lock_guard<std::mutex> lock(seen.mu);
     seen.notes.clear();
   }
   {
-    auto batch = keeper.Start({"_ack.kept", "_ack.handed_back"});
+    auto kept = keeper.Start({"_ack.kept"});
+    auto handed_back_watch = keeper.Start({"_ack.handed_back"});
     ProgressKeeper::Watch single = keeper.Start({"_ack.replaced"});
     std::this_thread::sleep_for(150ms);
-    keeper.Forget("_ack.handed_back");
+    handed_back_watch.Finish();
     single = keeper.Start({"_ack.replacement"});
     ASSERT_TRUE(client->Flush(2000).ok());
     std::this_thread::sleep_for(50ms);
@@ -80,7 +81,7 @@ TEST(ProgressKeeperTest, NotesLongWatchesUntilTheyEnd) {
     std::this_thread::sleep_for(300ms);
     ASSERT_TRUE(client->Flush(2000).ok());
     std::this_thread::sleep_for(50ms);
-    EXPECT_EQ(count("_ack.handed_back +WPI"), handed_back) << "noted after Forget returned";
+    EXPECT_EQ(count("_ack.handed_back +WPI"), handed_back) << "noted after Finish returned";
     EXPECT_EQ(count("_ack.replaced +WPI"), replaced) << "noted after its watch was replaced";
     EXPECT_GE(count("_ack.kept +WPI"), handed_back + 3);
     EXPECT_GE(count("_ack.replacement +WPI"), 3);

@@ -611,18 +611,15 @@ void Worker::HeartbeatLoop() {
 const std::map<std::string, std::vector<Worker::PeerModel>>& Worker::Peers(bool fresh) {
   const int64_t now = clock_->NowMonoUs();
   if (!fresh && now - peers_read_mono_us_ < options_.heartbeat_interval_ms * 500) return peers_;
-  auto keys = workers_kv_->Keys();
-  if (!keys.ok()) return peers_;  // keep the last view; try again next round
+  // A read that fails (a timeout) keeps the last view, until the next round:
+  // a view without a peer would have this worker load what the peer serves.
+  auto entries = workers_kv_->Entries();
+  if (!entries.ok()) return peers_;
   std::map<std::string, std::vector<PeerModel>> peers;
-  for (const std::string& key : *keys) {
+  for (const auto& [key, value] : *entries) {
     if (key == id_) continue;
-    auto value = workers_kv_->Get(key);
-    if (!value.ok() && value.status().code() == StatusCode::kNotFound) continue;  // expired between Keys and Get
-    // A read that failed otherwise (a timeout) says nothing about the peer:
-    // a view without it would have this worker load what the peer serves.
-    if (!value.ok()) return peers_;
     try {
-      json j = json::parse(*value);
+      json j = json::parse(value);
       const int64_t budget = j.value("memory_budget_bytes", int64_t{0});
       for (const json& m : j.value("models", json::array())) {
         peers[m.value("name", "")].push_back({key, m.value("state", ""), budget});
@@ -775,7 +772,7 @@ void Worker::PollDemand() {
     const auto count = [&](const char* state) {
       return std::count_if(holders.begin(), holders.end(), [&](const PeerModel& p) { return p.state == state; });
     };
-    const int64_t serving = count("loaded") + count("loading");
+    const int64_t serving = ServingPeers(peers, model);
     // Loaded or loading here: this worker serves it. Waiting work counts as
     // use, so a model with work in the queue is not the one evicted. (Extra
     // replicas are decided by the workers that do not have it, below.)
@@ -836,12 +833,14 @@ void Worker::PollDemand() {
                    [](const Candidate& a, const Candidate& b) {
                      return a.failed != b.failed ? !a.failed : a.priority > b.priority;
                    });
+  const std::map<std::string, std::vector<PeerModel>>* fresh = nullptr;  // read once, at the first candidate
   for (const Candidate& c : candidates) {
     if (loading_here || stop_) break;
     // The cached view said nobody serves it (or `replica` workers do); make
     // sure before claiming: a replica loaded since, whose claim is gone,
     // would otherwise get one more copy.
-    if (c.replica == 0 ? ServedByPeer(Peers(true), c.model) : ServingPeers(Peers(true), c.model) > c.replica) continue;
+    if (fresh == nullptr) fresh = &Peers(true);
+    if (ServingPeers(*fresh, c.model) > c.replica) continue;
     if (!Claim(c.model, c.replica)) continue;
     Status s = manager_->StartLoad(c.model);
     if (s.ok()) {
@@ -888,10 +887,6 @@ void Worker::PollDemand() {
   if (changed) PublishHeartbeat();  // peers see "loading" at once
 }
 
-bool Worker::ServedByPeer(const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& model) {
-  return ServingPeers(peers, model) > 0;
-}
-
 int Worker::ServingPeers(const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& model) {
   const auto it = peers.find(model);
   if (it == peers.end()) return 0;
@@ -921,7 +916,7 @@ bool Worker::AnotherMayLoad(const std::string& model, int64_t now_ms) {
   if (holder.ok() && *holder != id_ && listed(Peers(false), *holder)) return true;
   // Read after the claim, so a load that ended since shows as "loaded".
   const auto& peers = Peers(true);
-  if (ServedByPeer(peers, model)) return true;
+  if (ServingPeers(peers, model) > 0) return true;
   const auto it = peers.find(model);
   const bool untried = it != peers.end() && std::any_of(it->second.begin(), it->second.end(), [](const PeerModel& p) {
                          return p.state == "not_loaded";

@@ -237,8 +237,6 @@ class Worker {
   // Claims of loads this worker will not finish: frees them for the others.
   // Demand thread, or after it has ended.
   void ReleaseAllClaims();
-  // Whether a live peer reports `model` as loaded or loading.
-  static bool ServedByPeer(const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& model);
   // How many live peers have `model` loaded or loading.
   static int ServingPeers(const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& model);
   // For a model that failed to load here: whether a peer serves it or may
