@@ -444,8 +444,13 @@ void ModelServer::FetchLoop() {
       }
       // Work delivered late to an earlier pull is ours already: take it at
       // once (waiting for room would leave it unacked, and unseen by the
-      // device scheduler, for as long as the device is behind).
-      if (!waiting && d_.consumer->Undelivered() == 0 && !d_.pull_gate->WaitForRoom(20, &stop_)) continue;
+      // device scheduler, for as long as the device is behind). Work
+      // waiting already may be topped up, unless another model with work
+      // in the queue waits for room (see PullGate).
+      const PullGate::Puller puller = waiting                             ? PullGate::Puller::kHolder
+                                      : d_.backlog && d_.backlog() > 0 ? PullGate::Puller::kQueued
+                                                                       : PullGate::Puller::kIdle;
+      if (d_.consumer->Undelivered() == 0 && !d_.pull_gate->WaitForRoom(20, &stop_, puller)) continue;
       poll_ms = std::min(poll_ms, gated_poll_ms_);
     }
     auto fetched = d_.consumer->Fetch(want, poll_ms);
@@ -523,7 +528,11 @@ void ModelServer::FetchLoop() {
 }
 
 void ModelServer::MaybeReleaseClaimLocked() {
-  if (!claim_held_ || batcher_.size() > 0) return;
+  // Work still waiting keeps the claim, unless another model with queued
+  // work waits for room: a pass went to the device, so the claim moves on
+  // (a model whose passes each take part of its work would otherwise keep
+  // it for as long as its own queue lasts).
+  if (!claim_held_ || (batcher_.size() > 0 && d_.pull_gate->queued_waiting() == 0)) return;
   claim_held_ = false;
   d_.pull_gate->Release();
 }

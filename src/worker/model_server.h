@@ -151,7 +151,8 @@ class ModelServer final : public ModelAttachment {
   Status ReplyByRef(const std::string& encoded, const wire::WorkReply& reply, const std::string& reply_to);
   void FetchLoop();
   // Gives this server's PullGate claim back once no work of it waits for
-  // the device. Requires mu_.
+  // the device, or after a pass while another model waits for room (see
+  // PullGate). Requires mu_.
   void MaybeReleaseClaimLocked();
   void ExecLoop();
   // What this model's passes ask the scheduler for (see slots_are_cores).

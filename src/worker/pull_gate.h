@@ -13,7 +13,13 @@
 // while fewer than `limit` claims are held, and keep each pull open only
 // briefly (a pull already open cannot be withdrawn), so a worker whose
 // device is behind stops taking work and the shared queue hands it to one
-// that frees up first. Thread-safe.
+// that frees up first.
+//
+// A model that holds a claim may top its waiting work up (what comes joins
+// the same pass) but not while a model with work in the queue and no claim
+// waits for room: otherwise models that keep their claims, because each
+// pass takes only part of their work, would lock it out for as long as
+// their own queues last. Thread-safe.
 #pragma once
 
 #include <atomic>
@@ -30,14 +36,24 @@ class PullGate {
   PullGate(const PullGate&) = delete;
   PullGate& operator=(const PullGate&) = delete;
 
+  // Who asks for room.
+  enum class Puller {
+    kIdle,    // no claim, no work known to wait in the queue (may pull nothing)
+    kQueued,  // no claim, work waits in the queue: holders stop topping up
+    kHolder,  // holds a claim: room while no kQueued puller waits for it
+  };
+
   bool bounded() const { return limit_ > 0; }
   int limit() const { return limit_; }
   int held() const;
 
-  // Waits up to `wait_ms` until fewer than `limit` claims are held. False on
-  // timeout, when `stop` (may be null; polled every 20 ms) is set, or after
-  // Shutdown().
-  bool WaitForRoom(int64_t wait_ms, const std::atomic<bool>* stop = nullptr);
+  // Waits up to `wait_ms` until `puller` may open a pull: for kIdle and
+  // kQueued, fewer than `limit` claims are held; for kHolder, the same or
+  // no kQueued puller is waiting. False on timeout, when `stop` (may be
+  // null; polled every 20 ms) is set, or after Shutdown().
+  bool WaitForRoom(int64_t wait_ms, const std::atomic<bool>* stop = nullptr, Puller puller = Puller::kIdle);
+  // kQueued pullers waiting in WaitForRoom now.
+  int queued_waiting() const;
   // Takes a claim, room or not: the work is pulled already.
   void Take();
   // Gives one claim back.
@@ -50,6 +66,7 @@ class PullGate {
   mutable std::mutex mu_;
   std::condition_variable room_cv_;
   int held_ = 0;            // guarded by mu_
+  int queued_waiting_ = 0;  // guarded by mu_
   bool shutdown_ = false;   // guarded by mu_
 };
 

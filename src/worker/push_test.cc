@@ -389,6 +389,58 @@ TEST_F(PushTest, PullAheadLeavesWorkInTheQueueForAnIdleWorker) {
   EXPECT_TRUE(Eventually([&] { return held() == 0; }));
 }
 
+// Load-aware pulling with two hot models whose passes each take one item
+// of their waiting work (a 1 ms turn quantum): each would keep its claim for
+// as long as its queue lasts. A cold model's request must still be pulled
+// early, not after both queues have drained: while it waits for room, the
+// hot models stop topping their work up and hand their claims on after
+// each pass. (When it runs is the device scheduler's choice: it is the
+// youngest work here, so it may wait behind older work.)
+TEST_F(PushTest, PullAheadDoesNotLockAColdModelOutBehindHotOnes) {
+  DispatcherOptions dopt;  // pull
+  auto d = Dispatcher::Create(dopt, client_.get(), &gateway_metrics_);
+  ASSERT_TRUE(d.ok());
+  dispatcher_ = std::move(d).value();
+  WorkerOptions wo = Options({"sim-a", "sim-b", "sim-c"}, "pull-fair");
+  wo.pull_ahead = 2;
+  wo.turn_quantum_ms = 1;
+  wo.demand_poll_ms = 50;
+  Member w = Start(wo);
+  ASSERT_TRUE(w.worker);
+  ASSERT_TRUE(EmbedAsync("sim-b", {"warm"}).get().ok());
+  const auto pulled_b = [&] { return w.Observed("shoal_worker_queue_wait_seconds", {{"model", "sim-b"}}); };
+  ASSERT_EQ(pulled_b(), 1);
+
+  constexpr int kHot = 150;  // per hot model
+  std::atomic<int> answered{0};
+  std::vector<std::future<Result<EmbedResult>>> hot;
+  for (int i = 0; i < kHot; ++i)
+    for (const char* m : {"sim-a", "sim-c"}) {
+      auto p = std::make_shared<std::promise<Result<EmbedResult>>>();
+      hot.push_back(p->get_future());
+      EmbedJob job;
+      job.model = m;
+      job.texts = {"hot " + std::to_string(i)};
+      job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 120000;
+      dispatcher_->SubmitEmbed(std::move(job), [p, &answered](Result<EmbedResult> r) {
+        ++answered;
+        p->set_value(std::move(r));
+      });
+    }
+  // Both hot models are on the device, each with work waiting.
+  ASSERT_TRUE(Eventually([&] { return answered.load() >= 6; }));
+  auto cold = EmbedAsync("sim-b", {"cold"}, 120000);
+  ASSERT_TRUE(Eventually([&] { return pulled_b() == 2; }, 60s));
+  const int hot_answered = answered.load();
+  EXPECT_LT(hot_answered, kHot) << "the cold model was pulled only once the hot queues had drained";
+  auto r = cold.get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  for (auto& f : hot) {
+    auto h = f.get();
+    EXPECT_TRUE(h.ok()) << h.status().ToString();
+  }
+}
+
 TEST(PushOptions, RejectsUnknownModesAndPolicies) {
   DispatcherOptions o;
   o.dispatch = "shove";
