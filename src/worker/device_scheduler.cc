@@ -18,6 +18,7 @@ constexpr auto kCancelPoll = std::chrono::milliseconds(20);
 Status DeviceSchedulerOptions::Validate() const {
   if (slots < 1) return InvalidArgument("slots must be >= 1");
   if (!(backlog_weight >= 0)) return InvalidArgument("backlog_weight must be >= 0");
+  if (max_overtakes < 0) return InvalidArgument("max_overtakes must be >= 0");
   return Status::Ok();
 }
 
@@ -40,6 +41,7 @@ void DeviceScheduler::Turn::Release() {
 DeviceScheduler::DeviceScheduler(DeviceSchedulerOptions options, const Clock* clock)
     : slots_(std::max(1, options.slots)),
       backlog_weight_(options.backlog_weight >= 0 ? options.backlog_weight : 0.0),
+      max_overtakes_(std::max(0, options.max_overtakes)),
       clock_(clock != nullptr ? clock : SystemClock::Get()) {}
 
 Result<DeviceScheduler::Turn> DeviceScheduler::Acquire(const std::string& model,
@@ -145,23 +147,27 @@ void DeviceScheduler::GrantLocked() {
   if (shutdown_) return;
   while (running_ < slots_ && !waiters_.empty()) {
     const double now = static_cast<double>(clock_->NowMonoUs());
-    size_t best = 0;
+    size_t best = 0, oldest = 0;
     double best_priority = -1;
     for (size_t i = 0; i < waiters_.size(); ++i) {
       const Waiter& w = *waiters_[i];
       const double age_us =
           std::max(0.0, now - static_cast<double>(w.oldest_enqueued_mono_us));
       const double priority = age_us * w.weight;
-      // Strictly greater: on a tie the earlier arrival (lower index) keeps it.
+      // Strictly greater / less: on a tie the earlier arrival (lower index)
+      // keeps it.
       if (priority > best_priority) {
         best = i;
         best_priority = priority;
       }
+      if (w.oldest_enqueued_mono_us < waiters_[oldest]->oldest_enqueued_mono_us) oldest = i;
     }
+    if (best != oldest && waiters_[oldest]->overtaken >= max_overtakes_) best = oldest;
     Waiter* w = waiters_[best];
     // The best waiter waits for room rather than being overtaken by
     // narrower ones behind it.
     if (running_ + w->width > slots_) return;
+    if (best != oldest) ++waiters_[oldest]->overtaken;
     waiters_.erase(waiters_.begin() + static_cast<std::ptrdiff_t>(best));
     w->granted = true;
     running_ += w->width;

@@ -9,6 +9,11 @@
 //   priority = age_us * (1 + backlog_weight * log2(1 + backlog)),
 // age_us = now - oldest_enqueued_mono_us (clamped at 0), computed with the
 // clock's time at the moment of the grant; ties go to the earliest waiter.
+// The weight may let younger work overtake the oldest waiter, but at most
+// `max_overtakes` times in a row; then the oldest goes next. Without that
+// bound, work of a cold model could wait for ever behind a hot model in
+// overload: the hot model's oldest work ages as fast as the cold one's, and
+// its backlog weight (about 11 at a backlog of 1000) keeps it ahead.
 // A waiter whose width does not fit in the free slots blocks the ones behind
 // it (no overtaking, so a wide pass is not starved).
 //
@@ -40,8 +45,10 @@ struct DeviceSchedulerOptions {
   int slots = 1;  // shared by the passes running at once (cores on a CPU)
   // weight = 1 + backlog_weight * log2(1 + backlog); priority = age_us * weight
   double backlog_weight = 1.0;
+  // Grants in a row that may go past the oldest waiter (0: oldest first).
+  int max_overtakes = 4;
 
-  Status Validate() const;  // slots >= 1, backlog_weight >= 0
+  Status Validate() const;  // slots >= 1, backlog_weight >= 0, max_overtakes >= 0
 };
 
 // Slots one pass asks for: `max` when it finds the device idle, else `min`.
@@ -123,6 +130,7 @@ class DeviceScheduler {
     double weight = 1.0;              // 1 + backlog_weight * log2(1 + backlog)
     int width = 1;                    // slots it gets: its PassWidth::min
     int64_t oldest_enqueued_mono_us = 0;
+    int overtaken = 0;                // grants to younger work while it was the oldest
     bool granted = false;             // a slot is counted in running_ for it
     std::condition_variable cv;       // notified on grant and on Shutdown()
   };
@@ -137,6 +145,7 @@ class DeviceScheduler {
 
   const int slots_;
   const double backlog_weight_;
+  const int max_overtakes_;
   const Clock* const clock_;
 
   mutable std::mutex mu_;

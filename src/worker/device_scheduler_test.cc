@@ -218,9 +218,13 @@ TEST(DeviceScheduler, ColdModelIsNotStarvedByHotModels) {
   // time. At release k (t = k ms) the waiting hot model queued 1 ms ago with
   // fresh work: priority 1 ms * (1 + log2(501)) = 1 ms * 9.97 = 9.97 ms; the
   // cold request: k ms * 1. The cold request wins at k = 10, so it is the
-  // 11th turn (index 10), after 10 hot turns.
+  // 11th turn (index 10), after 10 hot turns. This is the weight alone: the
+  // bound on overtakes (OldestWaiterIsOvertakenAtMostMaxOvertakesTimes) is
+  // lifted.
   FakeClock clock;
-  DeviceScheduler s(Options(1, 1.0), &clock);
+  DeviceSchedulerOptions options = Options(1, 1.0);
+  options.max_overtakes = 1000;
+  DeviceScheduler s(options, &clock);
 
   std::mutex mu;
   std::condition_variable cv;
@@ -291,6 +295,36 @@ TEST(DeviceScheduler, ColdModelIsNotStarvedByHotModels) {
   cold.join();
   EXPECT_EQ(s.running(), 0);
   EXPECT_EQ(s.waiting(), 0);
+}
+
+// In overload a hot model's oldest work is as old as a cold model's, and
+// its backlog weight keeps it ahead for ever: "cold" aged 50 ms, backlog 0
+// -> 50 ms; each "hot" aged 40 ms, backlog 1000 -> 40 ms * 10.97 = 439 ms.
+// The weight lets younger work overtake the oldest waiter at most
+// max_overtakes times in a row.
+TEST(DeviceScheduler, OldestWaiterIsOvertakenAtMostMaxOvertakesTimes) {
+  const std::vector<Request> requests = {{"cold", 50'000, 0},  {"h1", 60'000, 1000}, {"h2", 60'000, 1000},
+                                         {"h3", 60'000, 1000}, {"h4", 60'000, 1000}, {"h5", 60'000, 1000},
+                                         {"h6", 60'000, 1000}};
+  auto order_with = [&](int max_overtakes) {
+    FakeClock clock;
+    clock.AdvanceUs(100'000);
+    DeviceSchedulerOptions options = Options(1);
+    options.max_overtakes = max_overtakes;
+    DeviceScheduler s(options, &clock);
+    auto held = s.Acquire("holder", 0, 0);
+    EXPECT_TRUE(held.ok());
+    return GrantOrder(s, std::move(*held), requests);
+  };
+  EXPECT_EQ(order_with(4), (std::vector<std::string>{"h1", "h2", "h3", "h4", "cold", "h5", "h6"}));
+  EXPECT_EQ(order_with(DeviceSchedulerOptions{}.max_overtakes),
+            (std::vector<std::string>{"h1", "h2", "h3", "h4", "cold", "h5", "h6"}));  // the default
+  EXPECT_EQ(order_with(0), (std::vector<std::string>{"cold", "h1", "h2", "h3", "h4", "h5", "h6"}));
+  EXPECT_EQ(order_with(1000), (std::vector<std::string>{"h1", "h2", "h3", "h4", "h5", "h6", "cold"}));
+
+  DeviceSchedulerOptions bad = Options(1);
+  bad.max_overtakes = -1;
+  EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(DeviceScheduler, TwoSlotsRunTwoAtOnceAndAThirdWaits) {
