@@ -19,7 +19,10 @@ struct ModelsCommandFlags {
   std::string model;            // required for every action but list
   std::string worker;           // actions: only this worker; list: only its rows
   bool json = false;            // print the gateway's JSON answer as is
-  int64_t timeout_ms = 300000;  // whole request; a load waits for the model
+  // Whole request; a load waits for the model. Above the gateway's own
+  // wait for a load (300 s), so a load that takes all of it ends with the
+  // gateway's answer, not this client's timeout.
+  int64_t timeout_ms = 330000;
 };
 
 // Adds `shoal models [action] [model]` with its options (each with a flag

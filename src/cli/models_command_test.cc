@@ -444,6 +444,12 @@ TEST(ModelsCommand, ParsesActionModelAndOptions) {
   EXPECT_EQ(flags.timeout_ms, 5000);
 }
 
+// The gateway waits up to 300 s for a load; the client waits longer, so a
+// slow load ends with the gateway's answer rather than a transport timeout.
+TEST(ModelsCommand, DefaultTimeoutOutlastsTheGatewaysLoadWait) {
+  EXPECT_GT(ModelsCommandFlags{}.timeout_ms, 300000);
+}
+
 TEST(ModelsCommand, DefaultsToListAndReadsTheEnvironment) {
   ::setenv("SHOAL_GATEWAY_URL", "http://10.0.0.5:8080", 1);
   ::setenv("SHOAL_MODELS_TIMEOUT_MS", "1234", 1);
