@@ -69,6 +69,17 @@ class Runtime {
     (void)partial;
     return Unprocessable("this runtime takes token batches, not whole inputs", "wrong_task");
   }
+  // RunItems with each input's deadline (wall-clock ms since the epoch,
+  // 0: none; an empty vector: none at all), after which its caller no
+  // longer waits. A runtime that can stop part-way (OCR) gives an input it
+  // could not finish in time ItemError(DeadlineExceeded) instead of
+  // spending seconds on an answer nobody reads. The default ignores them.
+  virtual Result<std::vector<std::string>> RunItemsBefore(const std::vector<std::string>& items,
+                                                          const std::vector<int64_t>& deadlines_unix_ms,
+                                                          const PartialSink& partial) {
+    (void)deadlines_unix_ms;
+    return RunItems(items, partial);
+  }
   // Whether batches run on this worker's device. False for a runtime that
   // forwards to a remote server: its batches take no turn on the device
   // (a long generation upstream must not stall the models computing here)

@@ -68,6 +68,17 @@ class ScriptedItemRuntime final : public Runtime {
     }
     return out;
   }
+  // "deadline" comes back as the deadline the runtime was given for it.
+  Result<std::vector<std::string>> RunItemsBefore(const std::vector<std::string>& items,
+                                                  const std::vector<int64_t>& deadlines_unix_ms,
+                                                  const PartialSink& partial) override {
+    auto out = RunItems(items, partial);
+    if (!out.ok()) return out;
+    for (size_t i = 0; i < items.size(); ++i)
+      if (items[i] == "deadline")
+        (*out)[i] = PackStr(i < deadlines_unix_ms.size() ? std::to_string(deadlines_unix_ms[i]) : "none");
+    return out;
+  }
   Result<Embeddings> Run(const TokenBatch&) override { return Internal("token batches are not expected"); }
   void Unload() override {}
   int64_t MemoryBytes() const override { return 1 << 20; }
@@ -107,12 +118,13 @@ class ItemPathTest : public ::testing::Test {
     std::ofstream(repo_.path() + "/" + name + "/shoal.json") << json;
   }
 
-  Result<ItemResult> Submit(std::vector<std::string> items, PartialCallback partial = {}) {
+  Result<ItemResult> Submit(std::vector<std::string> items, PartialCallback partial = {},
+                            int64_t deadline_unix_ms = 0) {
     ItemJob job;
     job.task = "ocr";
     job.model = "scripted-ocr";
     job.items = std::move(items);
-    job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 20000;
+    job.deadline_unix_ms = deadline_unix_ms > 0 ? deadline_unix_ms : SystemClock::Get()->NowUnixMs() + 20000;
     std::promise<Result<ItemResult>> p;
     auto f = p.get_future();
     dispatcher_->SubmitItems(std::move(job), [&p](Result<ItemResult> r) { p.set_value(std::move(r)); },
@@ -135,6 +147,17 @@ TEST_F(ItemPathTest, ResultsComeBackInInputOrder) {
   EXPECT_EQ(Unpacked(r->items[0]), "FIRST");
   EXPECT_EQ(Unpacked(r->items[1]), std::string("BIN\0ARY", 7));
   EXPECT_EQ(Unpacked(r->items[2]), "THIRD");
+}
+
+// The runtime learns each input's deadline, so one that can stop part-way
+// (OCR) does not finish work nobody waits for.
+TEST_F(ItemPathTest, TheRuntimeIsGivenEachInputsDeadline) {
+  const int64_t deadline = SystemClock::Get()->NowUnixMs() + 25000;
+  auto r = Submit({"first", "deadline"}, {}, deadline);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->items.size(), 2u);
+  EXPECT_EQ(Unpacked(r->items[0]), "FIRST");
+  EXPECT_EQ(Unpacked(r->items[1]), std::to_string(deadline));
 }
 
 TEST_F(ItemPathTest, PartialOutputStreamsInOrderBeforeTheResult) {

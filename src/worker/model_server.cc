@@ -818,10 +818,12 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
                              std::vector<wire::WorkReply>* replies) {
   const ModelConfig& c = d_.config;
   std::vector<std::string> inputs;
+  std::vector<int64_t> deadlines;                // per input: its message's
   std::vector<std::pair<size_t, size_t>> owner;  // input -> (work, index within its message)
   for (size_t i = 0; i < work.size(); ++i)
     for (size_t k = 0; k < work[i]->items.size(); ++k) {
       inputs.push_back(work[i]->items[k]);
+      deadlines.push_back(work[i]->headers.deadline_unix_ms);
       owner.emplace_back(i, k);
     }
   std::vector<int> seq(work.size(), 0);
@@ -852,8 +854,10 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
     const PartialSink pass_partial = [&partial, begin](size_t item, std::string_view chunk) {
       partial(begin + item, chunk);
     };
+    const std::vector<int64_t> pass_deadlines(deadlines.begin() + static_cast<std::ptrdiff_t>(begin),
+                                              deadlines.begin() + static_cast<std::ptrdiff_t>(end));
     const int64_t t0 = d_.clock->NowMonoUs();
-    auto out = d_.runtime->RunItems(pass, pass_partial);
+    auto out = d_.runtime->RunItemsBefore(pass, pass_deadlines, pass_partial);
     const int64_t run_us = d_.clock->NowMonoUs() - t0;
     if (out.ok()) {
       batch_run_us_ += run_us;

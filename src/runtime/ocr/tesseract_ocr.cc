@@ -3,11 +3,14 @@
 #include <leptonica/allheaders.h>
 #include <omp.h>
 #include <tesseract/baseapi.h>
+#include <tesseract/ocrclass.h>
 #include <tesseract/resultiterator.h>
 
 #include <algorithm>
+#include <chrono>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -203,7 +206,17 @@ Result<std::unique_ptr<TesseractOcr>> TesseractOcr::Create(const OcrOptions& opt
   return std::unique_ptr<TesseractOcr>(new TesseractOcr(std::move(impl)));
 }
 
-Result<OcrResult> TesseractOcr::Recognize(std::string_view image_bytes) {
+Result<OcrResult> TesseractOcr::Recognize(std::string_view image_bytes, int64_t deadline_unix_ms) {
+  // Wall-clock ms left before the caller stops waiting; > 0 when there is
+  // a deadline and it has not passed.
+  const auto ms_left = [deadline_unix_ms] {
+    const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            std::chrono::system_clock::now().time_since_epoch())
+                            .count();
+    return deadline_unix_ms - now;
+  };
+  const auto too_late = [] { return DeadlineExceeded("the request's deadline passed during OCR"); };
+  if (deadline_unix_ms > 0 && ms_left() <= 0) return DeadlineExceeded("deadline passed before the work was run");
   if (image_bytes.empty()) return InvalidArgument("image is empty", kInvalidImage);
   // Leptonica sniffs the format from the first 12 bytes and reads them
   // without a length check.
@@ -261,8 +274,20 @@ Result<OcrResult> TesseractOcr::Recognize(std::string_view image_bytes) {
   try {
     api.SetImage(pix.get());
     if (opt.dpi > 0) api.SetSourceResolution(opt.dpi);
-    if (api.Recognize(nullptr) != 0) {
+    // Tesseract checks the monitor's deadline before each word and stops
+    // (Recognize fails) once it has passed.
+    tesseract::ETEXT_DESC monitor;
+    if (deadline_unix_ms > 0) {
+      const int64_t left = ms_left();
+      if (left <= 0) {
+        api.Clear();
+        return too_late();
+      }
+      monitor.set_deadline_msecs(static_cast<int32_t>(std::min<int64_t>(left, std::numeric_limits<int32_t>::max())));
+    }
+    if (api.Recognize(deadline_unix_ms > 0 ? &monitor : nullptr) != 0) {
       api.Clear();
+      if (deadline_unix_ms > 0 && monitor.deadline_exceeded()) return too_late();
       return Internal("tesseract could not recognise the image", "ocr_failed");
     }
     TextPtr text(api.GetUTF8Text());

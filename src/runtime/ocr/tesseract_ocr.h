@@ -81,15 +81,18 @@ class TesseractOcr {
   TesseractOcr& operator=(const TesseractOcr&) = delete;
 
   // Decodes one encoded image and recognises it; blocks for the duration
-  // (0.1-0.5 s for a few lines, seconds for a dense page). Errors, all
+  // (0.1-0.5 s for a few lines, seconds for a dense page). With
+  // `deadline_unix_ms` > 0 (wall-clock ms since the epoch; its caller waits
+  // no longer), recognition stops at the first word past it. Errors, all
   // InvalidArgument unless noted:
   //   "invalid_image"             empty, not an image, truncated or corrupt
   //   "image_too_large"           width x height over options.max_pixels
   //   "unsupported_image_format"  UnsupportedMedia: a format Leptonica knows
   //                               but Shoal does not take (GIF, WebP, ...)
   //   "ocr_failed"                Internal: Tesseract gave up on the image
+  //   DeadlineExceeded            the deadline passed before or during it
   // Never throws.
-  Result<OcrResult> Recognize(std::string_view image_bytes);
+  Result<OcrResult> Recognize(std::string_view image_bytes, int64_t deadline_unix_ms = 0);
 
   const OcrOptions& options() const;  // with tessdata_dir resolved
 

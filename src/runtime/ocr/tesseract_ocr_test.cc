@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cctype>
 #include <cstdlib>
 #include <filesystem>
@@ -218,6 +219,36 @@ TEST_F(TesseractOcrTest, ReadsALargeNoisyPng) {
   Image img = LoadImage("large.png");
   EXPECT_GE(img.bytes.size(), size_t{5} << 20) << "large.png should be at least 5 MiB";
   Check(eng_.get(), "large.png");
+}
+
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// A deadline stops the work: not started once it has passed, and stopped
+// part-way through a page that takes longer (large.png takes about 450 ms
+// on 2 cores, its decoding about 50 ms; given 60-200 ms, it stopped
+// within 60 ms of its deadline).
+TEST_F(TesseractOcrTest, StopsAtTheDeadline) {
+  const std::string eng = LoadImage("eng.png").bytes;
+  auto late = eng_->Recognize(eng, NowUnixMs() - 1);
+  ASSERT_FALSE(late.ok());
+  EXPECT_EQ(late.status().code(), StatusCode::kDeadlineExceeded) << late.status().ToString();
+
+  const std::string large = LoadImage("large.png").bytes;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto cut = eng_->Recognize(large, NowUnixMs() + 50);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(cut.ok());
+  EXPECT_EQ(cut.status().code(), StatusCode::kDeadlineExceeded) << cut.status().ToString();
+  std::printf("[ deadline ] large.png stopped after %lld ms: %s\n", static_cast<long long>(ms),
+              cut.status().message().c_str());
+
+  // The engine is still good, and a deadline far enough away changes nothing.
+  auto r = eng_->Recognize(eng, NowUnixMs() + 600000);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_FALSE(r->words.empty()) << r->text;
 }
 
 void ExpectError(TesseractOcr* engine, std::string_view bytes, StatusCode code,

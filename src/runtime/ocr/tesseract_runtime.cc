@@ -87,14 +87,20 @@ Result<Embeddings> TesseractRuntime::Run(const TokenBatch& batch) {
 
 Result<std::vector<std::string>> TesseractRuntime::RunItems(const std::vector<std::string>& items,
                                                             const PartialSink& partial) {
+  return RunItemsBefore(items, {}, partial);
+}
+
+Result<std::vector<std::string>> TesseractRuntime::RunItemsBefore(const std::vector<std::string>& items,
+                                                                  const std::vector<int64_t>& deadlines_unix_ms,
+                                                                  const PartialSink& partial) {
   (void)partial;
   if (!engine_) return Unavailable("the OCR model is not loaded");
   std::vector<std::string> out;
   out.reserve(items.size());
-  for (const std::string& item : items) {
+  for (size_t i = 0; i < items.size(); ++i) {
     // An image that fails fails alone: the others in the batch (other
     // callers' pages, seconds each) keep their results, not run again.
-    Result<OcrResult> r = engine_->Recognize(item);
+    Result<OcrResult> r = engine_->Recognize(items[i], i < deadlines_unix_ms.size() ? deadlines_unix_ms[i] : 0);
     out.push_back(r.ok() ? EncodeOcrResult(*r) : ItemError(r.status()));
   }
   return out;

@@ -26,12 +26,18 @@ class TesseractRuntime final : public Runtime {
   // OCR models take images, never token batches: Unprocessable "wrong_task".
   Result<Embeddings> Run(const TokenBatch& batch) override;
   bool TakesItems() const override { return true; }
-  // Recognises each image in turn. The first image that fails fails the
-  // batch with the engine's error (invalid_image, image_too_large,
-  // unsupported_image_format, ocr_failed), its message naming the item.
-  // `partial` is unused (no streamed output). Unavailable before Load().
+  // Recognises each image in turn. An image that fails gets
+  // ItemError(the engine's error: invalid_image, image_too_large,
+  // unsupported_image_format, ocr_failed) and the others keep their
+  // results. `partial` is unused (no streamed output). Unavailable before
+  // Load().
   Result<std::vector<std::string>> RunItems(const std::vector<std::string>& items,
                                             const PartialSink& partial) override;
+  // The same, each image stopping at its deadline (DeadlineExceeded as its
+  // ItemError): one with a deadline passed is not started.
+  Result<std::vector<std::string>> RunItemsBefore(const std::vector<std::string>& items,
+                                                  const std::vector<int64_t>& deadlines_unix_ms,
+                                                  const PartialSink& partial) override;
   void Unload() override;
   // Resident-set growth measured around the language load.
   int64_t MemoryBytes() const override { return memory_bytes_; }

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -87,6 +88,24 @@ TEST(TesseractRuntime, ABadImageFailsAloneWithTheEngineError) {
   const Status bad = ParseItemError((*r)[1]);
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.ToString();
   EXPECT_EQ(bad.reason(), "invalid_image");
+}
+
+// An image whose caller's deadline has passed is not recognised: it gets
+// DeadlineExceeded as its item error, and the others their results.
+TEST(TesseractRuntime, AnImagePastItsDeadlineFailsAlone) {
+  TesseractRuntime rt;
+  ASSERT_TRUE(rt.Load(OcrEng()).ok());
+  const std::string png = Slurp(Source() + "/testdata/ocr/eng.png");
+  const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+  auto r = rt.RunItemsBefore({png, png, png}, {now - 1, 0, now + 600000}, {});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->size(), 3u);
+  EXPECT_EQ(ParseItemError((*r)[0]).code(), StatusCode::kDeadlineExceeded) << ParseItemError((*r)[0]).ToString();
+  EXPECT_TRUE(ParseItemError((*r)[1]).ok());
+  EXPECT_TRUE(ParseItemError((*r)[2]).ok());
+  EXPECT_EQ((*r)[1], (*r)[2]);  // the same page read the same way
 }
 
 TEST(TesseractRuntime, RefusesTokenBatchesAndOtherTasks) {
