@@ -79,6 +79,8 @@ void AddGateway(CLI::App* app, GatewayOptions& g) {
   Opt(app, "--port", g.http.port, "SHOAL_PORT", "HTTP port (0: pick a free one)");
   Opt(app, "--http-threads", g.http.threads, "SHOAL_HTTP_THREADS", "HTTP I/O threads");
   Opt(app, "--max-body-bytes", g.http.max_body_bytes, "SHOAL_MAX_BODY_BYTES", "Largest request body (over: 413)");
+  Opt(app, "--max-receiving-bytes", g.http.max_receiving_bytes, "SHOAL_MAX_RECEIVING_BYTES",
+      "Request bodies still arriving, all connections together (over: 503 server_busy)");
   Opt(app, "--chunk-size", g.dispatcher.chunk_size, "SHOAL_CHUNK_SIZE", "Inputs per queue message");
   Opt(app, "--max-inputs", g.router.max_inputs, "SHOAL_MAX_INPUTS", "Inputs per request (over: 400)");
   Opt(app, "--request-timeout-ms", g.router.default_timeout_ms, "SHOAL_REQUEST_TIMEOUT_MS",

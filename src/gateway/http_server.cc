@@ -110,6 +110,17 @@ class HttpServer::Impl {
   int port() const { return port_; }
 
   const HttpServerOptions& options() const { return options_; }
+  // Counts `n` more bytes of request bodies arriving, unless that would
+  // pass options().max_receiving_bytes. Thread-safe.
+  bool ReserveReceiving(size_t n) {
+    const size_t cap = std::max(options_.max_receiving_bytes, options_.max_body_bytes);
+    size_t held = receiving_bytes_.load(std::memory_order_relaxed);
+    do {
+      if (held + n > cap) return false;
+    } while (!receiving_bytes_.compare_exchange_weak(held, held + n, std::memory_order_relaxed));
+    return true;
+  }
+  void UnreserveReceiving(size_t n) { receiving_bytes_.fetch_sub(n, std::memory_order_relaxed); }
   const HttpHandler& handler() const { return handler_; }
   const std::shared_ptr<Gate>& gate() const { return gate_; }
   void Remove(Connection* c);
@@ -134,6 +145,7 @@ class HttpServer::Impl {
   std::unordered_map<Connection*, std::shared_ptr<Connection>> connections_;  // guarded by mu_
 
   std::atomic<bool> draining_{false};
+  std::atomic<size_t> receiving_bytes_{0};  // see ReserveReceiving
   std::mutex stop_mu_;
   bool stopped_ = false;  // guarded by stop_mu_
   std::optional<net::executor_work_guard<net::io_context::executor_type>> work_;
@@ -185,7 +197,14 @@ class HttpServer::Impl::Connection
   void Dispatch();
   void OnContinueWritten(error_code ec, size_t);
   void OnWritten(error_code ec, size_t);
-  void FailRequest(int http_status, const Status& status);
+  // `retry_after_s` > 0 adds a Retry-After header.
+  void FailRequest(int http_status, const Status& status, int retry_after_s = 0);
+  // Counts the body arriving against the server's max_receiving_bytes: its
+  // Content-Length, or what has come of a chunked one. False, with the
+  // request answered 503, when there is no room for it.
+  bool ReserveBody();
+  // Stops counting it (handed to the handler, refused or the connection gone).
+  void ReleaseBody();
   // Streamed bodies (HttpResponse::stream), all on the strand.
   void StartStream(HttpResponse r, bool keep_alive);
   void PumpStream();
@@ -206,6 +225,7 @@ class HttpServer::Impl::Connection
   bool in_request_ = false;  // bytes of the current request have arrived
   std::chrono::steady_clock::time_point request_started_;  // its first byte
   bool continue_checked_ = false;
+  size_t body_reserved_ = 0;  // counted in the server's receiving bytes
   bool closing_ = false;     // the connection closes after this response
   bool closed_ = false;
   std::atomic<bool> busy_{false};  // see busy()
@@ -356,6 +376,7 @@ void HttpServer::Impl::Connection::Parse() {
     if (parser_->is_done()) return Dispatch();
     if (ec == http::error::need_more || used == 0) break;
   }
+  if (!ReserveBody()) return;
   // The parser takes body bytes as they come, so what it leaves unread once
   // the headers are done is an unfinished chunk-size line or trailer: no
   // bound of its own (the body limit counts chunk data), it would grow the
@@ -389,8 +410,30 @@ void HttpServer::Impl::Connection::OnContinueWritten(error_code ec, size_t) {
   ReadMore();
 }
 
+bool HttpServer::Impl::Connection::ReserveBody() {
+  if (!parser_->is_header_done()) return true;
+  size_t want = parser_->get().body().size();
+  if (const auto length = parser_->content_length()) want = std::max<size_t>(want, static_cast<size_t>(*length));
+  if (want <= body_reserved_) return true;
+  if (!server_.ReserveReceiving(want - body_reserved_)) {
+    FailRequest(503,
+                Unavailable("the gateway is receiving as many request bodies at once as it may hold; retry shortly",
+                            "server_busy"),
+                1);
+    return false;
+  }
+  body_reserved_ = want;
+  return true;
+}
+
+void HttpServer::Impl::Connection::ReleaseBody() {
+  server_.UnreserveReceiving(body_reserved_);
+  body_reserved_ = 0;
+}
+
 void HttpServer::Impl::Connection::Dispatch() {
   stream_.expires_never();
+  ReleaseBody();  // the handler holds it now
   http::request<http::string_body> msg = parser_->release();
   version_ = msg.version();
   keep_alive_ = msg.keep_alive();
@@ -568,13 +611,15 @@ void HttpServer::Impl::Connection::OnStreamWritten(error_code ec, size_t) {
 
 // Answers the request with an error and closes without trusting the rest
 // of the stream.
-void HttpServer::Impl::Connection::FailRequest(int http_status, const Status& status) {
+void HttpServer::Impl::Connection::FailRequest(int http_status, const Status& status, int retry_after_s) {
   closing_ = true;
+  ReleaseBody();  // what has come is dropped with the connection
   response_ = {};
   response_.version(11);
   response_.result(static_cast<unsigned>(http_status));
   response_.set(http::field::server, "shoal");
   response_.set(http::field::content_type, "application/json");
+  if (retry_after_s > 0) response_.set(http::field::retry_after, std::to_string(retry_after_s));
   response_.keep_alive(false);
   response_.body() = ErrorBody(status);
   response_.prepare_payload();
@@ -606,6 +651,7 @@ void HttpServer::Impl::Connection::OnLinger(error_code ec, size_t) {
 void HttpServer::Impl::Connection::Close() {
   if (closed_) return;
   closed_ = true;
+  ReleaseBody();
   if (body_stream_) {
     body_stream_->Abandon();
     body_stream_.reset();

@@ -20,6 +20,13 @@ struct HttpServerOptions {
   int threads = 2;                 // io threads sharing one io_context
   // A larger body is answered 413 and the connection closed.
   size_t max_body_bytes = size_t{256} << 20;
+  // Request bodies still arriving, all connections together: a request's
+  // Content-Length (or, chunked, what has come so far) counts from its
+  // headers until it is handed to the handler. A request that would pass
+  // this is answered 503 "server_busy" (Retry-After: 1) and its connection
+  // closed, so slow uploads cannot hold max_body_bytes each without bound.
+  // A value under max_body_bytes counts as max_body_bytes.
+  size_t max_receiving_bytes = size_t{1} << 30;
   // How long a keep-alive connection may wait for the first byte of its
   // next request.
   int64_t idle_timeout_ms = 60000;

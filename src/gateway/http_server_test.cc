@@ -481,6 +481,72 @@ TEST(HttpServer, BodyOverTheLimitIs413AndCloses) {
   EXPECT_EQ(calls, 1);
 }
 
+// Bodies still arriving count against max_receiving_bytes, all connections
+// together: a Content-Length from its headers, a chunked body as it comes.
+// A request with no room left is 503 server_busy with Retry-After and
+// closes; room comes back once a body is handed over or its connection goes.
+TEST(HttpServer, BodiesArrivingPastTheServersBoundAre503) {
+  int calls = 0;
+  HttpServerOptions options;
+  options.max_body_bytes = 1000;
+  options.max_receiving_bytes = 1500;
+  auto server = Start(CountingOk(&calls), options);
+  ASSERT_TRUE(server);
+  const auto head = [](size_t length) {
+    return "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(length) + "\r\n\r\n";
+  };
+  auto busy = [](Client& c) {
+    Response res = c.Read();
+    EXPECT_EQ(res.result_int(), 503);
+    EXPECT_EQ(ErrorOf(res)["code"], "server_busy");
+    EXPECT_EQ(res[http::field::retry_after], "1");
+    EXPECT_TRUE(c.PeerClosed());
+  };
+
+  Client slow(server->port());  // 1000 declared, 10 sent: holds 1000
+  ASSERT_FALSE(slow.WriteRaw(head(1000) + std::string(10, 'a')));
+  {
+    Client second(server->port());  // 600 more would be 1600
+    ASSERT_FALSE(second.WriteRaw(head(600)));
+    busy(second);
+  }
+  {
+    Client small(server->port());  // 500 fits beside it
+    EXPECT_EQ(small.RoundTrip(Client::Post("/", std::string(500, 'b'))).result_int(), 200);
+  }
+  {
+    // Chunked: counted as it comes; the second chunk passes the bound.
+    Client chunked(server->port());
+    ASSERT_FALSE(chunked.WriteRaw("POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                  "190\r\n" + std::string(400, 'c') + "\r\n"));
+    ASSERT_FALSE(chunked.WriteRaw("190\r\n" + std::string(400, 'c') + "\r\n"));
+    busy(chunked);
+  }
+  // The slow upload finishes: handed over, its room comes back.
+  ASSERT_FALSE(slow.WriteRaw(std::string(990, 'a')));
+  EXPECT_EQ(slow.Read().result_int(), 200);
+  {
+    Client second(server->port());
+    EXPECT_EQ(second.RoundTrip(Client::Post("/", std::string(1000, 'd'))).result_int(), 200);
+  }
+  // A connection that leaves mid-body gives its room back too.
+  {
+    Client leaving(server->port());
+    ASSERT_FALSE(leaving.WriteRaw(head(1000) + "x"));
+    ASSERT_TRUE(shoal::testing::Eventually([&] {
+      Client probe(server->port());
+      probe.WriteRaw(head(600));
+      return probe.Read().result_int() == 503;
+    }));
+    leaving.Close();
+  }
+  EXPECT_TRUE(shoal::testing::Eventually([&] {
+    Client probe(server->port());
+    return probe.RoundTrip(Client::Post("/", std::string(1000, 'e'))).result_int() == 200;
+  }));
+  EXPECT_EQ(calls, 4);
+}
+
 // A handler's answer HTTP cannot carry (no final status, or a body on 204
 // or 304) is a 500, not an exception that ends the process.
 TEST(HttpServer, AnAnswerHttpCannotCarryIs500) {
