@@ -380,7 +380,12 @@ void Dispatcher::OnMessage(natsConnection*, natsSubscription*, natsMsg* raw, voi
     if (natsMsgHeader_Get(raw, wire::kHdrPayloadRef, &ref) == NATS_OK && ref != nullptr && *ref != '\0') {
       const char* id = nullptr;
       if (natsMsgHeader_Get(raw, wire::kHdrRequestId, &id) != NATS_OK || id == nullptr) id = "";
-      self->HandleReplyRef(ref, id);
+      const char* chunk_text = nullptr;
+      int chunk = -1;
+      if (natsMsgHeader_Get(raw, wire::kHdrChunk, &chunk_text) == NATS_OK && chunk_text != nullptr &&
+          std::from_chars(chunk_text, chunk_text + std::strlen(chunk_text), chunk).ec != std::errc())
+        chunk = -1;
+      self->HandleReplyRef(ref, id, chunk);
       return;
     }
     self->HandleReply(data);
@@ -410,7 +415,7 @@ void Dispatcher::OnMessage(natsConnection*, natsSubscription*, natsMsg* raw, voi
   }
 }
 
-void Dispatcher::HandleReplyRef(std::string ref, std::string request_id) {
+void Dispatcher::HandleReplyRef(std::string ref, std::string request_id, int chunk) {
   if (!offload_) {
     LOG_WARN("gateway", "a reply came by reference but this gateway has no blob store (--blob-store)");
     if (!request_id.empty())
@@ -421,13 +426,68 @@ void Dispatcher::HandleReplyRef(std::string ref, std::string request_id) {
     return;
   }
   // Fetching blocks: not on the NATS callback thread.
-  offload_->Post([this, ref = std::move(ref), request_id = std::move(request_id)] {
-    auto data = offload_->Fetch(ref);
-    offload_->DeleteAsync(ref);
-    if (data.ok()) return HandleReply(*data);
-    LOG_WARN("gateway", "reply payload " << ref << ": " << data.status().ToString());
-    if (!request_id.empty()) Complete(request_id, data.status());
-  });
+  if (request_id.empty()) {  // nothing to keep it in order with
+    offload_->Post([this, ref = std::move(ref), chunk] { FetchReply(ref, {}, chunk); });
+    return;
+  }
+  bool first;
+  {
+    std::lock_guard<std::mutex> lock(order_mu_);
+    auto& queue = in_order_[request_id];
+    first = queue.empty();
+    queue.push_back({std::move(ref), chunk, std::nullopt});
+  }
+  if (first) offload_->Post([this, request_id = std::move(request_id)] { DrainReplies(request_id); });
+}
+
+void Dispatcher::DrainReplies(const std::string& id) {
+  while (true) {
+    QueuedReply next;
+    {
+      std::lock_guard<std::mutex> lock(order_mu_);
+      auto it = in_order_.find(id);
+      if (it == in_order_.end() || it->second.empty()) return;
+      // Taken, but left in place until handled: what comes meanwhile
+      // queues behind it.
+      next = std::move(it->second.front());
+    }
+    if (!next.ref.empty()) {
+      FetchReply(next.ref, id, next.chunk);
+    } else if (next.reply) {
+      HandleDecodedReply(std::move(*next.reply));
+    }
+    std::lock_guard<std::mutex> lock(order_mu_);
+    auto it = in_order_.find(id);
+    if (it == in_order_.end()) return;
+    it->second.pop_front();
+    if (it->second.empty()) {
+      in_order_.erase(it);
+      return;
+    }
+  }
+}
+
+void Dispatcher::FetchReply(const std::string& ref, const std::string& request_id, int chunk) {
+  auto data = offload_->Fetch(ref);
+  offload_->DeleteAsync(ref);
+  if (data.ok()) {
+    auto reply = wire::DecodeWorkReply(*data);
+    if (!reply.ok()) {
+      LOG_WARN("gateway", "undecodable reply " << ref << ": " << reply.status().message());
+      return;
+    }
+    return HandleDecodedReply(std::move(reply).value());
+  }
+  LOG_WARN("gateway", "reply payload " << ref << ": " << data.status().ToString());
+  if (request_id.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(request_id);
+    if (it == pending_.end()) return;  // answered already
+    // A redelivered copy of a chunk already answered: the answer stands.
+    if (chunk >= 0 && chunk < it->second->chunk_count && it->second->have[chunk]) return;
+  }
+  Complete(request_id, data.status());
 }
 
 void Dispatcher::HandlePubAck(std::string_view tail, natsMsg* msg) {
@@ -466,8 +526,20 @@ void Dispatcher::HandleReply(std::string_view data) {
     LOG_WARN("gateway", "undecodable reply: " << reply.status().message());
     return;
   }
-  const std::string id = reply->request_id;  // reply is moved from below
-  const bool is_partial = reply->partial;
+  {
+    std::lock_guard<std::mutex> lock(order_mu_);
+    auto it = in_order_.find(reply->request_id);
+    if (it != in_order_.end()) {
+      it->second.push_back({{}, -1, std::move(reply).value()});
+      return;
+    }
+  }
+  HandleDecodedReply(std::move(reply).value());
+}
+
+void Dispatcher::HandleDecodedReply(wire::WorkReply reply) {
+  const std::string id = reply.request_id;  // reply is moved from below
+  const bool is_partial = reply.partial;
   std::shared_ptr<Pending> p;
   bool complete = false;
   Status error;
@@ -481,7 +553,7 @@ void Dispatcher::HandleReply(std::string_view data) {
       return;
     }
     p = it->second;
-    const int c = reply->chunk_index;
+    const int c = reply.chunk_index;
     if (c < 0 || c >= p->chunk_count || p->have[c]) {
       duplicates_->Inc();
       return;
@@ -490,9 +562,9 @@ void Dispatcher::HandleReply(std::string_view data) {
       // Replies arrive in order on this one subscription thread, so a
       // chunk's partials reach the callback in the order they were sent.
       // (A redelivered chunk may repeat partials already passed on.)
-      if (!p->partial || !reply->status.ok() || reply->items.empty()) return;
-    } else if (!reply->status.ok()) {
-      error = reply->status;
+      if (!p->partial || !reply.status.ok() || reply.items.empty()) return;
+    } else if (!reply.status.ok()) {
+      error = reply.status;
       // An input the worker found bad (its reason names the kind of input,
       // as invalid_image does): say which one (a chunk of an item job holds
       // one input). Other errors, such as a model that does not do the
@@ -507,15 +579,15 @@ void Dispatcher::HandleReply(std::string_view data) {
         released_worker = p->chunk_worker[c];
         released_rows = p->chunk_rows[c];
       }
-      p->parts[c] = std::move(reply).value();
+      p->parts[c] = std::move(reply);
       complete = ++p->received == p->chunk_count;
     }
   }
   if (!released_worker.empty()) ReleaseRows(released_worker, released_rows);
   if (is_partial) {
-    const size_t c = static_cast<size_t>(reply->chunk_index);
-    const size_t item = (c < p->first_item.size() ? p->first_item[c] : 0) + static_cast<size_t>(reply->item);
-    p->partial(item, reply->items.front());
+    const size_t c = static_cast<size_t>(reply.chunk_index);
+    const size_t item = (c < p->first_item.size() ? p->first_item[c] : 0) + static_cast<size_t>(reply.item);
+    p->partial(item, reply.items.front());
     return;
   }
   if (!error.ok()) {

@@ -22,12 +22,14 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <random>
 #include <set>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -177,10 +179,27 @@ class Dispatcher final : public WorkSubmitter {
                     const std::string& deadline, int64_t estimate, std::string_view data,
                     const std::string& payload_ref);
   static void OnMessage(natsConnection*, natsSubscription*, natsMsg*, void* closure);
+  // A reply that came inline: handled now, or queued behind a reply by
+  // reference of the same request still being fetched.
   void HandleReply(std::string_view data);
-  // A reply stored in the blob store: fetched, handled and deleted on an
-  // offload thread.
-  void HandleReplyRef(std::string ref, std::string request_id);
+  void HandleDecodedReply(wire::WorkReply reply);
+  // A reply stored in the blob store (of `chunk`, -1 when the worker did not
+  // say): fetched, handled and deleted on an offload thread, in order with
+  // the request's other replies (a streamed event must not be overtaken by
+  // the ones after it, nor by the final reply).
+  void HandleReplyRef(std::string ref, std::string request_id, int chunk);
+  // One reply of a request with a reply by reference in flight.
+  struct QueuedReply {
+    std::string ref;                       // non-empty: to fetch from the blob store
+    int chunk = -1;                        // ref: its chunk, -1 unknown
+    std::optional<wire::WorkReply> reply;  // else: the reply itself
+  };
+  // Handles request `id`'s queued replies in order until none is left. On an
+  // offload thread; one at a time per request.
+  void DrainReplies(const std::string& id);
+  // Fetches a reply by reference and handles it. A failed fetch fails the
+  // request, unless its chunk is answered already (a redelivered copy).
+  void FetchReply(const std::string& ref, const std::string& request_id, int chunk);
   void HandlePubAck(std::string_view subject_tail, natsMsg* msg);
   // Removes the request and completes it with `result`, once.
   void Complete(const std::string& id, Parts result);
@@ -217,6 +236,11 @@ class Dispatcher final : public WorkSubmitter {
   mutable std::mutex push_mu_;  // guards push_workers_, rng_
   std::map<std::string, PushWorkerLoad> push_workers_;
   std::mt19937_64 rng_{std::random_device{}()};
+
+  std::mutex order_mu_;  // guards in_order_
+  // Requests with a reply by reference being fetched: their replies, in
+  // the order they came, handled by DrainReplies.
+  std::unordered_map<std::string, std::deque<QueuedReply>> in_order_;
 
   mutable std::mutex mu_;  // guards pending_, deadlines_, stop_
   std::unordered_map<std::string, std::shared_ptr<Pending>> pending_;

@@ -15,7 +15,7 @@ namespace shoal::wire {
 
 // Header names on work messages.
 inline constexpr const char* kHdrRequestId = "Shoal-Request-Id";
-inline constexpr const char* kHdrChunk = "Shoal-Chunk";             // "index/count"
+inline constexpr const char* kHdrChunk = "Shoal-Chunk";             // "index/count"; on a reply by reference: "index"
 inline constexpr const char* kHdrDeadline = "Shoal-Deadline-Ms";    // absolute, Unix ms
 inline constexpr const char* kHdrTokenEstimate = "Shoal-Token-Estimate";
 inline constexpr const char* kHdrReplyTo = "Shoal-Reply-To";

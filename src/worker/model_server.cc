@@ -221,8 +221,10 @@ Status ModelServer::ReplyByRef(const std::string& encoded, const wire::WorkReply
   if (natsMsg_Create(&raw, reply_to.c_str(), nullptr, nullptr, 0) != NATS_OK) return Internal("cannot build reply");
   NatsMsgPtr msg(raw);
   natsMsgHeader_Set(raw, wire::kHdrPayloadRef, ref->ToString().c_str());
-  // So the gateway can fail the request at once if the payload is lost.
+  // So the gateway can fail the request at once if the payload is lost
+  // (unless this chunk is answered already), and keep its replies in order.
   natsMsgHeader_Set(raw, wire::kHdrRequestId, reply.request_id.c_str());
+  natsMsgHeader_Set(raw, wire::kHdrChunk, std::to_string(reply.chunk_index).c_str());
   Status s = d_.client->PublishMsg(raw);
   if (!s.ok()) LOG_WARN("worker", "reply to " << reply_to << " failed: " << s.ToString());
   return s;

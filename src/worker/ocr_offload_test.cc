@@ -3,6 +3,7 @@
 // the gateway's Dispatcher in-process, and a local-directory blob store
 // shared by both. Also work messages whose payload reference is missing or
 // tampered with, published by hand.
+#include <algorithm>
 #include <deque>
 #include <filesystem>
 #include <memory>
@@ -185,6 +186,91 @@ TEST_F(OcrOffloadTest, MissingPayloadIsBlobNotFoundMalformedReferenceIsBlobRefIn
   auto bad = SendRef("file://local/..?size=1&sha256=zz");
   EXPECT_EQ(bad.status.code(), StatusCode::kBadGateway);
   EXPECT_EQ(bad.status.reason(), kBlobRefInvalid);
+}
+
+// A request's replies are handled in the order they came even when one
+// comes by reference (fetched from the store on another thread): a streamed
+// event over the threshold is neither overtaken by the events after it nor
+// dropped behind the final reply. And a redelivered copy of a chunk already
+// answered whose payload is lost does not fail the request. Here the test
+// is the worker: it answers the work by hand.
+TEST_F(OcrOffloadTest, RepliesByReferenceStayInOrderAndALostCopyIsIgnored) {
+  auto consumer = PullConsumer::Create(*client_, "SHOAL_WORK", wire::WorkSubject("by-hand"),
+                                       wire::ConsumerName("by-hand"), ConsumerOptions{});
+  ASSERT_TRUE(consumer.ok()) << consumer.status().ToString();
+  std::mutex mu;
+  std::vector<std::pair<size_t, std::string>> events;  // guarded by mu
+  std::promise<Result<ItemResult>> done;
+  ItemJob job;
+  job.task = "generate";
+  job.model = "by-hand";
+  job.items = {"first", "second"};  // two chunks
+  job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 30000;
+  dispatcher_->SubmitItems(
+      std::move(job), [&](Result<ItemResult> r) { done.set_value(std::move(r)); },
+      [&](size_t item, std::string_view chunk) {
+        std::lock_guard<std::mutex> lock(mu);
+        events.emplace_back(item, std::string(chunk));
+      });
+  auto got = (*consumer)->Fetch(2, 10000);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  for (int i = 0; i < 20 && got->size() < 2; ++i) {
+    auto more = (*consumer)->Fetch(2 - static_cast<int>(got->size()), 1000);
+    if (more.ok())
+      for (auto& d : *more) got->push_back(std::move(d));
+  }
+  ASSERT_EQ(got->size(), 2u);
+  std::sort(got->begin(), got->end(),
+            [](const Delivery& a, const Delivery& b) { return a.Header(wire::kHdrChunk) < b.Header(wire::kHdrChunk); });
+  const std::string id(got->at(0).Header(wire::kHdrRequestId));
+  const std::string reply_to(got->at(0).Header(wire::kHdrReplyTo));
+  const auto publish = [&](const std::string& data, const std::string& ref, int chunk) {
+    natsMsg* raw = nullptr;
+    ASSERT_EQ(natsMsg_Create(&raw, reply_to.c_str(), nullptr, data.data(), static_cast<int>(data.size())), NATS_OK);
+    NatsMsgPtr msg(raw);
+    if (!ref.empty()) {
+      natsMsgHeader_Set(raw, wire::kHdrPayloadRef, ref.c_str());
+      natsMsgHeader_Set(raw, wire::kHdrRequestId, id.c_str());
+      natsMsgHeader_Set(raw, wire::kHdrChunk, std::to_string(chunk).c_str());
+    }
+    ASSERT_TRUE(client_->PublishMsg(raw).ok());
+  };
+  const auto reply = [&](int chunk, bool partial, int seq, std::string item) {
+    wire::WorkReply r;
+    r.request_id = id;
+    r.chunk_index = chunk;
+    r.partial = partial;
+    r.seq = seq;
+    r.rows = partial ? 0 : 1;
+    r.items = {std::move(item)};
+    return wire::EncodeWorkReply(r);
+  };
+  // Chunk 0: a 4 MiB event by reference, two small ones, then its result.
+  const std::string big(size_t{4} << 20, 'b');
+  auto big_ref = offload_->Put(reply(0, true, 0, big), "reply");
+  ASSERT_TRUE(big_ref.ok()) << big_ref.status().ToString();
+  publish("", big_ref->ToString(), 0);
+  publish(reply(0, true, 1, "e1"), "", 0);
+  publish(reply(0, true, 2, "e2"), "", 0);
+  publish(reply(0, false, 0, "result0"), "", 0);
+  // A redelivered copy of chunk 0 whose payload is gone, while chunk 1 is
+  // still outstanding.
+  publish("", "file://" + blobs_.path() + "/blobs/0000000000000000000000000000000000000000000000000000000000000000", 0);
+  ASSERT_TRUE(client_->Flush(2000).ok());
+  std::this_thread::sleep_for(300ms);  // let the copy's fetch fail first
+  publish(reply(1, false, 0, "result1"), "", 1);
+  auto f = done.get_future();
+  ASSERT_EQ(f.wait_for(20s), std::future_status::ready);
+  auto r = f.get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->items, (std::vector<std::string>{"result0", "result1"}));
+  std::lock_guard<std::mutex> lock(mu);
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[0].second.size(), big.size());
+  EXPECT_EQ(events[1].second, "e1");
+  EXPECT_EQ(events[2].second, "e2");
+  for (const auto& e : events) EXPECT_EQ(e.first, 0u);
+  for (auto& d : *got) (void)d.Ack();
 }
 
 }  // namespace
