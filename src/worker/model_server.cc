@@ -542,7 +542,6 @@ void ModelServer::MaybeReleaseClaimLocked() {
 void ModelServer::ExecLoop() {
   while (true) {
     std::vector<std::unique_ptr<PendingWork>> batch;
-    DeviceScheduler::Turn turn;
     bool capped = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -570,13 +569,13 @@ void ModelServer::ExecLoop() {
         auto acquired = d_.scheduler->Acquire(d_.config.name, oldest, backlog, &stop_, WantedWidth());
         // Stopping: what is held goes back (Stop() releases the batcher).
         if (!acquired.ok()) break;
-        turn = std::move(acquired).value();
-        turn_width_ = turn.width();
+        turn_ = std::move(acquired).value();
+        turn_width_ = turn_.width();
         turn_wait_seconds_->Observe(static_cast<double>(d_.clock->NowMonoUs() - t0) / 1e6);
         lock.lock();
         if (stop_) break;
       }
-      batch = batcher_.Take(TokenCap(turn), &capped);
+      batch = batcher_.Take(TokenCap(turn_), &capped);
       held_msgs_ = batcher_.size();
       // The batch is the device's now: its claim can go to the next pass.
       MaybeReleaseClaimLocked();
@@ -595,16 +594,17 @@ void ModelServer::ExecLoop() {
     batch_run_us_ = 0;
     batch_run_tokens_ = 0;
     if (!batch.empty()) RunBatch(std::move(batch));
-    if (turn.valid() && batch_run_tokens_ > 0) {
+    if (turn_.valid() && batch_run_tokens_ > 0) {
       // Forward time only: expired work, replies and failures do not count.
-      const double sample = static_cast<double>(std::max<int64_t>(1, batch_run_us_) * turn.width()) /
+      const double sample = static_cast<double>(std::max<int64_t>(1, batch_run_us_) * turn_.width()) /
                             static_cast<double>(batch_run_tokens_);
       slot_us_per_token_ = cost_measured_ ? 0.8 * slot_us_per_token_ + 0.2 * sample : sample;
       cost_measured_ = true;
     }
-    turn.Release();
+    turn_.Release();
     if (d_.on_batch) d_.on_batch();
   }
+  turn_.Release();  // stopped right after its turn came
 }
 
 int64_t ModelServer::TokenCap(const DeviceScheduler::Turn& turn) const {
@@ -659,22 +659,43 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
 }
 
 void ModelServer::RunEachAlone(std::vector<std::unique_ptr<PendingWork>> work) {
+  const auto rest_from = [&work](size_t i) {
+    return std::vector<std::unique_ptr<PendingWork>>(
+        std::make_move_iterator(work.begin() + static_cast<std::ptrdiff_t>(i)), std::make_move_iterator(work.end()));
+  };
   for (size_t i = 0; i < work.size(); ++i) {
     // One of them may have just taken an out-of-process runtime down: the
     // next runs once it is back, not into its restart (which would hand
     // it back and use up one of its deliveries for another's crash).
-    // Real time (it sleeps), whatever clock the server was given.
+    // Real time (it sleeps), whatever clock the server was given. The
+    // device is not this model's meanwhile: other models' passes run.
+    bool gave_turn = false;
+    if (!d_.runtime->Available() && turn_.valid()) {
+      turn_.Release();
+      gave_turn = true;
+    }
     const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(kRuntimeBackWaitMs);
     while (!d_.runtime->Available() && !stop_ && std::chrono::steady_clock::now() < until)
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     if (!d_.runtime->Available()) {
-      std::vector<std::unique_ptr<PendingWork>> rest(std::make_move_iterator(work.begin() + static_cast<std::ptrdiff_t>(i)),
-                                                     std::make_move_iterator(work.end()));
-      Release(std::move(rest),
+      Release(rest_from(i),
               Unavailable("model '" + d_.config.name + "' runtime was unavailable on every delivery of this work",
                           "runtime_unavailable"),
               kRedeliverDelayMs);
       return;
+    }
+    if (gave_turn) {
+      int64_t oldest = 0;
+      for (size_t k = i; k < work.size(); ++k)
+        if (oldest == 0 || work[k]->published_mono_us < oldest) oldest = work[k]->published_mono_us;
+      auto acquired = d_.scheduler->Acquire(d_.config.name, oldest, static_cast<int64_t>(work.size() - i), &stop_,
+                                            WantedWidth());
+      if (!acquired.ok()) {  // stopping
+        Release(rest_from(i), WorkerStopping());
+        return;
+      }
+      turn_ = std::move(acquired).value();
+      turn_width_ = turn_.width();
     }
     std::vector<std::unique_ptr<PendingWork>> one;
     one.push_back(std::move(work[i]));

@@ -198,6 +198,9 @@ class ModelServer final : public ModelAttachment {
   // Executor thread only: slots held by the current turn (1 without a
   // scheduler); the pass's threads when slots_are_cores, and the weight of
   // its run time in busy_us.
+  // The device turn of the pass the executor is running; executor thread
+  // only. RunEachAlone gives it up while it waits for a runtime restart.
+  DeviceScheduler::Turn turn_;
   int turn_width_ = 1;
   // Executor thread only: a turn's slot-microseconds of forward time per
   // token (items count one), a moving average over this server's batches

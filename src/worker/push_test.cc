@@ -59,6 +59,35 @@ class GateRuntime : public shoal::testing::ForwardingRuntime {
   Gate* gate_;
 };
 
+// A runtime that fails its first batch of two or more rows (so each of its
+// messages runs alone), then crashes on the next run: it is away for
+// `down` (as an out-of-process runtime restarting), then works.
+class CrashOnceRuntime : public shoal::testing::ForwardingRuntime {
+ public:
+  CrashOnceRuntime(std::unique_ptr<Runtime> inner, std::chrono::milliseconds down)
+      : ForwardingRuntime(std::move(inner)), down_(down) {}
+  Result<Embeddings> Run(const TokenBatch& b) override {
+    if (!Available()) return Unavailable("restarting");
+    if (state_ == 0 && b.rows >= 2) {
+      state_ = 1;
+      return Internal("injected failure of the batch");
+    }
+    if (state_ == 1) {
+      back_at_ = std::chrono::steady_clock::now() + down_;
+      state_ = 2;
+      return Unavailable("injected crash");
+    }
+    return inner().Run(b);
+  }
+  bool Available() const override { return std::chrono::steady_clock::now() >= back_at_.load(); }
+  bool crashed() const { return state_ == 2; }
+
+ private:
+  const std::chrono::milliseconds down_;
+  std::atomic<int> state_{0};
+  std::atomic<std::chrono::steady_clock::time_point> back_at_{std::chrono::steady_clock::time_point{}};
+};
+
 class PushTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -438,6 +467,47 @@ TEST_F(PushTest, PullAheadDoesNotLockAColdModelOutBehindHotOnes) {
   for (auto& f : hot) {
     auto h = f.get();
     EXPECT_TRUE(h.ok()) << h.status().ToString();
+  }
+}
+
+// A model whose messages run one by one after a failed batch waits for its
+// runtime to come back before the next one runs; the device is not its
+// meanwhile, so another model's work runs while it waits.
+TEST_F(PushTest, AModelWaitingForItsRuntimeToRestartLeavesTheDeviceToOthers) {
+  DispatcherOptions dopt;  // pull
+  auto d = Dispatcher::Create(dopt, client_.get(), &gateway_metrics_);
+  ASSERT_TRUE(d.ok());
+  dispatcher_ = std::move(d).value();
+  {
+    Member creates_the_stream = Start(Options({"sim-b"}, "restart-wait-setup"));
+    ASSERT_TRUE(creates_the_stream.worker);
+  }
+  // Both messages wait in the stream, so the worker pulls them into one batch.
+  auto first = EmbedAsync("sim-a", {"first"}, 60000);
+  auto second = EmbedAsync("sim-a", {"second"}, 60000);
+  std::this_thread::sleep_for(300ms);
+  CrashOnceRuntime* crashing = nullptr;
+  WorkerOptions wo = Options({"sim-a", "sim-b"}, "restart-wait");
+  wo.runtime_factory = [&crashing](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
+    ASSIGN_OR_RETURN(auto inner, CreateRuntime(cfg.runtime));
+    if (cfg.name != "sim-a") return inner;
+    auto r = std::make_unique<CrashOnceRuntime>(std::move(inner), 4000ms);
+    crashing = r.get();
+    return std::unique_ptr<Runtime>(std::move(r));
+  };
+  Member w = Start(wo);
+  ASSERT_TRUE(w.worker);
+  ASSERT_NE(crashing, nullptr);
+  ASSERT_TRUE(Eventually([&] { return crashing->crashed(); }));
+  auto other = EmbedAsync("sim-b", {"another model"}, 60000);
+  ASSERT_EQ(other.wait_for(30s), std::future_status::ready);
+  const bool sim_a_still_down = !crashing->Available();
+  auto r = other.get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(sim_a_still_down) << "sim-b ran only once sim-a's runtime was back";
+  for (auto* f : {&first, &second}) {
+    auto a = f->get();
+    EXPECT_TRUE(a.ok()) << a.status().ToString();
   }
 }
 
