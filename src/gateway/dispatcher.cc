@@ -468,6 +468,16 @@ void Dispatcher::DrainReplies(const std::string& id) {
 }
 
 void Dispatcher::FetchReply(const std::string& ref, const std::string& request_id, int chunk) {
+  bool over = false;  // answered, failed or timed out already: nobody reads it
+  if (!request_id.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    over = pending_.find(request_id) == pending_.end();
+  }
+  if (over) {
+    duplicates_->Inc();
+    offload_->DeleteAsync(ref);
+    return;
+  }
   auto data = offload_->Fetch(ref);
   offload_->DeleteAsync(ref);
   if (data.ok()) {

@@ -505,6 +505,8 @@ TEST(HttpServer, BodiesArrivingPastTheServersBoundAre503) {
 
   Client slow(server->port());  // 1000 declared, 10 sent: holds 1000
   ASSERT_FALSE(slow.WriteRaw(head(1000) + std::string(10, 'a')));
+  // Lets the server read its headers before the next connection's come.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
   {
     Client second(server->port());  // 600 more would be 1600
     ASSERT_FALSE(second.WriteRaw(head(600)));

@@ -56,6 +56,7 @@ Result<DeviceScheduler::Turn> DeviceScheduler::Acquire(const std::string& model,
     auto it = turns_granted_.find(model);
     if (it == turns_granted_.end()) it = turns_granted_.emplace(model, 0).first;
     ++it->second;
+    ++turns_granted_total_;
     return Turn(this, w);
   };
 
@@ -129,6 +130,11 @@ uint64_t DeviceScheduler::turns_granted(const std::string& model) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = turns_granted_.find(model);
   return it == turns_granted_.end() ? 0 : it->second;
+}
+
+uint64_t DeviceScheduler::turns_granted() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return turns_granted_total_;
 }
 
 void DeviceScheduler::ReleaseSlots(int width) {

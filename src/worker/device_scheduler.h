@@ -120,6 +120,8 @@ class DeviceScheduler {
   int waiting() const;
   // Turns handed out to `model` so far (a grant handed back does not count).
   uint64_t turns_granted(const std::string& model) const;
+  // The same, all models together.
+  uint64_t turns_granted() const;
 
  private:
   friend class DeviceSchedulerTestPeer;
@@ -154,6 +156,7 @@ class DeviceScheduler {
   std::vector<Waiter*> waiters_;    // guarded by mu_; not yet granted, arrival order
   uint64_t handed_back_ = 0;        // guarded by mu_; grants returned by cancelled waiters
   std::map<std::string, uint64_t, std::less<>> turns_granted_;  // guarded by mu_
+  uint64_t turns_granted_total_ = 0;  // guarded by mu_
 };
 
 }  // namespace shoal

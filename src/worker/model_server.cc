@@ -16,6 +16,10 @@ constexpr int64_t kRedeliverDelayMs = 250;
 // How long a message run on its own waits for an out-of-process runtime to
 // come back from a restart before it is handed back instead.
 constexpr int64_t kRuntimeBackWaitMs = 5000;
+// Device turns a model with work in the queue waits for room under
+// --pull-ahead before it may pull past the bound (see PullGate): more than
+// it normally takes for a claim to come free.
+constexpr int64_t kStarvedAfterTurns = 8;
 
 bool ParseInt(std::string_view s, int64_t* out) {
   if (s.empty()) return false;
@@ -446,13 +450,25 @@ void ModelServer::FetchLoop() {
       }
       // Work delivered late to an earlier pull is ours already: take it at
       // once (waiting for room would leave it unacked, and unseen by the
-      // device scheduler, for as long as the device is behind). Work
-      // waiting already may be topped up, unless another model with work
-      // in the queue waits for room (see PullGate).
-      const PullGate::Puller puller = waiting                             ? PullGate::Puller::kHolder
-                                      : d_.backlog && d_.backlog() > 0 ? PullGate::Puller::kQueued
-                                                                       : PullGate::Puller::kIdle;
+      // device scheduler, for as long as the device is behind). A model
+      // with work in the queue that has found no room for a while pulls
+      // past the bound by one pass (see PullGate).
+      PullGate::Puller puller = waiting ? PullGate::Puller::kHolder : PullGate::Puller::kWaiting;
+      // The stream's count includes what this server holds itself.
+      const bool queued = !waiting && d_.scheduler != nullptr && d_.backlog &&
+                          d_.backlog() > static_cast<int64_t>(held_msgs_.load());
+      if (!queued) {
+        room_wait_from_turn_ = -1;
+      } else if (room_wait_from_turn_ < 0) {
+        room_wait_from_turn_ = static_cast<int64_t>(d_.scheduler->turns_granted());
+      } else if (static_cast<int64_t>(d_.scheduler->turns_granted()) - room_wait_from_turn_ >= kStarvedAfterTurns) {
+        // The device keeps running other models' passes, yet no claim
+        // comes free: they keep theirs (see PullGate). A device that is
+        // stuck (no turns) is no reason to take work another worker could.
+        puller = PullGate::Puller::kStarved;
+      }
       if (d_.consumer->Undelivered() == 0 && !d_.pull_gate->WaitForRoom(20, &stop_, puller)) continue;
+      room_wait_from_turn_ = -1;
       poll_ms = std::min(poll_ms, gated_poll_ms_);
     }
     auto fetched = d_.consumer->Fetch(want, poll_ms);
@@ -530,11 +546,7 @@ void ModelServer::FetchLoop() {
 }
 
 void ModelServer::MaybeReleaseClaimLocked() {
-  // Work still waiting keeps the claim, unless another model with queued
-  // work waits for room: a pass went to the device, so the claim moves on
-  // (a model whose passes each take part of its work would otherwise keep
-  // it for as long as its own queue lasts).
-  if (!claim_held_ || (batcher_.size() > 0 && d_.pull_gate->queued_waiting() == 0)) return;
+  if (!claim_held_ || batcher_.size() > 0) return;
   claim_held_ = false;
   d_.pull_gate->Release();
 }

@@ -151,8 +151,7 @@ class ModelServer final : public ModelAttachment {
   Status ReplyByRef(const std::string& encoded, const wire::WorkReply& reply, const std::string& reply_to);
   void FetchLoop();
   // Gives this server's PullGate claim back once no work of it waits for
-  // the device, or after a pass while another model waits for room (see
-  // PullGate). Requires mu_.
+  // the device. Requires mu_.
   void MaybeReleaseClaimLocked();
   void ExecLoop();
   // What this model's passes ask the scheduler for (see slots_are_cores).
@@ -191,6 +190,10 @@ class ModelServer final : public ModelAttachment {
   const std::string activation_;      // applied to every output row
   std::atomic<bool> stop_{false};
   std::atomic<size_t> held_msgs_{0};  // batcher_.size(), set under mu_ after every change
+  // Fetcher thread only: the device's turns_granted() when this model,
+  // with work in the queue, began to find no room under --pull-ahead (-1:
+  // it is not waiting).
+  int64_t room_wait_from_turn_ = -1;
   bool claim_held_ = false;           // guarded by mu_: waiting work holds a PullGate claim
   double avg_tokens_per_msg_ = 32;    // fetcher thread only
   int64_t gated_poll_ms_ = 20;        // fetcher thread only: pull length under a PullGate

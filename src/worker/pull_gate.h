@@ -15,11 +15,13 @@
 // device is behind stops taking work and the shared queue hands it to one
 // that frees up first.
 //
-// A model that holds a claim may top its waiting work up (what comes joins
-// the same pass) but not while a model with work in the queue and no claim
-// waits for room: otherwise models that keep their claims, because each
-// pass takes only part of their work, would lock it out for as long as
-// their own queues last. Thread-safe.
+// A model whose passes each take only part of its waiting work (a turn
+// quantum cuts them) keeps its claim for as long as its queue lasts; with
+// `limit` such models, another model with queued work would never find
+// room. So a model that has waited for room long enough with work in the
+// queue (its fetcher says kStarved) may pull while held claims are within
+// one of the limit: one more pass waits, and claims still count every one.
+// Thread-safe.
 #pragma once
 
 #include <atomic>
@@ -38,22 +40,21 @@ class PullGate {
 
   // Who asks for room.
   enum class Puller {
-    kIdle,    // no claim, no work known to wait in the queue (may pull nothing)
-    kQueued,  // no claim, work waits in the queue: holders stop topping up
-    kHolder,  // holds a claim: room while no kQueued puller waits for it
+    kWaiting,  // no claim: room while fewer than `limit` claims are held
+    kHolder,   // its model's work holds a claim: what comes joins that pass,
+               // so there is always room
+    kStarved,  // no claim, work in the queue, and no room for a while:
+               // room while at most `limit` claims are held
   };
 
   bool bounded() const { return limit_ > 0; }
   int limit() const { return limit_; }
   int held() const;
 
-  // Waits up to `wait_ms` until `puller` may open a pull: for kIdle and
-  // kQueued, fewer than `limit` claims are held; for kHolder, the same or
-  // no kQueued puller is waiting. False on timeout, when `stop` (may be
-  // null; polled every 20 ms) is set, or after Shutdown().
-  bool WaitForRoom(int64_t wait_ms, const std::atomic<bool>* stop = nullptr, Puller puller = Puller::kIdle);
-  // kQueued pullers waiting in WaitForRoom now.
-  int queued_waiting() const;
+  // Waits up to `wait_ms` until `puller` may open a pull (see Puller).
+  // False on timeout, when `stop` (may be null; polled every 20 ms) is set,
+  // or after Shutdown().
+  bool WaitForRoom(int64_t wait_ms, const std::atomic<bool>* stop = nullptr, Puller puller = Puller::kWaiting);
   // Takes a claim, room or not: the work is pulled already.
   void Take();
   // Gives one claim back.
@@ -66,7 +67,6 @@ class PullGate {
   mutable std::mutex mu_;
   std::condition_variable room_cv_;
   int held_ = 0;            // guarded by mu_
-  int queued_waiting_ = 0;  // guarded by mu_
   bool shutdown_ = false;   // guarded by mu_
 };
 

@@ -66,38 +66,33 @@ TEST(PullGateTest, StopAndShutdownEndTheWait) {
   EXPECT_FALSE(gate.WaitForRoom(0));  // and every later call
 }
 
-// A model holding a claim tops its waiting work up while nobody else needs
-// room, but not while a model with queued work waits for it: otherwise
-// holders whose passes each take part of their work would keep their claims
-// (and the room) for as long as their own queues last.
-TEST(PullGateTest, HoldersStopToppingUpWhileAQueuedModelWaits) {
+// A holder always has room (what it pulls joins its pass); a model that
+// has waited long enough with work in the queue (kStarved) has room while
+// held claims are within one of the limit, so models that keep their
+// claims (each pass takes part of their work) cannot lock it out.
+TEST(PullGateTest, HoldersAlwaysHaveRoomAndAStarvedModelOneMore) {
   using P = PullGate::Puller;
-  PullGate gate(1);
-  gate.Take();  // the holder's work waits for the device
-  EXPECT_TRUE(gate.WaitForRoom(0, nullptr, P::kHolder));
-  EXPECT_FALSE(gate.WaitForRoom(0, nullptr, P::kIdle));
-
-  std::atomic<bool> stop{false};
-  std::atomic<int> idle{-1}, queued{-1};
-  std::thread idle_puller([&] { idle = gate.WaitForRoom(60000, &stop, P::kIdle) ? 1 : 0; });
-  std::this_thread::sleep_for(std::chrono::milliseconds(30));
-  EXPECT_TRUE(gate.WaitForRoom(0, nullptr, P::kHolder));  // an idle model does not hold it back
-  EXPECT_EQ(gate.queued_waiting(), 0);
-
-  std::thread queued_puller([&] { queued = gate.WaitForRoom(60000, &stop, P::kQueued) ? 1 : 0; });
-  for (int i = 0; i < 500 && gate.queued_waiting() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  ASSERT_EQ(gate.queued_waiting(), 1);
-  EXPECT_FALSE(gate.WaitForRoom(30, nullptr, P::kHolder));  // no top-up now
-  EXPECT_EQ(queued.load(), -1);
-
-  gate.Release();  // the holder's pass went to the device: room for both
-  queued_puller.join();
-  idle_puller.join();
-  EXPECT_EQ(queued.load(), 1);
-  EXPECT_EQ(idle.load(), 1);
-  EXPECT_EQ(gate.queued_waiting(), 0);
+  PullGate gate(2);
   gate.Take();
-  EXPECT_TRUE(gate.WaitForRoom(0, nullptr, P::kHolder));  // nobody waits again
+  gate.Take();  // two hot models' work waits
+  EXPECT_TRUE(gate.WaitForRoom(0, nullptr, P::kHolder));
+  EXPECT_FALSE(gate.WaitForRoom(0, nullptr, P::kWaiting));
+  EXPECT_TRUE(gate.WaitForRoom(0, nullptr, P::kStarved));
+  gate.Take();  // the starved model's work: one past the limit
+  EXPECT_EQ(gate.held(), 3);
+  EXPECT_FALSE(gate.WaitForRoom(0, nullptr, P::kStarved));  // only one more
+  EXPECT_TRUE(gate.WaitForRoom(0, nullptr, P::kHolder));
+
+  std::atomic<int> starved{-1};
+  std::thread waiter([&] { starved = gate.WaitForRoom(60000, nullptr, P::kStarved) ? 1 : 0; });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT_EQ(starved.load(), -1);
+  gate.Release();  // 2 held: room for a starved model again
+  waiter.join();
+  EXPECT_EQ(starved.load(), 1);
+
+  PullGate unbounded(0);
+  EXPECT_TRUE(unbounded.WaitForRoom(0, nullptr, P::kStarved));
 }
 
 }  // namespace
