@@ -16,6 +16,7 @@
 #include <fstream>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -111,17 +112,58 @@ json ErrorJson(const Status& s) {
 
 // One live process per worker id: two would share one registry entry (each
 // overwriting the other's heartbeat) and one control subject (both acting
-// on every command). An entry left by this host's earlier process, now
+// on every command). The id is taken by writing a first entry only if there
+// is none: a KV create is atomic, so of two processes started at once with
+// one id, one gets it. An entry left by this host's earlier process, now
 // gone (or by this very pid: a restarted container), is free to take.
-Status Worker::CheckIdFree() const {
+namespace {
+
+// Worker ids held by live Worker objects of this process.
+std::mutex& HeldIdsMu() {
+  static std::mutex mu;
+  return mu;
+}
+std::set<std::string>& HeldIds() {
+  static std::set<std::string> ids;
+  return ids;
+}
+
+}  // namespace
+
+Status Worker::ReserveId() {
+  {
+    std::lock_guard<std::mutex> lock(HeldIdsMu());
+    if (HeldIds().count(id_))
+      return InvalidArgument("worker id '" + id_ + "' is in use by another worker of this process",
+                             "worker_id_in_use");
+    HeldIds().insert(id_);
+    holds_id_ = true;
+  }
+  const std::string entry = DumpJson(json{{"id", id_},
+                                      {"host", host_},
+                                      {"pid", ::getpid()},
+                                      {"started_unix_ms", started_unix_ms_},
+                                      {"heartbeat_unix_ms", SystemClock::Get()->NowUnixMs()},
+                                      {"starting", true},
+                                      {"models", json::array()}});
+  auto created = workers_kv_->Create(id_, entry);
+  if (!created.ok()) return Status::Ok();  // unreadable: the first heartbeat will say
+  if (*created) {
+    registered_ = true;  // ours: a start that fails after this deletes it
+    return Status::Ok();
+  }
   auto v = workers_kv_->Get(id_);
-  if (!v.ok()) return Status::Ok();  // none (or unreadable: the first heartbeat will say)
+  if (!v.ok()) return Status::Ok();  // expired meanwhile (or unreadable): the first heartbeat will say
   const nlohmann::json j = nlohmann::json::parse(*v, nullptr, /*allow_exceptions=*/false);
-  if (!j.is_object()) return Status::Ok();
-  const std::string host = j.value("host", "");
-  const int64_t pid = j.value("pid", int64_t{0});
-  const bool gone = host == host_ && pid > 0 && (pid == ::getpid() || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH));
-  if (gone) return Status::Ok();
+  const std::string host = j.is_object() ? j.value("host", "") : "";
+  const int64_t pid = j.is_object() ? j.value("pid", int64_t{0}) : 0;
+  const bool gone = !j.is_object() || (host == host_ && pid > 0 &&
+                                       (pid == ::getpid() || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)));
+  if (gone) {
+    RETURN_IF_ERROR(workers_kv_->Put(id_, entry));
+    registered_ = true;
+    return Status::Ok();
+  }
   const int64_t age_ms = SystemClock::Get()->NowUnixMs() - j.value("heartbeat_unix_ms", int64_t{0});
   return InvalidArgument("worker id '" + id_ + "' is in use: process " + std::to_string(pid) + " on host '" + host +
                              "' sent a heartbeat " + std::to_string(std::max<int64_t>(0, age_ms)) +
@@ -167,7 +209,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
 
   RETURN_IF_ERROR(EnsureWorkStream(*client, options.stream));
   ASSIGN_OR_RETURN(w->workers_kv_, KvBucket::Open(*client, wire::kWorkersBucket, options.heartbeat_ttl_ms));
-  RETURN_IF_ERROR(w->CheckIdFree());
+  RETURN_IF_ERROR(w->ReserveId());
   if (!options.blob.store_url.empty()) {
     BlobOffloadOptions bo = options.blob;
     bo.sweep_interval_ms = 0;  // gateways sweep
@@ -325,6 +367,11 @@ void Worker::Stop() {
   // not delete the entry of the live worker that holds it.
   if (workers_kv_ && registered_) (void)workers_kv_->Delete(id_);
   (void)client_->Flush(1000);
+  if (holds_id_) {
+    std::lock_guard<std::mutex> lock(HeldIdsMu());
+    HeldIds().erase(id_);
+    holds_id_ = false;
+  }
 }
 
 std::vector<std::string> Worker::ModelNames() const {

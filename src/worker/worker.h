@@ -193,9 +193,9 @@ class Worker {
   Result<std::string> Control(const std::string& action, const std::string& model);
 
  private:
-  // InvalidArgument "worker_id_in_use" when another live process has this
-  // worker's id in the registry.
-  Status CheckIdFree() const;
+  // Writes this worker's first registry entry, unless another live process
+  // has its id there: InvalidArgument "worker_id_in_use" then.
+  Status ReserveId();
   struct Backlog {
     uint64_t msgs = 0;
     int64_t oldest_unix_ms = 0;  // 0: unknown or none
@@ -314,7 +314,8 @@ class Worker {
   int64_t oldest_read_mono_us_ = 0;
 
   std::atomic<bool> stop_{false};
-  bool registered_ = false;  // this worker wrote its registry entry (set once by Create)
+  bool registered_ = false;  // this worker wrote its registry entry (set by ReserveId)
+  bool holds_id_ = false;    // its id is among this process's held ids (see ReserveId)
   std::mutex publish_mu_;  // held while a heartbeat is published
   std::atomic<bool> device_faulted_{false};  // set under publish_mu_; no more heartbeats, loads or drains
   std::mutex hb_mu_;

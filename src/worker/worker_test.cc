@@ -560,6 +560,28 @@ TEST_F(WorkerTest, AWorkerIdInUseElsewhereIsRefused) {
   (*w)->Stop();
 }
 
+// Two workers of one process with one id: the second is refused (the
+// entry's pid is this process's, which for another process would mean a
+// restarted container whose old worker is gone).
+TEST_F(WorkerTest, ASecondWorkerOfThisProcessWithTheSameIdIsRefused) {
+  WorkerOptions wo;
+  wo.model_repository = ModelsDir();
+  wo.models = {"tiny-bert"};
+  wo.preload = {};
+  wo.worker_id = "same-id";
+  auto first = Worker::Create(wo, client_.get(), &metrics_);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  auto second = Worker::Create(wo, client_.get(), &metrics_);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().reason(), "worker_id_in_use") << second.status().ToString();
+  (*first)->Stop();
+  first->reset();
+  // Free again once the first has stopped.
+  auto third = Worker::Create(wo, client_.get(), &metrics_);
+  ASSERT_TRUE(third.ok()) << third.status().ToString();
+  (*third)->Stop();
+}
+
 // The server's max_payload (1 MiB here) counts a message's headers too.
 // Without a blob store, a work message whose body would not fit is 413
 // message_too_large at once, also one just under 1 MiB that only the

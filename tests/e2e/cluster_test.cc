@@ -423,6 +423,37 @@ std::string ProcessEnv(pid_t pid, const std::string& name) {
 
 // --omp-wait-policy re-executes the worker with OMP_WAIT_POLICY set (libgomp
 // reads it only at load time); the worker then serves as usual.
+// Two worker processes started at once with one --worker-id: exactly one
+// gets the id (its first registry entry is written only if there is none);
+// the other exits with worker_id_in_use instead of sharing the entry and
+// the control subject.
+TEST(E2eCluster, TwoWorkersStartedAtOnceWithOneIdOneIsRefused) {
+  shoal::testing::TestNatsServer nats;
+  StartWorker(nats.url(), {"--threads", "1"});  // the stream and buckets exist; it stops again
+  shoal::testing::TempDir logs;
+  std::unique_ptr<ChildProcess> twins[2];
+  for (int i = 0; i < 2; ++i) {
+    ChildOptions o;
+    o.argv = {shoal::testing::ShoalBinary(), "worker", "--nats-url", nats.url(), "--models-dir",
+              shoal::testing::ModelsDir(), "--models", "tiny-bert", "--threads", "1", "--worker-id", "twin"};
+    o.stderr_path = logs.path() + "/" + std::to_string(i) + ".log";
+    twins[i] = ChildProcess::Spawn(o);
+  }
+  // The refused one exits before it would be ready.
+  int refused_index = -1;
+  for (int round = 0; round < 300 && refused_index < 0; ++round)
+    for (int i = 0; i < 2 && refused_index < 0; ++i)
+      if (twins[i]->Wait(50ms)) refused_index = i;
+  ASSERT_GE(refused_index, 0) << "both workers are running with one id";
+  const auto status = twins[refused_index]->Wait(0ms);
+  ASSERT_TRUE(status);
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) != 0) << *status;
+  std::ifstream in(logs.path() + "/" + std::to_string(refused_index) + ".log");
+  const std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(err.find("worker_id_in_use"), std::string::npos) << err;
+  EXPECT_TRUE(twins[1 - refused_index]->WaitForLine(R"(shoal worker twin ready)", 60s));
+}
+
 TEST(E2eCluster, OmpWaitPolicyFlagReachesTheWorkerProcess) {
   shoal::testing::TestNatsServer nats;
   Shoal worker = StartWorker(nats.url(), {"--omp-wait-policy", "active", "--threads", "1"});
