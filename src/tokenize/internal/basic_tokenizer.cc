@@ -33,6 +33,11 @@ void BasicTokenizer::Split(std::string_view text, PieceSink* sink) const {
     }
     scratch.word.push_back(cp);
     ascii = ascii && cp < 0x80;
+    if (scratch.word.size() >= kMaxWordChars) {
+      FlushWord(ascii, &scratch, sink);
+      if (sink->full()) return;
+      ascii = true;
+    }
   }
   FlushWord(ascii, &scratch, sink);
 }

@@ -47,7 +47,15 @@ class BasicTokenizer {
   // Splits `text` (UTF-8; invalid bytes are dropped like U+FFFD) and calls
   // sink->OnPiece for every piece in order. Thread-safe: no shared mutable
   // state; allocates only per-call scratch buffers.
+  //
+  // A word (a run without whitespace) is read kMaxWordChars code points at
+  // a time, so a text that is one giant word needs no more than that in
+  // memory (4-8 bytes a code point), not 4-8 times the text: each such part
+  // is split as a word of its own. Only words longer than that differ from
+  // BERT's reference tokenizer (a piece running across a part boundary
+  // comes out as two).
   void Split(std::string_view text, PieceSink* sink) const;
+  static constexpr size_t kMaxWordChars = size_t{1} << 20;
 
   // The pieces as strings, for tests and debugging.
   std::vector<std::string> SplitToStrings(std::string_view text) const;

@@ -59,6 +59,27 @@ TEST(BasicTokenizer, PiecesOverTheSinksBoundArriveAsALengthOnly) {
   EXPECT_EQ(sink.seen, (std::vector<std::string>{"abc", "<4>", ",", "<4>", "x"}));
 }
 
+// A word is read kMaxWordChars code points at a time, each part split as a
+// word of its own: a text that is one giant word never needs 4-8 times its
+// size in memory. (Only words longer than that differ from the reference.)
+TEST(BasicTokenizer, AGiantWordIsReadInPartsOfBoundedSize) {
+  struct Bounded : PieceSink {
+    std::vector<std::string> seen;
+    size_t long_piece_chars() const override { return 100; }
+    void OnLongPiece(size_t chars) override { seen.push_back("<" + std::to_string(chars) + ">"); }
+    void OnPiece(std::string_view utf8, std::span<const uint32_t>) override { seen.emplace_back(utf8); }
+  } sink;
+  constexpr size_t kPart = BasicTokenizer::kMaxWordChars;
+  BasicTokenizer basic(BasicTokenizerOptions{});
+  basic.Split(std::string(2 * kPart + 5, 'a') + " b", &sink);
+  EXPECT_EQ(sink.seen, (std::vector<std::string>{"<" + std::to_string(kPart) + ">", "<" + std::to_string(kPart) + ">",
+                                                  "aaaaa", "b"}));
+  // Words up to the bound are one word, as before.
+  sink.seen.clear();
+  basic.Split(std::string(kPart - 1, 'a') + ".b", &sink);
+  EXPECT_EQ(sink.seen, (std::vector<std::string>{"<" + std::to_string(kPart - 1) + ">", ".", "b"}));
+}
+
 TEST(BasicTokenizer, StripsAccentsWithoutLowercasing) {
   BasicTokenizer basic(BasicTokenizerOptions{.lowercase = false, .strip_accents = true});
   EXPECT_EQ(basic.SplitToStrings("Caf\u00e9 \u00c5NGSTR\u00d6M"), (Pieces{"Cafe", "ANGSTROM"}));
