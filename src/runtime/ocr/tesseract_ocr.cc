@@ -19,6 +19,27 @@
 namespace shoal {
 namespace {
 
+// Width and height from a BMP's header (BITMAPCOREHEADER or a later one;
+// a negative height is a top-down image). False when it is too short.
+bool BmpSize(std::string_view bytes, l_int32* w, l_int32* h) {
+  const auto u8 = [&](size_t at) { return static_cast<uint32_t>(static_cast<unsigned char>(bytes[at])); };
+  const auto le16 = [&](size_t at) { return static_cast<int16_t>(u8(at) | u8(at + 1) << 8); };
+  const auto le32 = [&](size_t at) {
+    return static_cast<int32_t>(u8(at) | u8(at + 1) << 8 | u8(at + 2) << 16 | u8(at + 3) << 24);
+  };
+  if (bytes.size() < 26) return false;
+  const int32_t header = le32(14);
+  if (header == 12) {
+    *w = le16(18);
+    *h = le16(20);
+  } else {
+    const int32_t height = le32(22);
+    *w = le32(18);
+    *h = height == INT32_MIN ? 0 : (height < 0 ? -height : height);
+  }
+  return true;
+}
+
 constexpr char kInvalidImage[] = "invalid_image";
 constexpr char kInvalidOptions[] = "invalid_ocr_options";
 
@@ -240,8 +261,11 @@ Result<OcrResult> TesseractOcr::Recognize(std::string_view image_bytes, int64_t 
                       "' is not supported (expected PNG, JPEG, TIFF, BMP or PNM)",
                   "unsupported_image_format");
   }
-  if (pixReadHeaderMem(data, size, &format, &w, &h, &bps, &spp, &iscmap) != 0 || w <= 0 ||
-      h <= 0) {
+  // Leptonica reads a BMP's header by decoding the whole image; its size is
+  // read here instead, so a BMP is decoded once, after the checks below.
+  const bool header_read = format == IFF_BMP ? BmpSize(image_bytes, &w, &h)
+                                             : pixReadHeaderMem(data, size, &format, &w, &h, &bps, &spp, &iscmap) == 0;
+  if (!header_read || w <= 0 || h <= 0) {
     return InvalidArgument("image header is corrupt or truncated", kInvalidImage);
   }
   const OcrOptions& opt = impl_->options;
