@@ -283,8 +283,21 @@ Result<BlobRef> NatsObjectStore::PutFrom(const BlobSource& source, const std::st
   }
 
   // A JetStream context of its own: PublishAsyncComplete waits for this
-  // Put's chunks only, and errors land in this Put's record.
-  PublishErrors errors;
+  // Put's chunks only, and errors land in this Put's record. The record
+  // outlives the context unless every chunk was settled: an ack that
+  // arrives after a timed-out wait may still call the error handler. It is
+  // then left allocated (a few dozen bytes per such Put) rather than freed
+  // under a late callback.
+  bool settled = true;  // the last PublishAsyncComplete left nothing pending
+  std::unique_ptr<PublishErrors> errors_owner(new PublishErrors);
+  struct KeepUnlessSettled {
+    std::unique_ptr<PublishErrors>& owner;
+    const bool& settled;
+    ~KeepUnlessSettled() {
+      if (!settled) (void)owner.release();
+    }
+  };
+  PublishErrors& errors = *errors_owner;
   jsOptions jo;
   jsOptions_Init(&jo);
   jo.Wait = client_.options().js_api_timeout_ms;
@@ -295,6 +308,8 @@ Result<BlobRef> NatsObjectStore::PutFrom(const BlobSource& source, const std::st
   jsCtx* js_raw = nullptr;
   natsStatus s = natsConnection_JetStream(&js_raw, client_.conn(), &jo);
   if (s != NATS_OK) return FromNats(s, "jetstream context");
+  // Destroyed in reverse order: the context first, then (maybe) the record.
+  KeepUnlessSettled keep{errors_owner, settled};
   std::unique_ptr<jsCtx, JsCtxDeleter> js(js_raw);
 
   const std::string nuid = blob_internal::RandomId();
@@ -304,7 +319,7 @@ Result<BlobRef> NatsObjectStore::PutFrom(const BlobSource& source, const std::st
     jsPubOptions po;
     jsPubOptions_Init(&po);
     po.MaxWait = client_.options().js_api_timeout_ms;
-    js_PublishAsyncComplete(js.get(), &po);
+    settled = js_PublishAsyncComplete(js.get(), &po) == NATS_OK;
     (void)PurgeSubject(chunk_subject);
     return st;
   };
@@ -340,6 +355,7 @@ Result<BlobRef> NatsObjectStore::PutFrom(const BlobSource& source, const std::st
   jsPubOptions_Init(&po);
   po.MaxWait = client_.options().js_api_timeout_ms;
   s = js_PublishAsyncComplete(js.get(), &po);
+  settled = s == NATS_OK;
   {
     std::lock_guard<std::mutex> lock(errors.mu);
     if (errors.failed) {
