@@ -895,8 +895,15 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
     auto out = d_.runtime->RunItemsBefore(pass, pass_deadlines, pass_partial);
     const int64_t run_us = d_.clock->NowMonoUs() - t0;
     if (out.ok()) {
-      batch_run_us_ += run_us;
-      batch_run_tokens_ += static_cast<int64_t>(pass.size());
+      // Inputs that failed on their own (an undecodable image, a deadline
+      // that passed) took next to nothing: counted, they would make the
+      // measured cost per input, and so the turn quantum's cap, wrong.
+      int64_t ran = 0;
+      for (const std::string& r : *out) ran += ParseItemError(r).ok() ? 1 : 0;
+      if (ran > 0) {
+        batch_run_us_ += run_us;
+        batch_run_tokens_ += ran;
+      }
     }
     if (d_.busy_us && d_.runtime->UsesDevice()) d_.busy_us->fetch_add(run_us * turn_width_);
     run_seconds_->Observe(static_cast<double>(run_us) / 1e6);
