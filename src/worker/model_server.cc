@@ -16,10 +16,13 @@ constexpr int64_t kRedeliverDelayMs = 250;
 // How long a message run on its own waits for an out-of-process runtime to
 // come back from a restart before it is handed back instead.
 constexpr int64_t kRuntimeBackWaitMs = 5000;
-// Device turns a model with work in the queue waits for room under
-// --pull-ahead before it may pull past the bound (see PullGate): more than
-// it normally takes for a claim to come free.
+// How long a model with work in the queue waits for room under
+// --pull-ahead before it may pull past the bound (see PullGate): 8 device
+// turns of other models, or 2 and 500 ms (slow passes), more than it
+// normally takes for a claim to come free. A device with no turns at all
+// (one stuck pass) never makes it starved.
 constexpr int64_t kStarvedAfterTurns = 8;
+constexpr auto kStarvedAfter = std::chrono::milliseconds(500);
 
 bool ParseInt(std::string_view s, int64_t* out) {
   if (s.empty()) return false;
@@ -425,6 +428,7 @@ void ModelServer::FetchLoop() {
       // The runtime is restarting: leave the work in the queue (for other
       // workers, or for us once it is back) rather than burn deliveries.
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      room_wait_from_turn_ = -1;
       continue;
     }
     int want = static_cast<int>(std::clamp<int64_t>(
@@ -434,7 +438,10 @@ void ModelServer::FetchLoop() {
       // The worker already holds as much as its bound: leave the rest in the
       // shared queue for whichever worker frees up first.
       const int64_t room = d_.held_rows->Room(want, 100);
-      if (room <= 0) continue;
+      if (room <= 0) {
+        room_wait_from_turn_ = -1;
+        continue;
+      }
       want = static_cast<int>(room);
     }
     int64_t poll_ms = d_.fetch_poll_ms;
@@ -457,11 +464,14 @@ void ModelServer::FetchLoop() {
       // The stream's count includes what this server holds itself.
       const bool queued = !waiting && d_.scheduler != nullptr && d_.backlog &&
                           d_.backlog() > static_cast<int64_t>(held_msgs_.load());
+      const auto now = std::chrono::steady_clock::now();
       if (!queued) {
         room_wait_from_turn_ = -1;
       } else if (room_wait_from_turn_ < 0) {
         room_wait_from_turn_ = static_cast<int64_t>(d_.scheduler->turns_granted());
-      } else if (static_cast<int64_t>(d_.scheduler->turns_granted()) - room_wait_from_turn_ >= kStarvedAfterTurns) {
+        room_wait_since_ = now;
+      } else if (const int64_t turns = static_cast<int64_t>(d_.scheduler->turns_granted()) - room_wait_from_turn_;
+                 turns >= kStarvedAfterTurns || (turns >= 2 && now - room_wait_since_ >= kStarvedAfter)) {
         // The device keeps running other models' passes, yet no claim
         // comes free: they keep theirs (see PullGate). A device that is
         // stuck (no turns) is no reason to take work another worker could.
@@ -608,7 +618,7 @@ void ModelServer::ExecLoop() {
     if (!batch.empty()) RunBatch(std::move(batch));
     if (turn_.valid() && batch_run_tokens_ > 0) {
       // Forward time only: expired work, replies and failures do not count.
-      const double sample = static_cast<double>(std::max<int64_t>(1, batch_run_us_) * turn_.width()) /
+      const double sample = static_cast<double>(std::max<int64_t>(1, batch_run_us_)) /
                             static_cast<double>(batch_run_tokens_);
       slot_us_per_token_ = cost_measured_ ? 0.8 * slot_us_per_token_ + 0.2 * sample : sample;
       cost_measured_ = true;
@@ -703,11 +713,16 @@ void ModelServer::RunEachAlone(std::vector<std::unique_ptr<PendingWork>> work) {
       auto acquired = d_.scheduler->Acquire(d_.config.name, oldest, static_cast<int64_t>(work.size() - i), &stop_,
                                             WantedWidth());
       if (!acquired.ok()) {  // stopping
-        Release(rest_from(i), WorkerStopping());
+        Release(rest_from(i), WorkerStopping(), kRedeliverDelayMs);
         return;
       }
       turn_ = std::move(acquired).value();
       turn_width_ = turn_.width();
+    }
+    if (work[i]->headers.deadline_unix_ms > 0 && d_.clock->NowUnixMs() > work[i]->headers.deadline_unix_ms) {
+      expired_->Inc();  // expired while it waited for the runtime or the device
+      Fail(work[i]->delivery, work[i]->headers, DeadlineExceeded("deadline passed before the work was run"));
+      continue;
     }
     std::vector<std::unique_ptr<PendingWork>> one;
     one.push_back(std::move(work[i]));
@@ -754,7 +769,7 @@ void ModelServer::RunLive(std::vector<std::unique_ptr<PendingWork>> live) {
     auto out = d_.runtime->Run(tb);
     const int64_t run_us = d_.clock->NowMonoUs() - t0;
     if (out.ok()) {
-      batch_run_us_ += run_us;
+      batch_run_us_ += run_us * turn_width_;
       for (const RowRef& row : pass) batch_run_tokens_ += row.len;
     }
     if (d_.busy_us) d_.busy_us->fetch_add(run_us * turn_width_);
@@ -901,7 +916,7 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
       int64_t ran = 0;
       for (const std::string& r : *out) ran += ParseItemError(r).ok() ? 1 : 0;
       if (ran > 0) {
-        batch_run_us_ += run_us;
+        batch_run_us_ += run_us * turn_width_;
         batch_run_tokens_ += ran;
       }
     }

@@ -194,6 +194,7 @@ class ModelServer final : public ModelAttachment {
   // with work in the queue, began to find no room under --pull-ahead (-1:
   // it is not waiting).
   int64_t room_wait_from_turn_ = -1;
+  std::chrono::steady_clock::time_point room_wait_since_;  // and the time then
   bool claim_held_ = false;           // guarded by mu_: waiting work holds a PullGate claim
   double avg_tokens_per_msg_ = 32;    // fetcher thread only
   int64_t gated_poll_ms_ = 20;        // fetcher thread only: pull length under a PullGate
@@ -207,8 +208,9 @@ class ModelServer final : public ModelAttachment {
   int turn_width_ = 1;
   // Executor thread only: a turn's slot-microseconds of forward time per
   // token (items count one), a moving average over this server's batches
-  // (valid once cost_measured_), and the forward time and tokens of the
-  // batch running now, which RunBatch adds to.
+  // (valid once cost_measured_), and the forward time (in slot-us: each
+  // pass's time by its turn's width) and tokens of the batch running now,
+  // which RunBatch adds to.
   double slot_us_per_token_ = 0;
   bool cost_measured_ = false;
   int64_t batch_run_us_ = 0;

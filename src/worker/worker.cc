@@ -172,6 +172,20 @@ Status Worker::ReserveId() {
                          "worker_id_in_use");
 }
 
+Status Worker::StillHoldsId() const {
+  auto v = workers_kv_->Get(id_);
+  if (!v.ok()) return Status::Ok();  // expired (or unreadable): nobody else has it either
+  const json j = json::parse(*v, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return Status::Ok();
+  if (j.value("host", "") == host_ && j.value("pid", int64_t{0}) == ::getpid() &&
+      j.value("started_unix_ms", int64_t{0}) == started_unix_ms_)
+    return Status::Ok();
+  return InvalidArgument("worker id '" + id_ + "' was taken by process " + std::to_string(j.value("pid", int64_t{0})) +
+                             " on host '" + j.value("host", "") +
+                             "' while this worker was starting (its first entry expired after --heartbeat-ttl-ms)",
+                         "worker_id_in_use");
+}
+
 void Worker::PrepareProcess(const WorkerOptions& options) {
   static std::once_flag keep_once, huge_once;
   if (options.keep_freed_memory) {
@@ -326,6 +340,13 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   ASSIGN_OR_RETURN(w->control_sub_, client->Subscribe(wire::ControlSubject(w->id_), &Worker::OnControl, self));
   ASSIGN_OR_RETURN(w->push_sub_,
                    client->Subscribe(wire::kPushSubjectPrefix + w->id_ + ".>", &Worker::OnPush, self));
+  // The entry ReserveId wrote may have expired during a long start (model
+  // loads), and another process taken the id meanwhile: then this one
+  // gives it up rather than overwrite the other's entry.
+  if (Status lost = w->StillHoldsId(); !lost.ok()) {
+    w->registered_ = false;
+    return lost;
+  }
   RETURN_IF_ERROR(w->workers_kv_->Put(w->id_, w->HeartbeatJson()));
   w->registered_ = true;
   w->heartbeat_ = std::thread([self] { self->HeartbeatLoop(); });

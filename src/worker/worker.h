@@ -196,6 +196,10 @@ class Worker {
   // Writes this worker's first registry entry, unless another live process
   // has its id there: InvalidArgument "worker_id_in_use" then.
   Status ReserveId();
+  // Whether the registry entry for this id is still this worker's (or
+  // gone) at the end of its start; InvalidArgument "worker_id_in_use" when
+  // another process has written it since.
+  Status StillHoldsId() const;
   struct Backlog {
     uint64_t msgs = 0;
     int64_t oldest_unix_ms = 0;  // 0: unknown or none

@@ -9,6 +9,7 @@
 #include <nats/nats.h>
 
 #include <cmath>
+#include <fstream>
 #include <future>
 #include <thread>
 
@@ -580,6 +581,42 @@ TEST_F(WorkerTest, ASecondWorkerOfThisProcessWithTheSameIdIsRefused) {
   auto third = Worker::Create(wo, client_.get(), &metrics_);
   ASSERT_TRUE(third.ok()) << third.status().ToString();
   (*third)->Stop();
+}
+
+// A worker whose first registry entry expired during a long start (model
+// loads), and whose id another process took meanwhile, gives the id up at
+// the end of its start instead of overwriting the other's entry.
+TEST_F(WorkerTest, AnIdTakenWhileTheWorkerStartedIsGivenUp) {
+  shoal::testing::TempDir repo;
+  shoal::testing::MakeFleetRepository(repo.path(), {"slow-load"});
+  {
+    const std::string path = repo.path() + "/slow-load/shoal.json";
+    std::ifstream in(path);
+    nlohmann::json config = nlohmann::json::parse(in);
+    config["sim"] = {{"load_ms", 2000}};
+    std::ofstream(path) << config.dump(2);
+  }
+  WorkerOptions wo;
+  wo.model_repository = repo.path();
+  wo.models = {"slow-load"};
+  wo.runtime_override = "sim";
+  wo.pinned = {"slow-load"};  // loaded during the start
+  wo.worker_id = "taken-meanwhile";
+  auto starting = std::async(std::launch::async, [&] { return Worker::Create(wo, client_.get(), &metrics_); });
+  auto kv = KvBucket::Open(*client_, wire::kWorkersBucket, 6000);
+  ASSERT_TRUE(kv.ok());
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return (*kv)->Get("taken-meanwhile").ok(); }));
+  // Another process's entry, as if the first had expired and it had started.
+  const std::string other = R"({"id":"taken-meanwhile","host":"another-host","pid":4242,"heartbeat_unix_ms":)" +
+                            std::to_string(SystemClock::Get()->NowUnixMs()) + "}";
+  ASSERT_TRUE((*kv)->Put("taken-meanwhile", other).ok());
+  auto w = starting.get();
+  ASSERT_FALSE(w.ok()) << "the worker started over another process's entry";
+  EXPECT_EQ(w.status().reason(), "worker_id_in_use") << w.status().ToString();
+  EXPECT_NE(w.status().message().find("while this worker was starting"), std::string::npos) << w.status().message();
+  auto entry = (*kv)->Get("taken-meanwhile");
+  ASSERT_TRUE(entry.ok()) << "the refused start deleted the other's entry";
+  EXPECT_EQ(*entry, other);
 }
 
 // The server's max_payload (1 MiB here) counts a message's headers too.

@@ -421,8 +421,6 @@ std::string ProcessEnv(pid_t pid, const std::string& name) {
   return "<unset>";
 }
 
-// --omp-wait-policy re-executes the worker with OMP_WAIT_POLICY set (libgomp
-// reads it only at load time); the worker then serves as usual.
 // Two worker processes started at once with one --worker-id: exactly one
 // gets the id (its first registry entry is written only if there is none);
 // the other exits with worker_id_in_use instead of sharing the entry and
@@ -454,6 +452,8 @@ TEST(E2eCluster, TwoWorkersStartedAtOnceWithOneIdOneIsRefused) {
   EXPECT_TRUE(twins[1 - refused_index]->WaitForLine(R"(shoal worker twin ready)", 60s));
 }
 
+// --omp-wait-policy re-executes the worker with OMP_WAIT_POLICY set (libgomp
+// reads it only at load time); the worker then serves as usual.
 TEST(E2eCluster, OmpWaitPolicyFlagReachesTheWorkerProcess) {
   shoal::testing::TestNatsServer nats;
   Shoal worker = StartWorker(nats.url(), {"--omp-wait-policy", "active", "--threads", "1"});

@@ -23,7 +23,7 @@ namespace {
 // a negative height is a top-down image). False when it is too short.
 bool BmpSize(std::string_view bytes, l_int32* w, l_int32* h) {
   const auto u8 = [&](size_t at) { return static_cast<uint32_t>(static_cast<unsigned char>(bytes[at])); };
-  const auto le16 = [&](size_t at) { return static_cast<int16_t>(u8(at) | u8(at + 1) << 8); };
+  const auto le16 = [&](size_t at) { return static_cast<l_int32>(u8(at) | u8(at + 1) << 8); };  // unsigned
   const auto le32 = [&](size_t at) {
     return static_cast<int32_t>(u8(at) | u8(at + 1) << 8 | u8(at + 2) << 16 | u8(at + 3) << 24);
   };

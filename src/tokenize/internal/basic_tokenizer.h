@@ -36,7 +36,7 @@ class PieceSink {
   virtual size_t long_piece_chars() const { return 0; }
   virtual void OnLongPiece(size_t chars) { (void)chars; }
   // True once the sink needs no more pieces: Split stops at the next word
-  // boundary.
+  // boundary (or part boundary of a giant word: see Split).
   virtual bool full() const { return false; }
 };
 
