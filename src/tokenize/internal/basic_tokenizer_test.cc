@@ -45,15 +45,21 @@ TEST(BasicTokenizer, ReportsCodePointBoundaries) {
   EXPECT_EQ(recorder.bounds[3], (std::vector<uint32_t>{0, 1}));
 }
 
+// Records pieces as their text, and pieces over `bound` code points as
+// "<length>".
+struct BoundedSink : PieceSink {
+  explicit BoundedSink(size_t bound) : bound(bound) {}
+  size_t bound;
+  std::vector<std::string> seen;
+  size_t long_piece_chars() const override { return bound; }
+  void OnLongPiece(size_t chars) override { seen.push_back("<" + std::to_string(chars) + ">"); }
+  void OnPiece(std::string_view utf8, std::span<const uint32_t>) override { seen.emplace_back(utf8); }
+};
+
 // A sink that bounds piece length gets longer pieces as a length only
 // (their text is never built), in order with the others.
 TEST(BasicTokenizer, PiecesOverTheSinksBoundArriveAsALengthOnly) {
-  struct Bounded : PieceSink {
-    std::vector<std::string> seen;
-    size_t long_piece_chars() const override { return 3; }
-    void OnLongPiece(size_t chars) override { seen.push_back("<" + std::to_string(chars) + ">"); }
-    void OnPiece(std::string_view utf8, std::span<const uint32_t>) override { seen.emplace_back(utf8); }
-  } sink;
+  BoundedSink sink(3);
   BasicTokenizer basic(BasicTokenizerOptions{});
   basic.Split("abc abcd,\u00e9\u00e9\u00e9\u00e9 x", &sink);
   EXPECT_EQ(sink.seen, (std::vector<std::string>{"abc", "<4>", ",", "<4>", "x"}));
@@ -63,12 +69,7 @@ TEST(BasicTokenizer, PiecesOverTheSinksBoundArriveAsALengthOnly) {
 // word of its own: a text that is one giant word never needs 4-8 times its
 // size in memory. (Only words longer than that differ from the reference.)
 TEST(BasicTokenizer, AGiantWordIsReadInPartsOfBoundedSize) {
-  struct Bounded : PieceSink {
-    std::vector<std::string> seen;
-    size_t long_piece_chars() const override { return 100; }
-    void OnLongPiece(size_t chars) override { seen.push_back("<" + std::to_string(chars) + ">"); }
-    void OnPiece(std::string_view utf8, std::span<const uint32_t>) override { seen.emplace_back(utf8); }
-  } sink;
+  BoundedSink sink(100);
   constexpr size_t kPart = BasicTokenizer::kMaxWordChars;
   BasicTokenizer basic(BasicTokenizerOptions{});
   basic.Split(std::string(2 * kPart + 5, 'a') + " b", &sink);
