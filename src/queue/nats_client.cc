@@ -763,18 +763,42 @@ Result<std::string> KvBucket::Get(const std::string& key) {
   return v;
 }
 
+Result<std::pair<std::string, uint64_t>> KvBucket::GetRevision(const std::string& key) {
+  kvEntry* e = nullptr;
+  natsStatus s = kvStore_Get(&e, kv_.get(), key.c_str());
+  if (s != NATS_OK) return FromNats(s, "kv get " + key);
+  std::pair<std::string, uint64_t> out(std::string(static_cast<const char*>(kvEntry_Value(e)), kvEntry_ValueLen(e)),
+                                       kvEntry_Revision(e));
+  kvEntry_Destroy(e);
+  return out;
+}
+
+namespace {
+
+// A conditional KV write refused because the key changed: the server's
+// "wrong last sequence".
+bool WrongLastSequence(natsStatus s) {
+  const char* text = nats_GetLastError(nullptr);
+  return s == NATS_ERR && text != nullptr && std::string_view(text).find("wrong last sequence") != std::string_view::npos;
+}
+
+}  // namespace
+
 Result<bool> KvBucket::Create(const std::string& key, std::string_view value) {
   uint64_t rev = 0;
-  jsErrCode jerr = static_cast<jsErrCode>(0);
   natsStatus s = kvStore_Create(&rev, kv_.get(), key.c_str(), value.data(), static_cast<int>(value.size()));
   if (s == NATS_OK) return true;
-  // An existing key: "wrong last sequence" from the server.
-  const char* text = nats_GetLastError(nullptr);
-  if (s == NATS_ERR && text != nullptr && std::string_view(text).find("wrong last sequence") != std::string_view::npos) {
-    return false;
-  }
-  (void)jerr;
+  if (WrongLastSequence(s)) return false;  // an existing key
   return FromNats(s, "kv create " + key);
+}
+
+Result<bool> KvBucket::Update(const std::string& key, std::string_view value, uint64_t revision) {
+  uint64_t rev = 0;
+  natsStatus s =
+      kvStore_Update(&rev, kv_.get(), key.c_str(), value.data(), static_cast<int>(value.size()), revision);
+  if (s == NATS_OK) return true;
+  if (WrongLastSequence(s)) return false;
+  return FromNats(s, "kv update " + key);
 }
 
 Status KvBucket::Delete(const std::string& key) {

@@ -319,6 +319,11 @@ class KvBucket {
   Result<bool> Create(const std::string& key, std::string_view value);
   // NotFound when absent.
   Result<std::string> Get(const std::string& key);
+  // The value and its revision (for Update). NotFound when absent.
+  Result<std::pair<std::string, uint64_t>> GetRevision(const std::string& key);
+  // Writes `key` only if its latest revision is still `revision`: true when
+  // written, false when someone wrote (or deleted) it since.
+  Result<bool> Update(const std::string& key, std::string_view value, uint64_t revision);
   Status Delete(const std::string& key);
   // All live keys (may be empty).
   Result<std::vector<std::string>> Keys();

@@ -304,6 +304,24 @@ TEST_F(NatsClientTest, KvCreateOnlyOnceUntilDeletedOrExpired) {
   EXPECT_TRUE(*(*kv)->Create("m", "w3"));
 }
 
+TEST_F(NatsClientTest, KvUpdateOnlyOnTheRevisionRead) {
+  auto kv = KvBucket::Open(*client_, "SHOAL_TEST_UPDATE", 0);
+  ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+  ASSERT_TRUE((*kv)->Put("k", "v1").ok());
+  auto read = (*kv)->GetRevision("k");
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_EQ(read->first, "v1");
+  // Two writers that read the same revision: the first wins.
+  auto first = (*kv)->Update("k", "a", read->second);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_TRUE(*first);
+  auto second = (*kv)->Update("k", "b", read->second);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_FALSE(*second);
+  EXPECT_EQ(*(*kv)->Get("k"), "a");
+  EXPECT_EQ((*kv)->GetRevision("absent").status().code(), StatusCode::kNotFound);
+}
+
 TEST_F(NatsClientTest, SubjectCountsAndOldestMessage) {
   ASSERT_TRUE(EnsureWorkStream(*client_, {}).ok());
   auto none = GetSubjectCounts(*client_, "SHOAL_WORK", "shoal.work.>");

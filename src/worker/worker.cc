@@ -152,15 +152,19 @@ Status Worker::ReserveId() {
     registered_ = true;  // ours: a start that fails after this deletes it
     return Status::Ok();
   }
-  auto v = workers_kv_->Get(id_);
+  auto v = workers_kv_->GetRevision(id_);
   if (!v.ok()) return Status::Ok();  // expired meanwhile (or unreadable): the first heartbeat will say
-  const nlohmann::json j = nlohmann::json::parse(*v, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json j = nlohmann::json::parse(v->first, nullptr, /*allow_exceptions=*/false);
   const std::string host = j.is_object() ? j.value("host", "") : "";
   const int64_t pid = j.is_object() ? j.value("pid", int64_t{0}) : 0;
   const bool gone = !j.is_object() || (host == host_ && pid > 0 &&
                                        (pid == ::getpid() || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)));
   if (gone) {
-    RETURN_IF_ERROR(workers_kv_->Put(id_, entry));
+    // Only over the entry read: of two processes taking the same gone
+    // entry at once, one gets it.
+    ASSIGN_OR_RETURN(const bool taken, workers_kv_->Update(id_, entry, v->second));
+    if (!taken)
+      return InvalidArgument("worker id '" + id_ + "' was taken by another process just now", "worker_id_in_use");
     registered_ = true;
     return Status::Ok();
   }
