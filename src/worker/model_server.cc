@@ -429,6 +429,7 @@ void ModelServer::FetchLoop() {
       // workers, or for us once it is back) rather than burn deliveries.
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
       room_wait_from_turn_ = -1;
+      starved_ = false;
       continue;
     }
     int want = static_cast<int>(std::clamp<int64_t>(
@@ -440,6 +441,7 @@ void ModelServer::FetchLoop() {
       const int64_t room = d_.held_rows->Room(want, 100);
       if (room <= 0) {
         room_wait_from_turn_ = -1;
+        starved_ = false;
         continue;
       }
       want = static_cast<int>(room);
@@ -467,6 +469,7 @@ void ModelServer::FetchLoop() {
       const auto now = std::chrono::steady_clock::now();
       if (!queued) {
         room_wait_from_turn_ = -1;
+        starved_ = false;
       } else if (room_wait_from_turn_ < 0) {
         room_wait_from_turn_ = static_cast<int64_t>(d_.scheduler->turns_granted());
         room_wait_since_ = now;
@@ -475,10 +478,18 @@ void ModelServer::FetchLoop() {
         // The device keeps running other models' passes, yet no claim
         // comes free: they keep theirs (see PullGate). A device that is
         // stuck (no turns) is no reason to take work another worker could.
-        puller = PullGate::Puller::kStarved;
+        // The stream's count also holds work running at other workers:
+        // asked once, the server says whether any waits undelivered.
+        if (!starved_) {
+          auto pending = d_.consumer->NumPending();
+          starved_ = pending.ok() && *pending > 0;
+          if (!starved_) room_wait_from_turn_ = -1;  // count again
+        }
+        if (starved_) puller = PullGate::Puller::kStarved;
       }
       if (d_.consumer->Undelivered() == 0 && !d_.pull_gate->WaitForRoom(20, &stop_, puller)) continue;
       room_wait_from_turn_ = -1;
+      starved_ = false;
       poll_ms = std::min(poll_ms, gated_poll_ms_);
     }
     auto fetched = d_.consumer->Fetch(want, poll_ms);

@@ -195,6 +195,7 @@ class ModelServer final : public ModelAttachment {
   // it is not waiting).
   int64_t room_wait_from_turn_ = -1;
   std::chrono::steady_clock::time_point room_wait_since_;  // and the time then
+  bool starved_ = false;  // the server confirmed work waits for it meanwhile
   bool claim_held_ = false;           // guarded by mu_: waiting work holds a PullGate claim
   double avg_tokens_per_msg_ = 32;    // fetcher thread only
   int64_t gated_poll_ms_ = 20;        // fetcher thread only: pull length under a PullGate
