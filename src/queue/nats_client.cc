@@ -700,10 +700,16 @@ int PullConsumer::Undelivered() {
   return msgs;
 }
 
-Result<uint64_t> PullConsumer::NumPending() {
+Result<uint64_t> PullConsumer::NumPending(int64_t timeout_ms) {
+  if (conn_ != nullptr && natsConnection_Status(conn_) != NATS_CONN_STATUS_CONNECTED)
+    return Unavailable("not connected to NATS", "nats_disconnected");
+  jsOptions o;
+  jsOptions_Init(&o);
+  if (timeout_ms > 0) o.Wait = timeout_ms;
   jsConsumerInfo* ci = nullptr;
   jsErrCode jerr = static_cast<jsErrCode>(0);
-  natsStatus s = js_GetConsumerInfo(&ci, js_, stream_.c_str(), durable_.c_str(), nullptr, &jerr);
+  natsStatus s =
+      js_GetConsumerInfo(&ci, js_, stream_.c_str(), durable_.c_str(), timeout_ms > 0 ? &o : nullptr, &jerr);
   if (s != NATS_OK) return FromNats(s, "consumer info", jerr);
   uint64_t n = ci->NumPending;
   jsConsumerInfo_Destroy(ci);

@@ -245,7 +245,9 @@ class PullConsumer {
   // Timeout: an empty vector.
   Result<std::vector<Delivery>> Fetch(int max_msgs, int64_t max_wait_ms);
   // Messages waiting for this consumer (not yet delivered), from the server.
-  Result<uint64_t> NumPending();
+  // `timeout_ms` > 0 bounds the wait for the answer (else the client's
+  // js_api_timeout_ms); Unavailable at once while disconnected.
+  Result<uint64_t> NumPending(int64_t timeout_ms = 0);
   // Messages already delivered to this subscription but not yet returned by
   // a Fetch: a pull that timed out on the client can still be answered by
   // the server a moment later, and what it delivers waits here (unacked,

@@ -23,6 +23,7 @@ constexpr int64_t kRuntimeBackWaitMs = 5000;
 // (one stuck pass) never makes it starved.
 constexpr int64_t kStarvedAfterTurns = 8;
 constexpr auto kStarvedAfter = std::chrono::milliseconds(500);
+constexpr int64_t kPendingAskMs = 500;  // the longest wait for the server's answer
 
 bool ParseInt(std::string_view s, int64_t* out) {
   if (s.empty()) return false;
@@ -478,12 +479,14 @@ void ModelServer::FetchLoop() {
         // The device keeps running other models' passes, yet no claim
         // comes free: they keep theirs (see PullGate). A device that is
         // stuck (no turns) is no reason to take work another worker could.
-        // The stream's count also holds work running at other workers:
-        // asked once, the server says whether any waits undelivered.
-        if (!starved_) {
-          auto pending = d_.consumer->NumPending();
+        // The stream's count also holds work running at other workers: the
+        // server says whether any waits undelivered (asked at most every
+        // kStarvedAfter, so a busy fleet does not flood it, and an answer
+        // is not trusted for longer: another worker may take the work).
+        if (now - pending_asked_ >= kStarvedAfter) {
+          pending_asked_ = now;
+          auto pending = d_.consumer->NumPending(kPendingAskMs);
           starved_ = pending.ok() && *pending > 0;
-          if (!starved_) room_wait_from_turn_ = -1;  // count again
         }
         if (starved_) puller = PullGate::Puller::kStarved;
       }

@@ -195,7 +195,10 @@ class ModelServer final : public ModelAttachment {
   // it is not waiting).
   int64_t room_wait_from_turn_ = -1;
   std::chrono::steady_clock::time_point room_wait_since_;  // and the time then
-  bool starved_ = false;  // the server confirmed work waits for it meanwhile
+  // Fetcher thread only: the server's last answer that work waits
+  // undelivered for this model, and when it was asked.
+  bool starved_ = false;
+  std::chrono::steady_clock::time_point pending_asked_;
   bool claim_held_ = false;           // guarded by mu_: waiting work holds a PullGate claim
   double avg_tokens_per_msg_ = 32;    // fetcher thread only
   int64_t gated_poll_ms_ = 20;        // fetcher thread only: pull length under a PullGate

@@ -146,28 +146,41 @@ Status Worker::ReserveId() {
                                       {"heartbeat_unix_ms", SystemClock::Get()->NowUnixMs()},
                                       {"starting", true},
                                       {"models", json::array()}});
-  auto created = workers_kv_->Create(id_, entry);
-  if (!created.ok()) return Status::Ok();  // unreadable: the first heartbeat will say
-  if (*created) {
-    registered_ = true;  // ours: a start that fails after this deletes it
-    return Status::Ok();
-  }
-  auto v = workers_kv_->GetRevision(id_);
-  if (!v.ok()) return Status::Ok();  // expired meanwhile (or unreadable): the first heartbeat will say
-  const nlohmann::json j = nlohmann::json::parse(v->first, nullptr, /*allow_exceptions=*/false);
-  const std::string host = j.is_object() ? j.value("host", "") : "";
-  const int64_t pid = j.is_object() ? j.value("pid", int64_t{0}) : 0;
-  const bool gone = !j.is_object() || (host == host_ && pid > 0 &&
-                                       (pid == ::getpid() || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)));
-  if (gone) {
+  // A few rounds: an entry can expire (or be deleted) between the reads
+  // and the conditional writes below, which then only need another try.
+  nlohmann::json j;
+  std::string host;
+  int64_t pid = 0;
+  bool live = false;  // a live process's entry holds the id
+  for (int round = 0; round < 3 && !live; ++round) {
+    auto created = workers_kv_->Create(id_, entry);
+    if (!created.ok()) return Status::Ok();  // unreadable: the first heartbeat will say
+    if (*created) {
+      registered_ = true;  // ours: a start that fails after this deletes it
+      return Status::Ok();
+    }
+    auto v = workers_kv_->GetRevision(id_);
+    if (!v.ok() && v.status().code() == StatusCode::kNotFound) continue;  // expired meanwhile
+    if (!v.ok()) return Status::Ok();  // unreadable: the first heartbeat will say
+    j = nlohmann::json::parse(v->first, nullptr, /*allow_exceptions=*/false);
+    host = j.is_object() ? j.value("host", "") : "";
+    pid = j.is_object() ? j.value("pid", int64_t{0}) : 0;
+    const bool gone = !j.is_object() || (host == host_ && pid > 0 &&
+                                         (pid == ::getpid() || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)));
+    if (!gone) {
+      live = true;
+      continue;
+    }
     // Only over the entry read: of two processes taking the same gone
     // entry at once, one gets it.
     ASSIGN_OR_RETURN(const bool taken, workers_kv_->Update(id_, entry, v->second));
-    if (!taken)
-      return InvalidArgument("worker id '" + id_ + "' was taken by another process just now", "worker_id_in_use");
-    registered_ = true;
-    return Status::Ok();
+    if (taken) {
+      registered_ = true;
+      return Status::Ok();
+    }
   }
+  if (!live)
+    return InvalidArgument("worker id '" + id_ + "' was taken by another process just now", "worker_id_in_use");
   const int64_t age_ms = SystemClock::Get()->NowUnixMs() - j.value("heartbeat_unix_ms", int64_t{0});
   return InvalidArgument("worker id '" + id_ + "' is in use: process " + std::to_string(pid) + " on host '" + host +
                              "' sent a heartbeat " + std::to_string(std::max<int64_t>(0, age_ms)) +
