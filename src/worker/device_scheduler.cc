@@ -56,7 +56,7 @@ Result<DeviceScheduler::Turn> DeviceScheduler::Acquire(const std::string& model,
     auto it = turns_granted_.find(model);
     if (it == turns_granted_.end()) it = turns_granted_.emplace(model, 0).first;
     ++it->second;
-    ++turns_granted_total_;
+    turns_granted_total_.fetch_add(1, std::memory_order_relaxed);
     return Turn(this, w);
   };
 
@@ -132,10 +132,7 @@ uint64_t DeviceScheduler::turns_granted(const std::string& model) const {
   return it == turns_granted_.end() ? 0 : it->second;
 }
 
-uint64_t DeviceScheduler::turns_granted() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return turns_granted_total_;
-}
+uint64_t DeviceScheduler::turns_granted() const { return turns_granted_total_.load(std::memory_order_relaxed); }
 
 void DeviceScheduler::ReleaseSlots(int width) {
   std::lock_guard<std::mutex> lock(mu_);

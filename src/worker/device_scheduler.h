@@ -156,7 +156,9 @@ class DeviceScheduler {
   std::vector<Waiter*> waiters_;    // guarded by mu_; not yet granted, arrival order
   uint64_t handed_back_ = 0;        // guarded by mu_; grants returned by cancelled waiters
   std::map<std::string, uint64_t, std::less<>> turns_granted_;  // guarded by mu_
-  uint64_t turns_granted_total_ = 0;  // guarded by mu_
+  // Written under mu_, read without it (fetchers poll it while they wait
+  // for room).
+  std::atomic<uint64_t> turns_granted_total_{0};
 };
 
 }  // namespace shoal

@@ -429,8 +429,7 @@ void ModelServer::FetchLoop() {
       // The runtime is restarting: leave the work in the queue (for other
       // workers, or for us once it is back) rather than burn deliveries.
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      room_wait_from_turn_ = -1;
-      starved_ = false;
+      ForgetRoomWait();
       continue;
     }
     int want = static_cast<int>(std::clamp<int64_t>(
@@ -441,8 +440,7 @@ void ModelServer::FetchLoop() {
       // shared queue for whichever worker frees up first.
       const int64_t room = d_.held_rows->Room(want, 100);
       if (room <= 0) {
-        room_wait_from_turn_ = -1;
-        starved_ = false;
+        ForgetRoomWait();
         continue;
       }
       want = static_cast<int>(room);
@@ -469,8 +467,7 @@ void ModelServer::FetchLoop() {
                           d_.backlog() > static_cast<int64_t>(held_msgs_.load());
       const auto now = std::chrono::steady_clock::now();
       if (!queued) {
-        room_wait_from_turn_ = -1;
-        starved_ = false;
+        ForgetRoomWait();
       } else if (room_wait_from_turn_ < 0) {
         room_wait_from_turn_ = static_cast<int64_t>(d_.scheduler->turns_granted());
         room_wait_since_ = now;
@@ -491,8 +488,7 @@ void ModelServer::FetchLoop() {
         if (starved_) puller = PullGate::Puller::kStarved;
       }
       if (d_.consumer->Undelivered() == 0 && !d_.pull_gate->WaitForRoom(20, &stop_, puller)) continue;
-      room_wait_from_turn_ = -1;
-      starved_ = false;
+      ForgetRoomWait();
       poll_ms = std::min(poll_ms, gated_poll_ms_);
     }
     auto fetched = d_.consumer->Fetch(want, poll_ms);
@@ -602,11 +598,8 @@ void ModelServer::ExecLoop() {
         lock.unlock();
         if (d_.backlog) backlog = std::max(backlog, d_.backlog());
         const int64_t t0 = d_.clock->NowMonoUs();
-        auto acquired = d_.scheduler->Acquire(d_.config.name, oldest, backlog, &stop_, WantedWidth());
         // Stopping: what is held goes back (Stop() releases the batcher).
-        if (!acquired.ok()) break;
-        turn_ = std::move(acquired).value();
-        turn_width_ = turn_.width();
+        if (!AcquireTurn(oldest, backlog)) break;
         turn_wait_seconds_->Observe(static_cast<double>(d_.clock->NowMonoUs() - t0) / 1e6);
         lock.lock();
         if (stop_) break;
@@ -641,6 +634,19 @@ void ModelServer::ExecLoop() {
     if (d_.on_batch) d_.on_batch();
   }
   turn_.Release();  // stopped right after its turn came
+}
+
+void ModelServer::ForgetRoomWait() {
+  room_wait_from_turn_ = -1;
+  starved_ = false;
+}
+
+bool ModelServer::AcquireTurn(int64_t oldest_published_mono_us, int64_t backlog) {
+  auto acquired = d_.scheduler->Acquire(d_.config.name, oldest_published_mono_us, backlog, &stop_, WantedWidth());
+  if (!acquired.ok()) return false;
+  turn_ = std::move(acquired).value();
+  turn_width_ = turn_.width();
+  return true;
 }
 
 int64_t ModelServer::TokenCap(const DeviceScheduler::Turn& turn) const {
@@ -724,14 +730,10 @@ void ModelServer::RunEachAlone(std::vector<std::unique_ptr<PendingWork>> work) {
       int64_t oldest = 0;
       for (size_t k = i; k < work.size(); ++k)
         if (oldest == 0 || work[k]->published_mono_us < oldest) oldest = work[k]->published_mono_us;
-      auto acquired = d_.scheduler->Acquire(d_.config.name, oldest, static_cast<int64_t>(work.size() - i), &stop_,
-                                            WantedWidth());
-      if (!acquired.ok()) {  // stopping
+      if (!AcquireTurn(oldest, static_cast<int64_t>(work.size() - i))) {  // stopping
         Release(rest_from(i), WorkerStopping(), kRedeliverDelayMs);
         return;
       }
-      turn_ = std::move(acquired).value();
-      turn_width_ = turn_.width();
     }
     if (work[i]->headers.deadline_unix_ms > 0 && d_.clock->NowUnixMs() > work[i]->headers.deadline_unix_ms) {
       expired_->Inc();  // expired while it waited for the runtime or the device

@@ -154,6 +154,12 @@ class ModelServer final : public ModelAttachment {
   // the device. Requires mu_.
   void MaybeReleaseClaimLocked();
   void ExecLoop();
+  // Waits for this model's next device turn (see DeviceScheduler::Acquire)
+  // into turn_; false when the server or the scheduler is stopping.
+  bool AcquireTurn(int64_t oldest_published_mono_us, int64_t backlog);
+  // The fetcher no longer waits for room under --pull-ahead (it found
+  // some, or has no queued work): its starvation count starts again.
+  void ForgetRoomWait();
   // What this model's passes ask the scheduler for (see slots_are_cores).
   PassWidth WantedWidth() const;
   // The token cap of the batch cut in `turn` (see turn_quantum_us); 0: the

@@ -7,7 +7,6 @@
 #include <tesseract/resultiterator.h>
 
 #include <algorithm>
-#include <chrono>
 #include <exception>
 #include <filesystem>
 #include <limits>
@@ -15,6 +14,8 @@
 #include <optional>
 #include <nlohmann/json.hpp>
 #include <utility>
+
+#include "common/clock.h"
 
 namespace shoal {
 namespace {
@@ -230,12 +231,7 @@ Result<std::unique_ptr<TesseractOcr>> TesseractOcr::Create(const OcrOptions& opt
 Result<OcrResult> TesseractOcr::Recognize(std::string_view image_bytes, int64_t deadline_unix_ms) {
   // Wall-clock ms left before the caller stops waiting; > 0 when there is
   // a deadline and it has not passed.
-  const auto ms_left = [deadline_unix_ms] {
-    const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
-                            std::chrono::system_clock::now().time_since_epoch())
-                            .count();
-    return deadline_unix_ms - now;
-  };
+  const auto ms_left = [deadline_unix_ms] { return deadline_unix_ms - SystemClock::Get()->NowUnixMs(); };
   const auto too_late = [] { return DeadlineExceeded("the request's deadline passed during OCR"); };
   if (deadline_unix_ms > 0 && ms_left() <= 0) return DeadlineExceeded("deadline passed before the work was run");
   if (image_bytes.empty()) return InvalidArgument("image is empty", kInvalidImage);
