@@ -8,6 +8,7 @@
 #include <fstream>
 #include <future>
 #include <mutex>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <msgpack.hpp>
@@ -35,8 +36,9 @@ std::string Unpacked(std::string_view doc) {
 }
 
 // Each input is text: "bad..." fails the batch with a client error,
-// "stream:N" emits N partials first, "row:a,b" (token task) returns floats,
-// anything else comes back upper-cased.
+// "stream:N" emits N partials first, "slow:N" takes N ms, "alone:..."
+// fails on its own, "row:a,b" (token task) returns floats, anything else
+// comes back upper-cased.
 class ScriptedItemRuntime final : public Runtime {
  public:
   Status Load(const ModelConfig& config) override {
@@ -54,6 +56,9 @@ class ScriptedItemRuntime final : public Runtime {
         const int n = std::stoi(in.substr(7));
         for (int k = 0; k < n; ++k) partial(i, PackStr("part" + std::to_string(k)));
         out.push_back(PackStr("done"));
+      } else if (in.rfind("slow:", 0) == 0) {  // takes N ms
+        std::this_thread::sleep_for(std::chrono::milliseconds(std::stoi(in.substr(5))));
+        out.push_back(PackStr("slow"));
       } else if (in.rfind("alone:", 0) == 0) {
         out.push_back(ItemError(InvalidArgument("input '" + in + "' is too long", "context_length_exceeded")));
       } else if (in.rfind("row:", 0) == 0) {
@@ -102,6 +107,7 @@ class ItemPathTest : public ::testing::Test {
     WorkerOptions wo;
     wo.model_repository = repo_.path();
     wo.models = {"scripted-ocr", "remote-embed"};
+    wo.device_slots = 1;  // a pass's time counts once in the measured cost
     wo.runtime_factory = [](const ModelConfig&) -> Result<std::unique_ptr<Runtime>> {
       return std::unique_ptr<Runtime>(std::make_unique<ScriptedItemRuntime>());
     };
@@ -176,6 +182,20 @@ TEST_F(ItemPathTest, PartialOutputStreamsInOrderBeforeTheResult) {
     EXPECT_EQ(parts[k].first, 1u);  // the second input streamed
     EXPECT_EQ(parts[k].second, "part" + std::to_string(k));
   }
+}
+
+// The measured cost per input (what the turn quantum divides by) counts
+// only the inputs that ran: ones that failed on their own took next to
+// nothing, and counted they would make the model look cheap.
+TEST_F(ItemPathTest, InputsThatFailedOnTheirOwnDoNotCountInTheMeasuredCost) {
+  auto r = Submit({"slow:200", "alone:1", "alone:2", "alone:3", "alone:4"});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().reason(), "context_length_exceeded");
+  const double cost_us =
+      metrics_.GetGauge("shoal_worker_forward_cost_us_per_token", "", {{"model", "scripted-ocr"}})->Value();
+  // One input ran for 200 ms; over all five inputs it would be 40 ms each.
+  EXPECT_GE(cost_us, 200e3);
+  EXPECT_LT(cost_us, 2e6);
 }
 
 TEST_F(ItemPathTest, OneCallersBadInputFailsOnlyThatCaller) {

@@ -105,6 +105,12 @@ ModelServer::ModelServer(ModelServerDeps deps)
                              "Batches cut below the batch budget to the turn quantum because other models were "
                              "waiting for the device.",
                              l);
+  forward_cost_ = m->GetGauge("shoal_worker_forward_cost_us_per_token",
+                              "Measured forward time per real token (per input for item models) in microseconds of "
+                              "one device slot, a moving average over the model's batches since it was loaded: what "
+                              "the turn quantum divides by. 0 until measured.",
+                              l);
+  forward_cost_->Set(0);  // a reload measures again
   turn_wait_seconds_ = m->GetHistogram("shoal_worker_device_wait_seconds",
                                        "Time a formed batch waited for its turn on the device.", l,
                                        LatencyBuckets());
@@ -629,6 +635,7 @@ void ModelServer::ExecLoop() {
                             static_cast<double>(batch_run_tokens_);
       slot_us_per_token_ = cost_measured_ ? 0.8 * slot_us_per_token_ + 0.2 * sample : sample;
       cost_measured_ = true;
+      forward_cost_->Set(slot_us_per_token_);
     }
     turn_.Release();
     if (d_.on_batch) d_.on_batch();
@@ -912,7 +919,9 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
   const size_t pass_rows =
       c.batching.max_batch_size > 0 ? static_cast<size_t>(c.batching.max_batch_size) : inputs.size();
   std::vector<std::string> results;
+  std::vector<Status> item_errors;  // per result: the error it carries for its input alone
   results.reserve(inputs.size());
+  item_errors.reserve(inputs.size());
   for (size_t begin = 0; begin < inputs.size(); begin += pass_rows) {
     const size_t end = std::min(inputs.size(), begin + pass_rows);
     std::vector<std::string> pass(std::make_move_iterator(inputs.begin() + static_cast<std::ptrdiff_t>(begin)),
@@ -930,7 +939,10 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
       // that passed) took next to nothing: counted, they would make the
       // measured cost per input, and so the turn quantum's cap, wrong.
       int64_t ran = 0;
-      for (const std::string& r : *out) ran += ParseItemError(r).ok() ? 1 : 0;
+      for (const std::string& r : *out) {
+        item_errors.push_back(ParseItemError(r));
+        ran += item_errors.back().ok() ? 1 : 0;
+      }
       if (ran > 0) {
         batch_run_us_ += run_us * turn_width_;
         batch_run_tokens_ += ran;
@@ -958,8 +970,8 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
   for (size_t n = 0; n < results.size(); ++n) {
     auto& r = (*replies)[owner[n].first];
     if (!r.status.ok()) continue;  // another input of this message failed
-    if (Status own = ParseItemError(results[n]); !own.ok()) {
-      r.status = own;  // only this input's caller gets it
+    if (!item_errors[n].ok()) {
+      r.status = std::move(item_errors[n]);  // only this input's caller gets it
       continue;
     }
     if (c.ItemTask()) {

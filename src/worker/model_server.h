@@ -244,6 +244,7 @@ class ModelServer final : public ModelAttachment {
   Counter* runtime_unavailable_ = nullptr;
   Counter* pushed_ = nullptr;
   Counter* shortened_ = nullptr;
+  Gauge* forward_cost_ = nullptr;  // slot_us_per_token_, once measured
 };
 
 // Applies a model's activation ("none", "sigmoid", "softmax" per row) in
