@@ -511,6 +511,44 @@ TEST_F(PushTest, AModelWaitingForItsRuntimeToRestartLeavesTheDeviceToOthers) {
   }
 }
 
+// Work whose deadline passed while its model waited for the runtime to
+// come back is answered as expired, not run for nobody.
+TEST_F(PushTest, WorkThatExpiredWhileItsRuntimeRestartedIsNotRun) {
+  DispatcherOptions dopt;  // pull
+  auto d = Dispatcher::Create(dopt, client_.get(), &gateway_metrics_);
+  ASSERT_TRUE(d.ok());
+  dispatcher_ = std::move(d).value();
+  {
+    Member creates_the_stream = Start(Options({"sim-b"}, "restart-expiry-setup"));
+    ASSERT_TRUE(creates_the_stream.worker);
+  }
+  // Pulled into one batch, which fails; then each runs alone: the first
+  // takes the runtime down for 4 s, and the second's deadline passes
+  // while it waits for the restart.
+  auto first = EmbedAsync("sim-a", {"first"}, 60000);
+  auto second = EmbedAsync("sim-a", {"second"}, 2500);
+  std::this_thread::sleep_for(300ms);
+  CrashOnceRuntime* crashing = nullptr;
+  WorkerOptions wo = Options({"sim-a"}, "restart-expiry");
+  wo.runtime_factory = [&crashing](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
+    ASSIGN_OR_RETURN(auto inner, CreateRuntime(cfg.runtime));
+    auto r = std::make_unique<CrashOnceRuntime>(std::move(inner), 4000ms);
+    crashing = r.get();
+    return std::unique_ptr<Runtime>(std::move(r));
+  };
+  Member w = Start(wo);
+  ASSERT_TRUE(w.worker);
+  auto late = second.get();
+  ASSERT_FALSE(late.ok());
+  EXPECT_EQ(late.status().code(), StatusCode::kDeadlineExceeded);
+  auto a = first.get();
+  EXPECT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_NE(crashing, nullptr);
+  EXPECT_TRUE(crashing->crashed());
+  EXPECT_TRUE(Eventually([&] { return w.Counter("shoal_worker_expired_total", {{"model", "sim-a"}}) == 1; }))
+      << "the expired work was run after the restart";
+}
+
 TEST(PushOptions, RejectsUnknownModesAndPolicies) {
   DispatcherOptions o;
   o.dispatch = "shove";
