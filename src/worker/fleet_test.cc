@@ -238,6 +238,26 @@ TEST_F(FleetTest, WorkForAModelLargerThanTheWholeBudgetIsAnswered) {
   EXPECT_TRUE(Eventually([&] { return GetStreamState(*client_, "SHOAL_WORK")->msgs == 0; }));
 }
 
+// A model larger than one worker's whole budget but not a peer's: that
+// worker leaves the work to the peer, even one slow to claim it (its first
+// backlog read comes 5 s after its start, long past this worker's grace
+// for peers), instead of answering 429.
+TEST_F(FleetTest, WorkForAModelTooLargeHereWaitsForAPeerWhoseBudgetHoldsIt) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"});
+  WorkerOptions small = Options();
+  small.memory_budget_bytes = 1000;
+  Member too_small = Start(small);
+  ASSERT_NE(too_small.worker, nullptr);
+  WorkerOptions roomy = Options();
+  roomy.demand_poll_ms = 5000;
+  Member holds_it = Start(roomy);
+  ASSERT_NE(holds_it.worker, nullptr);
+  auto r = EmbedAsync("tiny-a", "fits there", 30000).get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(holds_it.Counter("shoal_worker_model_loads_total", {{"model", "tiny-a"}, {"result", "ok"}}), 1);
+  EXPECT_EQ(StateOf(*too_small.worker, "tiny-a"), ModelState::kNotLoaded);
+}
+
 // A load can fail for a reason of one worker's own (its memory, its copy of
 // the files, a runtime missing on that host). Another worker that has not
 // tried the model loads it on demand, and the failed one does not answer
