@@ -351,6 +351,20 @@ TEST(RenderModelsTable, DropsTheErrorColumnWhenNothingFailed) {
   EXPECT_THAT(table, HasSubstr("never"));
 }
 
+// A model not resident now shows what it measured at its last load there,
+// in parentheses; one never loaded there shows 0 B.
+TEST(RenderModelsTable, ShowsTheLastMeasuredFootprintOfAModelNotResident) {
+  auto models = ui::ParseModelList(R"({"data":[{"id":"m","state":"not_loaded","workers":[
+      {"worker":"w1","state":"not_loaded","memory_bytes":0,"measured_bytes":118489088},
+      {"worker":"w2","state":"not_loaded","memory_bytes":0,"measured_bytes":0}]}]})");
+  ASSERT_TRUE(models.ok()) << models.status().ToString();
+  const auto lines = Lines(ui::RenderModelsTable(*models, kNowMs));
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_THAT(lines[1], HasSubstr("(113.0 MiB)"));
+  EXPECT_THAT(lines[2], HasSubstr("0 B"));
+  EXPECT_THAT(lines[2], Not(HasSubstr("(")));
+}
+
 TEST(RenderModelsTable, FiltersByWorkerAndSaysWhenEmpty) {
   auto models = ui::ParseModelList(kModelsBody);
   ASSERT_TRUE(models.ok());

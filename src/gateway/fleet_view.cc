@@ -50,6 +50,7 @@ bool ParseWorkerHeartbeat(const std::string& json_text, WorkerInfo* out) {
       wm.state = Field<std::string>(m, "state", "loaded");
       wm.pinned = Field<bool>(m, "pinned", false);
       wm.memory_bytes = Field<int64_t>(m, "memory_bytes", 0);
+      wm.measured_bytes = Field<int64_t>(m, "measured_bytes", 0);
       wm.last_used_unix_ms = Field<int64_t>(m, "last_used_unix_ms", 0);
       wm.error = Field<std::string>(m, "error", "");
       wm.backlog = Field<uint64_t>(m, "backlog", 0);

@@ -37,6 +37,7 @@ struct WorkerModel {
   std::string state;  // loaded | loading | failed | not_loaded
   bool pinned = false;
   int64_t memory_bytes = 0;
+  int64_t measured_bytes = 0;  // at its last load there, kept after an unload
   int64_t last_used_unix_ms = 0;
   std::string error;
   uint64_t backlog = 0;

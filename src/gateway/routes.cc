@@ -641,6 +641,7 @@ HttpResponse Router::Models(const std::string& only) const {
                     {"state", wm.state},
                     {"pinned", wm.pinned},
                     {"memory_bytes", wm.memory_bytes},
+                    {"measured_bytes", wm.measured_bytes},
                     {"last_used_unix_ms", wm.last_used_unix_ms}};
       if (!wm.error.empty()) entry["error"] = wm.error;
       if (wm.backlog > 0) entry["backlog"] = wm.backlog;

@@ -514,10 +514,11 @@ TEST_F(RoutesTest, ModelNamesInPathsArePercentDecoded) {
 }
 
 TEST_F(RoutesTest, ModelsShowEachWorkersStateAndTheFleetState) {
-  AddWorker(R"({"id":"w1","models":[{"name":"m","state":"failed","error":"bad file"}]})");
+  AddWorker(R"({"id":"w1","models":[{"name":"m","state":"failed","error":"bad file","measured_bytes":11}]})");
   auto one = json::parse(Call("GET", "/v1/models/m", "").body);
   EXPECT_EQ(one["state"], "failed");
   EXPECT_EQ(one["workers"][0]["error"], "bad file");
+  EXPECT_EQ(one["workers"][0]["measured_bytes"], 11);  // at an earlier load there
   AddWorker(R"({"id":"w2","models":[{"name":"m","state":"loaded","pinned":true,"memory_bytes":7,"last_used_unix_ms":9}]})");
   one = json::parse(Call("GET", "/v1/models/m", "").body);
   EXPECT_EQ(one["state"], "loaded");  // the best any worker has

@@ -452,6 +452,7 @@ std::vector<ModelStatus> ModelManager::Statuses() const {
     s.pinned = e->pinned;
     if (e->state == ModelState::kLoaded) s.memory_bytes = e->measured_bytes;
     if (e->state == ModelState::kLoading) s.memory_bytes = e->reserved_bytes;
+    s.measured_bytes = e->measured_bytes;
     s.last_used_unix_ms = e->last_used_unix_ms;
     s.leases = e->leases;
     if (e->state == ModelState::kFailed) {

@@ -138,6 +138,9 @@ struct ModelStatus {
   bool pinned = false;
   // Loaded: measured footprint. Loading: the reserved estimate. Else 0.
   int64_t memory_bytes = 0;
+  // The footprint measured at its last load here, kept after it is
+  // unloaded (what placement decisions use); 0: never loaded here.
+  int64_t measured_bytes = 0;
   int64_t last_used_unix_ms = 0;  // 0: never used
   int leases = 0;
   std::string error;  // the load error while kFailed

@@ -727,6 +727,7 @@ TEST_F(ModelManagerTest, StatusesAndAccountingUseMeasuredBytesAfterLoad) {
   ASSERT_TRUE(loader_.WaitStarted("a", 1));
   EXPECT_EQ(StatusOf(*mm, "a").state, ModelState::kLoading);
   EXPECT_EQ(StatusOf(*mm, "a").memory_bytes, 130);  // the reservation
+  EXPECT_EQ(StatusOf(*mm, "a").measured_bytes, 0);  // never loaded yet
   EXPECT_EQ(mm->memory_used_bytes(), 130);
   loader_.Open("a");
   ASSERT_TRUE(mm->Load("a").ok());
@@ -738,6 +739,9 @@ TEST_F(ModelManagerTest, StatusesAndAccountingUseMeasuredBytesAfterLoad) {
   EXPECT_EQ(metrics_.GetGauge("shoal_worker_model_memory_bytes", "", {{"model", "a"}})->Value(),
             0);
   EXPECT_EQ(mm->memory_used_bytes(), 0);
+  // Not resident, but what it measured is still known (and reported).
+  EXPECT_EQ(StatusOf(*mm, "a").memory_bytes, 0);
+  EXPECT_EQ(StatusOf(*mm, "a").measured_bytes, 500);
 }
 
 TEST_F(ModelManagerTest, FootprintFromRuntimeWhenLoaderLeavesItZero) {

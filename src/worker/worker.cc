@@ -571,6 +571,7 @@ std::string Worker::ModelStatusJson(const std::string& model) const {
               {"state", std::string(ModelStateName(s.state))},
               {"pinned", s.pinned},
               {"memory_bytes", s.memory_bytes},
+              {"measured_bytes", s.measured_bytes},
               {"last_used_unix_ms", s.last_used_unix_ms}};
     if (!s.error.empty()) j["error"] = s.error;
     return DumpJson(j);
@@ -587,6 +588,7 @@ std::string Worker::HeartbeatJson() const {
                 {"state", std::string(ModelStateName(s.state))},
                 {"pinned", s.pinned},
                 {"memory_bytes", s.memory_bytes},
+                {"measured_bytes", s.measured_bytes},
                 {"last_used_unix_ms", s.last_used_unix_ms}};
       if (!s.error.empty()) m["error"] = s.error;
       auto it = backlog_.find(s.name);

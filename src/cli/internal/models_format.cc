@@ -148,6 +148,7 @@ Result<std::vector<ModelRow>> ParseModelList(std::string_view body) {
         wr.state = Str(w, "state");
         wr.pinned = Bool(w, "pinned", false);
         wr.memory_bytes = Int(w, "memory_bytes", -1);
+        wr.measured_bytes = Int(w, "measured_bytes", 0);
         wr.last_used_unix_ms = Int(w, "last_used_unix_ms", 0);
         if (auto e = w.find("error"); e != w.end()) wr.error = OneLine(ErrorText(*e), 300);
         row.workers.push_back(std::move(wr));
@@ -157,6 +158,17 @@ Result<std::vector<ModelRow>> ParseModelList(std::string_view body) {
   }
   return out;
 }
+
+namespace {
+
+// What it holds now; for a model not resident that was loaded there
+// before, what it measured then, in parentheses.
+std::string MemoryColumn(const WorkerModelRow& w) {
+  if (w.memory_bytes == 0 && w.measured_bytes > 0) return "(" + FormatBytes(w.measured_bytes) + ")";
+  return FormatBytes(w.memory_bytes);
+}
+
+}  // namespace
 
 std::string RenderModelsTable(const std::vector<ModelRow>& models, int64_t now_unix_ms,
                               const std::string& worker_filter) {
@@ -175,7 +187,7 @@ std::string RenderModelsTable(const std::vector<ModelRow>& models, int64_t now_u
       if (!worker_filter.empty() && w.worker != worker_filter) continue;
       const std::string error = w.error.empty() ? m.error : w.error;
       lines.push_back({m.id, or_dash(w.state), or_dash(w.worker), w.pinned ? "yes" : "no",
-                       FormatBytes(w.memory_bytes), FormatAgo(w.last_used_unix_ms, now_unix_ms), error});
+                       MemoryColumn(w), FormatAgo(w.last_used_unix_ms, now_unix_ms), error});
       any_error |= !error.empty();
     }
   }

@@ -34,6 +34,7 @@ struct WorkerModelRow {
   std::string state;
   bool pinned = false;
   int64_t memory_bytes = -1;       // -1: not reported
+  int64_t measured_bytes = 0;      // at its last load there; 0: never loaded or not reported
   int64_t last_used_unix_ms = 0;   // 0: never used
   std::string error;               // set when the state is failed
 };
