@@ -4,6 +4,7 @@
 #include <exception>
 
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #endif
 
 namespace shoal {
@@ -22,14 +23,22 @@ int64_t CudaAllocatedBytes(int device) {
   }
 }
 
+void CudaUseDevice(int device) {
+  const auto index = static_cast<c10::DeviceIndex>(device);
+  if (c10::cuda::current_device() != index) c10::cuda::set_device(index);
+}
 
-void CudaReleaseCachedMemory() { c10::cuda::CUDACachingAllocator::emptyCache(); }
+void CudaReleaseCachedMemory(int device) {
+  CudaUseDevice(device);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+}
 
 #else
 
 bool BuiltWithCuda() { return false; }
 int64_t CudaAllocatedBytes(int) { return -1; }
-void CudaReleaseCachedMemory() {}
+void CudaUseDevice(int) {}
+void CudaReleaseCachedMemory(int) {}
 
 #endif
 

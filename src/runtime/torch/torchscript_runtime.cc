@@ -24,16 +24,7 @@
 namespace shoal {
 namespace {
 
-// The useful part of a libtorch message. Interpreter errors put a TorchScript
-// traceback first and the original error ("RuntimeError: ...") last.
-std::string Summary(const std::string& s) {
-  if (s.find("TorchScript interpreter") == std::string::npos) return s.substr(0, s.find('\n'));
-  const size_t end = s.find_last_not_of(" \n");
-  if (end == std::string::npos) return s;
-  const size_t newline = s.rfind('\n', end);
-  const size_t start = newline == std::string::npos ? 0 : newline + 1;
-  return s.substr(start, end + 1 - start);
-}
+using internal::ErrorSummary;
 
 bool StartsWith(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
 
@@ -57,16 +48,16 @@ Status FromException(const std::string& what, std::exception_ptr e, std::string*
     std::rethrow_exception(e);
   } catch (const c10::IndexError& ex) {
     full = ex.what_without_backtrace();
-    return InvalidArgument(what + ": " + Summary(full));
+    return InvalidArgument(what + ": " + ErrorSummary(full));
   } catch (const c10::ValueError& ex) {
     full = ex.what_without_backtrace();
-    return InvalidArgument(what + ": " + Summary(full));
+    return InvalidArgument(what + ": " + ErrorSummary(full));
   } catch (const c10::Error& ex) {
     full = ex.what_without_backtrace();
-    return Classify(what, Summary(full));
+    return Classify(what, ErrorSummary(full));
   } catch (const std::exception& ex) {
     full = ex.what();
-    return Classify(what, Summary(full));
+    return Classify(what, ErrorSummary(full));
   } catch (...) {
     return Internal(what + ": unknown exception");
   }
@@ -125,6 +116,46 @@ class DeviceFaults {
 
 namespace internal {
 
+std::string ErrorSummary(const std::string& s) {
+  if (s.find("TorchScript interpreter") == std::string::npos) return s.substr(0, s.find('\n'));
+  // The last line that names an error ("RuntimeError: ...", at the start of
+  // the line: the traceback's code lines are indented); CUDA's hints may
+  // follow it. Else the last line that is not blank.
+  std::string_view last_error, last_line;
+  std::string_view rest = s;
+  while (!rest.empty()) {
+    const size_t newline = rest.find('\n');
+    std::string_view line = rest.substr(0, newline);
+    while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.remove_suffix(1);
+    if (!line.empty()) {
+      last_line = line;
+      const size_t colon = line.find(": ");
+      const std::string_view name = line.substr(0, colon);
+      const bool names_error =
+          colon != std::string_view::npos && colon > 0 &&
+          (name.ends_with("Error") || name.ends_with("Exception")) &&
+          name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.") ==
+              std::string_view::npos;
+      if (names_error) last_error = line;
+    }
+    if (newline == std::string_view::npos) break;
+    rest.remove_prefix(newline + 1);
+  }
+  if (!last_error.empty()) return std::string(last_error);
+  return last_line.empty() ? s : std::string(last_line);
+}
+
+void StartCudaOn(int device) {
+  CudaUseDevice(device);
+  c10::InferenceMode guard;
+  const auto on = torch::TensorOptions(torch::kFloat32).device(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  const auto a = torch::ones({64, 64}, on);
+  const auto x = torch::ones({2, 16, 64}, on);
+  // matmul: cuBLAS and its workspace; a linear layer with a bias on 3-D
+  // input, as in a model: cuBLASLt and its own workspace in newer libtorch.
+  (void)(a.matmul(a).sum() + at::linear(x, a, torch::zeros({64}, on)).sum()).item<float>();
+}
+
 std::string DeviceFaultLine(std::string_view text) {
   // CUDA's "sticky" errors: after one, every call in the context fails.
   // Others (an invalid launch configuration, an argument, out of memory, a
@@ -135,7 +166,8 @@ std::string DeviceFaultLine(std::string_view text) {
       "an illegal instruction was encountered", "invalid program counter",
       "hardware stack error",           "uncorrectable ECC error",
       "the launch timed out",           "CUBLAS_STATUS_EXECUTION_FAILED",
-      "CUDNN_STATUS_EXECUTION_FAILED"};
+      "CUDNN_STATUS_EXECUTION_FAILED",  "operation not supported on global/shared address space",
+      "uncorrectable NVLink error",     "unknown error"};
   while (!text.empty()) {
     const size_t newline = text.find('\n');
     const std::string_view line = text.substr(0, newline);
@@ -206,12 +238,21 @@ struct TorchScriptRuntime::Impl {
   // blocks back to the driver.
   // After a device fault the cache stays: the process is about to end.
   void Release() {
+    if (device.is_cuda() && Fault().ok()) {
+      try {
+        CudaUseDevice(device.index());  // the module's tensors are freed on its context
+      } catch (...) {
+        // Shows again, and is handled, when the cache is emptied below.
+      }
+    }
     module = torch::jit::Module();
     if (!device.is_cuda() || !Fault().ok()) return;
     try {
-      CudaReleaseCachedMemory();
-    } catch (const std::exception& e) {
-      LOG_WARN("torchscript", "emptying the CUDA cache of " << device.str() << ": " << e.what());
+      CudaReleaseCachedMemory(device.index());
+    } catch (...) {
+      // A fault that shows here first is recorded like one in a pass.
+      const Status failed = Failed("emptying the CUDA cache of " + device.str(), std::current_exception());
+      if (failed.reason() != "device_fault") LOG_WARN("torchscript", failed.message());
     }
   }
 
@@ -358,11 +399,7 @@ Status TorchScriptRuntime::Load(const ModelConfig& config) {
       // CUDA starts lazily: its context, the caching allocator and this
       // thread's cuBLAS handle with its workspace come with the first ops on
       // the device. Start them before measuring: none of it is the model's.
-      {
-        c10::InferenceMode guard;
-        const auto a = torch::ones({64, 64}, torch::TensorOptions(torch::kFloat32).device(s.device));
-        (void)a.matmul(a).sum().item<float>();
-      }
+      internal::StartCudaOn(where.index);
       gpu_before = CudaAllocatedBytes(where.index);
       // Each tensor is read into host memory and copied to the device.
       s.module = torch::jit::load(path, s.device);
@@ -472,6 +509,7 @@ Result<Embeddings> TorchScriptRuntime::Run(const TokenBatch& batch) {
     }
   }
   try {
+    if (s.device.is_cuda()) CudaUseDevice(s.device.index());
     s.ApplyThreads();
     Impl::ThreadsForPass(batch.threads > 0 ? batch.threads : s.threads);
     ASSIGN_OR_RETURN(at::Tensor pooled, s.Forward(batch));

@@ -78,6 +78,16 @@ namespace internal {
 // errors (out of memory, an invalid launch configuration or argument)
 // leave the context working.
 std::string DeviceFaultLine(std::string_view text);
+// The line of a libtorch error's text that says what failed: the first
+// line, or for a TorchScript interpreter error (a traceback first) its last
+// line that names an error ("RuntimeError: ..."), not the hints CUDA adds
+// after it; else its last line that is not blank.
+std::string ErrorSummary(const std::string& text);
+// Starts CUDA on `device` for the calling thread (its context, the caching
+// allocator, the thread's cuBLAS and cuBLASLt handles and workspaces) and
+// makes it the thread's current device, so that a model's load measured
+// after it counts only the model. Throws what libtorch throws.
+void StartCudaOn(int device);
 }  // namespace internal
 
 }  // namespace shoal
