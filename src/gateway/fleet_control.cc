@@ -6,12 +6,17 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/clock.h"
+#include "common/json_text.h"
+#include "common/log.h"
 #include "wire/work_message.h"
 
 namespace shoal {
 namespace {
 
 using nlohmann::json;
+
+int64_t NowUnixMs() { return SystemClock::Get()->NowUnixMs(); }
 
 bool KnownAction(const std::string& a) { return a == "load" || a == "unload" || a == "pin" || a == "unpin"; }
 
@@ -76,7 +81,7 @@ void FleetControl::Act(const std::string& action, const std::string& model, cons
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stop_) {
-      jobs_.push_back({action, model, worker, std::move(done)});
+      jobs_.push_back({action, model, worker, std::move(done), std::chrono::steady_clock::now()});
       cv_.notify_one();
       return;
     }
@@ -137,29 +142,49 @@ Result<std::vector<FleetControl::Target>> FleetControl::Plan(const FleetSnapshot
   if (serving.empty()) {
     return Unavailable("no live worker serves model '" + model + "'", "no_worker");
   }
+  // Most room first. The registry can be a heartbeat behind, and room is
+  // not all a load needs (pinned residents, --max-models): the others are
+  // alternatives, in the same order.
   const bool host = snap.models.at(model).runtime != "torchscript";
-  const WorkerInfo* best = *std::min_element(serving.begin(), serving.end(), [host](const WorkerInfo* a,
-                                                                                   const WorkerInfo* b) {
+  std::sort(serving.begin(), serving.end(), [host](const WorkerInfo* a, const WorkerInfo* b) {
     if (FreeBytes(*a, host) != FreeBytes(*b, host)) return FreeBytes(*a, host) > FreeBytes(*b, host);
     if (Resident(*a) != Resident(*b)) return Resident(*a) < Resident(*b);
     return a->id < b->id;
   });
-  return std::vector<Target>{{best->id, action}};
+  for (const WorkerInfo* w : serving) out.push_back({w->id, action, /*alternative=*/true});
+  return out;
 }
 
 Result<ControlOutcome> FleetControl::Run(const Job& job) {
   auto snap = snapshot_();
+  // Without NATS the registry is empty: an unload would find nothing to do
+  // and say so with 200.
+  if (!snap->nats_connected) {
+    return Unavailable("NATS is not reachable from this gateway; the fleet cannot be asked", "queue_unavailable");
+  }
   ASSIGN_OR_RETURN(auto targets, Plan(*snap, job.action, job.model, job.worker));
   ControlOutcome out;
   out.model = job.model;
   out.action = job.action;
-  const int64_t timeout =
-      job.action == "load" || job.action == "pin" ? options_.load_timeout_ms : options_.timeout_ms;
+  // The action's time runs from when it was asked for, so time spent
+  // queued behind other actions counts.
+  const auto deadline =
+      job.queued + std::chrono::milliseconds(job.action == "load" || job.action == "pin" ? options_.load_timeout_ms
+                                                                                          : options_.timeout_ms);
+  const auto left_ms = [&] {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+  };
+  if (left_ms() <= 0) {
+    return DeadlineExceeded("the action waited its whole timeout behind other model actions on this gateway",
+                            "deadline_exceeded");
+  }
   auto ask = [&](const Target& t) {
     ControlResult r;
     r.worker = t.worker;
-    json req = {{"action", t.action}, {"model", job.model}};
-    auto reply = client_->Request(wire::ControlSubject(t.worker), req.dump(), timeout, cancel_);
+    const int64_t timeout = std::max<int64_t>(1, left_ms());
+    // The worker does not start an action its caller has stopped waiting for.
+    json req = {{"action", t.action}, {"model", job.model}, {"deadline_unix_ms", NowUnixMs() + timeout}};
+    auto reply = client_->Request(wire::ControlSubject(t.worker), DumpJson(req), timeout, cancel_);
     if (!reply.ok()) {
       r.status = reply.status().code() == StatusCode::kUnavailable
                      ? Unavailable("worker '" + t.worker + "' did not answer (gone?)", "worker_unavailable")
@@ -168,7 +193,7 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
       try {
         json j = json::parse(*reply);
         if (j.value("ok", false)) {
-          r.status_json = j.value("status", json::object()).dump();
+          r.status_json = DumpJson(j.value("status", json::object()));
         } else {
           const json e = j.value("error", json::object());
           r.status = Status(ParseStatusCode(e.value("kind", "")), e.value("message", "worker error"),
@@ -180,6 +205,22 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
     }
     return r;
   };
+  if (!targets.empty() && targets.front().alternative) {
+    // One at a time, until one has room and answers.
+    for (const Target& t : targets) {
+      ControlResult r = ask(t);
+      const bool try_next = r.status.reason() == "no_room_for_model" || r.status.reason() == "worker_unavailable";
+      const bool last = &t == &targets.back() || left_ms() <= 0 || cancel_;
+      if (!try_next || last) {
+        out.results.push_back(std::move(r));
+        break;
+      }
+      LOG_INFO("gateway", job.action << " " << job.model << ": worker " << t.worker << " cannot ("
+                                     << r.status.ToString() << "); asking the next");
+    }
+    (void)snapshot_();
+    return out;
+  }
   // Every worker at once: a load or pin can take minutes on each, and one
   // after another they would add up (and outlast the caller's timeout).
   std::vector<std::future<ControlResult>> asked;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -75,6 +76,10 @@ class FleetControl final : public ModelController {
   struct Target {
     std::string worker;
     std::string action;
+    // A load or pin that no worker has yet: the targets are alternatives,
+    // best first; each is asked only if the one before had no room or did
+    // not answer, and only the last one asked is reported.
+    bool alternative = false;
   };
   static Result<std::vector<Target>> Plan(const FleetSnapshot& snap, const std::string& action,
                                           const std::string& model, const std::string& worker);
@@ -83,6 +88,7 @@ class FleetControl final : public ModelController {
   struct Job {
     std::string action, model, worker;
     ControlCallback done;
+    std::chrono::steady_clock::time_point queued;  // the action's timeout runs from here
   };
   FleetControl() = default;
   void Loop();

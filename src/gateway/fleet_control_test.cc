@@ -12,7 +12,9 @@
 #include <mutex>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
+#include "common/clock.h"
 #include "support/test_env.h"
 #include "wire/work_message.h"
 
@@ -21,6 +23,7 @@ namespace {
 
 FleetSnapshot Fleet(const std::vector<std::string>& heartbeats) {
   FleetSnapshot s;
+  s.nats_connected = true;
   s.models["m"] = CatalogModel{"m", "embed", 4, 16, true, "{}", {}};
   s.models["other"] = CatalogModel{"other", "embed", 4, 16, true, "{}", {}};
   for (const auto& hb : heartbeats) {
@@ -44,8 +47,12 @@ TEST(FleetControlPlan, LoadGoesWhereItIsResidentElseToTheWorkerWithMostRoom) {
       R"({"id":"roomy","memory_used_bytes":100,"memory_budget_bytes":1000,"models":[{"name":"m","state":"not_loaded"}]})",
       R"({"id":"elsewhere","models":[{"name":"other","state":"loaded"}]})",
   });
-  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "")), std::vector<std::string>{"roomy:load"});
-  EXPECT_EQ(Workers(FleetControl::Plan(snap, "pin", "m", "")), std::vector<std::string>{"roomy:pin"});
+  // Nowhere resident: every worker that serves it, most room first, as
+  // alternatives (the next is asked only if one has no room after all).
+  auto plan = FleetControl::Plan(snap, "load", "m", "");
+  EXPECT_EQ(Workers(plan), (std::vector<std::string>{"roomy:load", "full:load"}));
+  for (const auto& t : *plan) EXPECT_TRUE(t.alternative);
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "pin", "m", "")), (std::vector<std::string>{"roomy:pin", "full:pin"}));
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "full")), std::vector<std::string>{"full:load"});
   // "elsewhere" does not serve m.
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "elsewhere")),
@@ -56,7 +63,9 @@ TEST(FleetControlPlan, LoadGoesWhereItIsResidentElseToTheWorkerWithMostRoom) {
       R"({"id":"b","models":[{"name":"m","state":"failed"}]})",
       R"({"id":"c","models":[{"name":"m","state":"not_loaded"}]})",
   });
-  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "")), std::vector<std::string>{"a:load"});
+  plan = FleetControl::Plan(snap, "load", "m", "");
+  EXPECT_EQ(Workers(plan), std::vector<std::string>{"a:load"});
+  EXPECT_FALSE(plan->front().alternative);
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "unload", "m", "")), (std::vector<std::string>{"a:unload", "b:unload"}));
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "unpin", "m", "")), std::vector<std::string>{"a:unpin"});
 }
@@ -71,9 +80,11 @@ TEST(FleetControlPlan, OnGpuWorkersAHostModelGoesWhereTheHostBudgetHasRoom) {
           "host_memory_used_bytes":3900,"host_memory_budget_bytes":4000,"models":[{"name":"m","state":"not_loaded"}]})",
   });
   snap.models["m"].runtime = "torchscript";
-  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "")), std::vector<std::string>{"host-full:load"});
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "")),
+            (std::vector<std::string>{"host-full:load", "gpu-full:load"}));
   snap.models["m"].runtime = "ocr";
-  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "")), std::vector<std::string>{"gpu-full:load"});
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "")),
+            (std::vector<std::string>{"gpu-full:load", "host-full:load"}));
 }
 
 TEST(FleetControlPlan, Errors) {
@@ -189,6 +200,123 @@ TEST(FleetControlRun, AsksEveryWorkerAtOnce) {
   EXPECT_EQ(r->results[0].worker, "a");
   EXPECT_EQ(r->results[1].worker, "b");
   for (const auto& res : r->results) EXPECT_TRUE(res.status.ok()) << res.status.ToString();
+}
+
+// A worker that answers every control request with a fixed reply, and
+// records the requests it got.
+struct ScriptedControlWorker {
+  std::string reply;
+  std::mutex mu;
+  std::vector<std::string> requests;
+  static void OnMsg(natsConnection* nc, natsSubscription*, natsMsg* msg, void* closure) {
+    auto* w = static_cast<ScriptedControlWorker*>(closure);
+    {
+      std::lock_guard<std::mutex> lock(w->mu);
+      w->requests.emplace_back(natsMsg_GetData(msg), static_cast<size_t>(natsMsg_GetDataLength(msg)));
+    }
+    if (natsMsg_GetReply(msg) != nullptr)
+      natsConnection_Publish(nc, natsMsg_GetReply(msg), w->reply.data(), static_cast<int>(w->reply.size()));
+    natsMsg_Destroy(msg);
+  }
+  size_t asked() {
+    std::lock_guard<std::mutex> lock(mu);
+    return requests.size();
+  }
+};
+
+Result<ControlOutcome> ActAndWait(FleetControl& control, const std::string& action) {
+  std::promise<Result<ControlOutcome>> done;
+  control.Act(action, "m", "", [&](Result<ControlOutcome> r) { done.set_value(std::move(r)); });
+  return done.get_future().get();
+}
+
+// A load that no worker has yet goes to the worker with most room; when it
+// has no room after all (its registry entry was behind, or its residents
+// are pinned), the next is asked, and only the worker that did it is
+// reported. Every request carries the time its caller stops waiting.
+TEST(FleetControlRun, ALoadThatFindsNoRoomGoesToTheNextWorker) {
+  shoal::testing::TestNatsServer nats;
+  auto client = Connect(nats.url());
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  ScriptedControlWorker full, roomy;
+  full.reply = R"({"ok":false,"worker":"a","error":{"kind":"resource_exhausted","message":"no room","code":"no_room_for_model"}})";
+  roomy.reply = R"({"ok":true,"worker":"b","status":{"state":"loaded"}})";
+  auto sub_a = (*client)->Subscribe(wire::ControlSubject("a"), &ScriptedControlWorker::OnMsg, &full);
+  auto sub_b = (*client)->Subscribe(wire::ControlSubject("b"), &ScriptedControlWorker::OnMsg, &roomy);
+  ASSERT_TRUE(sub_a.ok() && sub_b.ok());
+  auto snap = std::make_shared<FleetSnapshot>(Fleet({
+      R"({"id":"a","memory_used_bytes":0,"memory_budget_bytes":1000,"models":[{"name":"m","state":"not_loaded"}]})",
+      R"({"id":"b","memory_used_bytes":500,"memory_budget_bytes":1000,"models":[{"name":"m","state":"not_loaded"}]})"}));
+  auto control = FleetControl::Create(FleetControlOptions{}, client->get(), [snap] { return snap; });
+  ASSERT_TRUE(control.ok());
+  auto r = ActAndWait(**control, "load");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->results.size(), 1u);
+  EXPECT_EQ(r->results[0].worker, "b");
+  EXPECT_TRUE(r->results[0].status.ok()) << r->results[0].status.ToString();
+  ASSERT_EQ(full.asked(), 1u);
+  EXPECT_EQ(roomy.asked(), 1u);
+  const auto req = nlohmann::json::parse(full.requests[0]);
+  EXPECT_GT(req.value("deadline_unix_ms", int64_t{0}), SystemClock::Get()->NowUnixMs());
+  // No worker has room: the last one's answer is the outcome.
+  roomy.reply = full.reply;
+  r = ActAndWait(**control, "load");
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->results.size(), 1u);
+  EXPECT_EQ(r->results[0].worker, "b");
+  EXPECT_EQ(r->results[0].status.reason(), "no_room_for_model");
+}
+
+// Without NATS the registry view is empty: an action is refused (503)
+// rather than found to have nothing to do.
+TEST(FleetControlRun, WithoutNatsAnActionIsRefused) {
+  shoal::testing::TestNatsServer nats;
+  auto client = Connect(nats.url());
+  ASSERT_TRUE(client.ok());
+  auto snap = std::make_shared<FleetSnapshot>(Fleet({}));
+  snap->nats_connected = false;
+  auto control = FleetControl::Create(FleetControlOptions{}, client->get(), [snap] { return snap; });
+  ASSERT_TRUE(control.ok());
+  auto r = ActAndWait(**control, "unload");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(r.status().reason(), "queue_unavailable");
+}
+
+// An action's timeout runs from when it was asked for: one that waited it
+// out queued behind another is answered without reaching a worker (which
+// would do it after its caller had been told it timed out).
+TEST(FleetControlRun, AnActionThatTimedOutInTheQueueIsNotSent) {
+  shoal::testing::TestNatsServer nats;
+  auto client = Connect(nats.url());
+  ASSERT_TRUE(client.ok());
+  std::atomic<int> asked{0};
+  auto sub = (*client)->Subscribe(
+      wire::ControlSubject("silent"),
+      [](natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
+        ++*static_cast<std::atomic<int>*>(closure);
+        natsMsg_Destroy(msg);
+      },
+      &asked);
+  ASSERT_TRUE(sub.ok());
+  auto snap = std::make_shared<FleetSnapshot>(
+      Fleet({R"({"id":"silent","models":[{"name":"m","state":"loaded"}]})"}));
+  FleetControlOptions o;
+  o.threads = 1;
+  o.load_timeout_ms = 800;
+  o.timeout_ms = 800;
+  auto control = FleetControl::Create(o, client->get(), [snap] { return snap; });
+  ASSERT_TRUE(control.ok());
+  std::promise<Result<ControlOutcome>> first, second;
+  (*control)->Act("load", "m", "", [&](Result<ControlOutcome> r) { first.set_value(std::move(r)); });
+  (*control)->Act("unload", "m", "", [&](Result<ControlOutcome> r) { second.set_value(std::move(r)); });
+  auto a = first.get_future().get();
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->results[0].status.code(), StatusCode::kDeadlineExceeded) << a->results[0].status.ToString();
+  auto b = second.get_future().get();
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(asked.load(), 1) << "the unload went to the worker after its caller's time was up";
 }
 
 // While NATS cannot be reached the gateway keeps the catalog it last read:

@@ -739,9 +739,9 @@ void Router::ModelAction(const std::string& model, const std::string& action, Ht
       out = ErrorResponse(*first_error, retry);
       json err = json::parse(out.body);
       body["error"] = err["error"];
-      out.body = body.dump();
+      out.body = DumpJson(body);  // a worker's message may quote bytes that are not UTF-8
     } else {
-      out = JsonResponse(200, body.dump());
+      out = JsonResponse(200, DumpJson(body));
     }
     respond(std::move(out));
   });

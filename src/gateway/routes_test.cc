@@ -576,6 +576,23 @@ TEST_F(RoutesTest, ModelActionsGoToTheControllerAndReportEveryWorker) {
   EXPECT_EQ(ErrorCode(r), "no_worker");
 }
 
+// A worker's error message may quote bytes that are not UTF-8 (a parser's
+// excerpt of a garbled reply): the answer is still JSON, with U+FFFD for
+// them, and the gateway lives on.
+TEST_F(RoutesTest, AWorkersMessageThatIsNotUtf8StillGivesAJsonAnswer) {
+  FakeController control;
+  router_->SetModelController(&control);
+  control.results = {{"w\xff" "1", Status(StatusCode::kInternal, "unreadable reply: \xff\xfe", "runtime_error"), ""}};
+  auto r = Call("POST", "/v1/models/m/load", "");
+  EXPECT_EQ(r.status, 500);
+  auto body = json::parse(r.body);
+  EXPECT_EQ(body["results"][0]["error"]["message"], "unreadable reply: \uFFFD\uFFFD");
+  control.results = {{"w\xff" "1", Status::Ok(), "{}"}};
+  r = Call("POST", "/v1/models/m/load", "");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(json::parse(r.body)["results"][0]["worker"], "w\uFFFD1");
+}
+
 TEST_F(RoutesTest, NoWaitGatewayAnswers503AndAsksForTheLoad) {
   RouterOptions o;
   o.wait_for_load = false;

@@ -579,6 +579,46 @@ TEST_F(FleetTest, AnOperatorLoadShowsAsLoadingWhileItRuns) {
   EXPECT_EQ(state(), "loaded");
 }
 
+// An operator's load of a model whose load fails is tried once: the load
+// it starts is the one it waits for, even when that fails before the wait
+// begins (a missing file fails at once).
+TEST_F(FleetTest, AnOperatorLoadThatFailsIsTriedOnce) {
+  MakeFleetRepository(repo_.path(), {}, {"broken"});
+  Member m = Start(Options());
+  ASSERT_NE(m.worker, nullptr);
+  auto r = m.worker->Control("load", "broken");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().reason(), "model_load_failed") << r.status().ToString();
+  EXPECT_EQ(m.Counter("shoal_worker_model_loads_total", {{"model", "broken"}, {"result", "error"}}), 1);
+  // Asked again, it is tried again at once.
+  r = m.worker->Control("load", "broken");
+  EXPECT_EQ(r.status().reason(), "model_load_failed");
+  EXPECT_EQ(m.Counter("shoal_worker_model_loads_total", {{"model", "broken"}, {"result", "error"}}), 2);
+}
+
+// An action whose caller stopped waiting before the worker got to it (it
+// queued behind another) is not done; one whose load outlasts its deadline
+// answers then, and the load goes on.
+TEST_F(FleetTest, AnOperatorActionPastItsDeadlineIsNotDoneAndALoadIsNotWaitedForPastIt) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"});
+  WorkerOptions wo = Options();
+  wo.runtime_factory = [](const ModelConfig& c) -> Result<std::unique_ptr<Runtime>> {
+    ASSIGN_OR_RETURN(auto inner, CreateRuntime(c.runtime));
+    return std::unique_ptr<Runtime>(new SlowLoadRuntime(std::move(inner)));
+  };
+  Member m = Start(wo);
+  ASSERT_NE(m.worker, nullptr);
+  const int64_t now = SystemClock::Get()->NowUnixMs();
+  auto r = m.worker->Control("load", "tiny-a", now - 1);
+  EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().ToString();
+  EXPECT_EQ(StateOf(*m.worker, "tiny-a"), ModelState::kNotLoaded);
+  EXPECT_EQ(m.Counter("shoal_worker_model_loads_total", {{"model", "tiny-a"}, {"result", "ok"}}), 0);
+  // The load takes longer than the 100 ms this caller waits.
+  r = m.worker->Control("load", "tiny-a", SystemClock::Get()->NowUnixMs() + 100);
+  EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().ToString();
+  EXPECT_TRUE(Eventually([&] { return StateOf(*m.worker, "tiny-a") == ModelState::kLoaded; }));
+}
+
 TEST_F(FleetTest, LoadsRunAtTheLoadNiceValueServingDoesNot) {
   MakeFleetRepository(repo_.path(), {"tiny-a"});
   const int base = NiceProbeRuntime::ThreadNice();

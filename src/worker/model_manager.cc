@@ -17,7 +17,6 @@ namespace {
 // Waiters re-read the injected clock at least this often, so a deadline on a
 // clock that is not wall time (FakeClock) is still noticed.
 constexpr int64_t kWaitSliceUs = 20'000;
-constexpr int64_t kNoDeadline = std::numeric_limits<int64_t>::max();
 
 Status NoRoom(const std::string& msg) { return ResourceExhausted(msg, "no_room_for_model"); }
 
@@ -343,15 +342,14 @@ Status ModelManager::LoadError(const std::string& name) const {
   return e != nullptr && e->state == ModelState::kFailed ? e->error : Status::Ok();
 }
 
-Status ModelManager::Load(const std::string& name) {
+Status ModelManager::Load(const std::string& name, bool retry_failed, int64_t deadline_mono_us) {
   std::unique_lock<std::mutex> lock(mu_);
   Entry* e = Find(name);
   if (e == nullptr) return NotFound("model '" + name + "' is not served here", "model_not_found");
   // Already loaded: a no-op, which leaves its place in the eviction order
   // alone (an operator's check is not a use).
   const bool was_loaded = e->state == ModelState::kLoaded;
-  RETURN_IF_ERROR(
-      WaitLoadedLocked(lock, *e, kNoDeadline, /*retry_failed=*/true, /*count_wait=*/false));
+  RETURN_IF_ERROR(WaitLoadedLocked(lock, *e, deadline_mono_us, retry_failed, /*count_wait=*/false));
   if (!was_loaded) TouchLocked(*e);
   return Status::Ok();
 }
@@ -418,13 +416,13 @@ Status ModelManager::DeviceHealth() const {
   return Status::Ok();
 }
 
-Status ModelManager::Pin(const std::string& name) {
+Status ModelManager::Pin(const std::string& name, bool retry_failed, int64_t deadline_mono_us) {
   std::unique_lock<std::mutex> lock(mu_);
   Entry* e = Find(name);
   if (e == nullptr) return NotFound("model '" + name + "' is not served here", "model_not_found");
   const bool was_pinned = e->pinned;
   e->pinned = true;
-  Status s = WaitLoadedLocked(lock, *e, kNoDeadline, /*retry_failed=*/true, /*count_wait=*/false);
+  Status s = WaitLoadedLocked(lock, *e, deadline_mono_us, retry_failed, /*count_wait=*/false);
   if (!s.ok()) {
     if (!was_pinned) e->pinned = false;
     return s;

@@ -40,6 +40,7 @@
 #include <array>
 #include <condition_variable>
 #include <cstdint>
+#include <limits>
 #include <deque>
 #include <functional>
 #include <map>
@@ -181,6 +182,8 @@ class ModelLease {
 
 class ModelManager {
  public:
+  static constexpr int64_t kNoDeadline = std::numeric_limits<int64_t>::max();
+
   // `catalog`: every model this worker may serve (names must be unique).
   // `clock` and `metrics` must outlive the manager; null means the system
   // clock and a private registry. Starts the loader threads.
@@ -245,9 +248,12 @@ class ModelManager {
   // in any other state. Never starts a load, due retry or not.
   Status LoadError(const std::string& name) const;
 
-  // Loads `name` and blocks until it is loaded, retrying a failed model.
-  // OK if it is already loaded (then a no-op: its last use stays as it was).
-  Status Load(const std::string& name);
+  // Loads `name` and blocks until it is loaded, retrying a failed model
+  // (`retry_failed` false: a model whose load has just failed, one that
+  // StartLoad began, say, gets that failure instead). OK if it is already
+  // loaded (then a no-op: its last use stays as it was). Past
+  // `deadline_mono_us`: kDeadlineExceeded, and a load under way goes on.
+  Status Load(const std::string& name, bool retry_failed = true, int64_t deadline_mono_us = kNoDeadline);
 
   // Unloads `name` now, blocking while its runtime unloads. OK if it is not
   // loaded (a kFailed model goes back to kNotLoaded). Errors:
@@ -271,9 +277,10 @@ class ModelManager {
   // nothing. Thread-safe.
   Status DeviceHealth() const;
 
-  // Pins `name`, loading it (blocking) if needed; on a load failure the model
-  // is left unpinned and the error returned. Idempotent.
-  Status Pin(const std::string& name);
+  // Pins `name`, loading it (blocking) if needed; on a load failure, or past
+  // the deadline, the model is left unpinned and the error returned.
+  // `retry_failed` and the deadline as for Load. Idempotent.
+  Status Pin(const std::string& name, bool retry_failed = true, int64_t deadline_mono_us = kNoDeadline);
   // Makes `name` evictable again; does not unload it. Idempotent.
   Status Unpin(const std::string& name);
 

@@ -594,6 +594,38 @@ TEST_F(ModelManagerTest, ExplicitLoadOfAFailingModelReportsTheError) {
   EXPECT_EQ(loader_.loads("a"), 3);
 }
 
+// What an operator's load does after StartLoad: it waits for the load it
+// started, and when that has failed already, reports the failure rather
+// than load the model a second time. Pin likewise.
+TEST_F(ModelManagerTest, LoadWithoutRetryReportsTheFailureOfTheLoadJustStarted) {
+  ModelConfig a = Model("a", 100);
+  loader_.Set("a", {.fail = true});
+  auto mm = Make(Options(0), {a});
+  ASSERT_TRUE(mm->StartLoad("a").ok());
+  ASSERT_TRUE(Eventually([&] { return StateOf(*mm, "a") == ModelState::kFailed; }));
+  EXPECT_EQ(mm->Load("a", /*retry_failed=*/false).reason(), "model_load_failed");
+  EXPECT_EQ(mm->Pin("a", /*retry_failed=*/false).reason(), "model_load_failed");
+  EXPECT_EQ(loader_.loads("a"), 1);
+  EXPECT_FALSE(StatusOf(*mm, "a").pinned);
+  EXPECT_EQ(mm->Load("a").reason(), "model_load_failed");  // retrying: loads again
+  EXPECT_EQ(loader_.loads("a"), 2);
+}
+
+// A load or pin that outlasts its caller's deadline answers then; the load
+// goes on, and a pin is not left behind.
+TEST_F(ModelManagerTest, LoadAndPinStopWaitingAtTheirDeadline) {
+  ModelConfig a = Model("a", 100);
+  auto mm = Make(Options(0), {a});
+  loader_.Hold("a");
+  EXPECT_EQ(mm->Pin("a", true, clock_.NowMonoUs()).code(), StatusCode::kDeadlineExceeded);
+  EXPECT_FALSE(StatusOf(*mm, "a").pinned);
+  EXPECT_EQ(mm->Load("a", true, clock_.NowMonoUs()).code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kLoading);
+  loader_.Open("a");
+  EXPECT_TRUE(mm->Load("a").ok());
+  EXPECT_EQ(loader_.loads("a"), 1);
+}
+
 TEST_F(ModelManagerTest, FailedModelIsRetriedAfterRetryInterval) {
   ModelConfig a = Model("a", 100);
   loader_.Set("a", {.fail = true});

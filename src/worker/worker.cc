@@ -1065,14 +1065,29 @@ void Worker::DrainFailed(const std::string& model, const Status& error, int max)
 
 // ----- Control -----------------------------------------------------------------
 
-Result<std::string> Worker::Control(const std::string& action, const std::string& model) {
+Result<std::string> Worker::Control(const std::string& action, const std::string& model, int64_t deadline_unix_ms) {
+  int64_t deadline_mono_us = ModelManager::kNoDeadline;
+  if (deadline_unix_ms > 0) {
+    const int64_t left_ms = deadline_unix_ms - clock_->NowUnixMs();
+    // Queued here behind another action until its caller stopped waiting:
+    // done now, it would surprise whoever acted since.
+    if (left_ms <= 0) {
+      return DeadlineExceeded("the caller stopped waiting before this worker could start the action",
+                              "deadline_exceeded");
+    }
+    deadline_mono_us = clock_->NowMonoUs() + left_ms * 1000;
+  }
   Status s;
   if (action == "load" || action == "pin") {
     // Peers see "loading" before the load runs (not one heartbeat after
     // it), so their demand loops leave the model to this worker instead of
-    // loading, and evicting for, a second copy.
-    if (manager_->StartLoad(model).ok()) PublishHeartbeat();
-    s = action == "load" ? manager_->Load(model) : manager_->Pin(model);
+    // loading, and evicting for, a second copy. A load started here is the
+    // one waited for: if it fails at once, that failure is the answer, not
+    // a second try.
+    const bool started = manager_->StartLoad(model).ok();
+    if (started) PublishHeartbeat();
+    s = action == "load" ? manager_->Load(model, /*retry_failed=*/!started, deadline_mono_us)
+                         : manager_->Pin(model, /*retry_failed=*/!started, deadline_mono_us);
   } else if (action == "unload") {
     s = manager_->Unload(model);
   } else if (action == "unpin") {
@@ -1096,8 +1111,9 @@ void Worker::OnControl(natsConnection* nc, natsSubscription*, natsMsg* msg, void
       json in = json::parse(std::string(natsMsg_GetData(msg), static_cast<size_t>(natsMsg_GetDataLength(msg))));
       const std::string action = in.value("action", "");
       const std::string model = in.value("model", "");
+      const int64_t deadline_unix_ms = in.value("deadline_unix_ms", int64_t{0});
       LOG_INFO("worker", "control: " << action << " " << model);
-      result = self->Control(action, model);
+      result = self->Control(action, model, deadline_unix_ms);
     } catch (const std::exception& e) {
       result = InvalidArgument(std::string("bad control request: ") + e.what(), "invalid_json");
     }

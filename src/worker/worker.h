@@ -188,9 +188,11 @@ class Worker {
   std::string LoadReportJson() const;
 
   // Acts on one model as an operator asked: "load", "unload", "pin",
-  // "unpin" or "status". Blocks while a load runs. Returns the model's JSON
-  // status on this worker.
-  Result<std::string> Control(const std::string& action, const std::string& model);
+  // "unpin" or "status". Blocks while a load runs, until
+  // `deadline_unix_ms` (0: none; passed already: nothing is done), when it
+  // answers kDeadlineExceeded and a load under way goes on. Returns the
+  // model's JSON status on this worker.
+  Result<std::string> Control(const std::string& action, const std::string& model, int64_t deadline_unix_ms = 0);
 
  private:
   // Writes this worker's first registry entry, unless another live process
