@@ -22,6 +22,7 @@
 #include "e2e/http_client.h"
 #include "e2e/process.h"
 #include "e2e/shoal_cluster.h"
+#include "queue/nats_client.h"
 #include "queue/nats_server_process.h"
 #include "support/test_env.h"
 
@@ -57,15 +58,18 @@ void StopGracefully(Shoal& s) {
 
 // Polls the gateway's view of the queue (refreshed about once a second)
 // until it shows `want` messages or `timeout` passes; returns the last value.
-int64_t WaitForQueueDepth(int port, int64_t want, std::chrono::milliseconds timeout) {
+int64_t WaitForQueueDepth(const std::string& nats_url, int64_t want, std::chrono::milliseconds timeout) {
+  // Read from nats-server itself: the gateway's /readyz shows a snapshot up
+  // to a second old, which could say 0 before an ack had landed.
+  NatsOptions no;
+  no.url = nats_url;
+  auto client = NatsClient::Connect(no);
+  if (!client.ok()) return -1;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   int64_t depth = -1;
   for (;;) {
-    auto r = HttpGet(port, "/readyz");
-    try {
-      depth = json::parse(r.body).value("queue_depth", int64_t{-1});
-    } catch (const std::exception&) {
-    }
+    auto st = GetStreamState(**client, "SHOAL_WORK");
+    depth = st.ok() ? static_cast<int64_t>(st->msgs) : -1;
     if (depth == want || std::chrono::steady_clock::now() >= deadline) return depth;
     std::this_thread::sleep_for(100ms);
   }
@@ -163,7 +167,7 @@ TEST(E2eCluster, AStoppingGatewayAnswersTheRequestsItHolds) {
   shoal::testing::TestNatsServer nats;
   Shoal gateway = StartGatewayWithoutWorkers(nats.url());
   auto held = std::async(std::launch::async, [&] { return EmbedWithTimeout(gateway.port, "held at the stop", 60000); });
-  ASSERT_EQ(WaitForQueueDepth(gateway.port, 1, 20s), 1);  // published: the gateway holds it
+  ASSERT_EQ(WaitForQueueDepth(nats.url(), 1, 20s), 1);  // published: the gateway holds it
   StopGracefully(gateway);
   const HttpResult r = held.get();
   EXPECT_EQ(r.status, 503) << r.error << r.body;
@@ -256,7 +260,7 @@ void RunWorkerKilledMidBatch(double* redelivered, std::string* what) {
   // Nothing is left behind: work the victim answered but never acked comes
   // back after AckWait, is answered again (the gateway drops the duplicate)
   // and acked.
-  EXPECT_EQ(WaitForQueueDepth(gateway.port, 0, 20s), 0);
+  EXPECT_EQ(WaitForQueueDepth(nats.url(), 0, 20s), 0);
   // The survivor really ran work the victim had taken and not acked.
   const std::string survivor_metrics = HttpGet(*metrics_port, "/metrics").body;
   *redelivered = MetricValue(survivor_metrics, "shoal_worker_redelivered_total");
@@ -286,14 +290,14 @@ TEST(E2eCluster, RestartedWorkerPicksUpQueuedWork) {
   const Vectors reference = EmbedOrThrow(gateway.port, kModel, pool).rows;
   // The worker replies, then acks: let the ack land before the crash, so
   // the queue holds exactly the work sent below.
-  ASSERT_EQ(WaitForQueueDepth(gateway.port, 0, 10s), 0);
+  ASSERT_EQ(WaitForQueueDepth(nats.url(), 0, 10s), 0);
   first.process->Kill();
 
   std::vector<std::future<HttpResult>> calls;
   for (const auto& text : pool)
     calls.push_back(std::async(std::launch::async, [&, text] { return EmbedWithTimeout(gateway.port, text, 60000); }));
   // Wait until the work is queued, so the new worker finds it there.
-  EXPECT_EQ(WaitForQueueDepth(gateway.port, static_cast<int64_t>(pool.size()), 10s),
+  EXPECT_EQ(WaitForQueueDepth(nats.url(), static_cast<int64_t>(pool.size()), 10s),
             static_cast<int64_t>(pool.size()))
       << "work was not queued while no worker ran";
   for (auto& c : calls) ASSERT_EQ(c.wait_for(0s), std::future_status::timeout) << "answered without a worker";
