@@ -303,8 +303,8 @@ TEST(FleetControlRun, AnActionThatTimedOutInTheQueueIsNotSent) {
       Fleet({R"({"id":"silent","models":[{"name":"m","state":"loaded"}]})"}));
   FleetControlOptions o;
   o.threads = 1;
-  o.load_timeout_ms = 800;
-  o.timeout_ms = 800;
+  o.load_timeout_ms = 1000;
+  o.timeout_ms = 500;  // the unload's time is up while the load still holds the thread
   auto control = FleetControl::Create(o, client->get(), [snap] { return snap; });
   ASSERT_TRUE(control.ok());
   std::promise<Result<ControlOutcome>> first, second;
