@@ -4,6 +4,7 @@
 #include <chrono>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <set>
 #include <system_error>
@@ -693,17 +694,25 @@ void ModelManager::UpdateLoadedGaugeLocked() {
 
 void ModelManager::UnloadVictims(std::vector<std::unique_ptr<LoadedModel>> victims,
                                  PoolBytes accounted_bytes, int accounted_count) {
-  for (auto& v : victims) {
-    // An exception here (a runtime whose device failed) must neither end
-    // the loader thread nor leave the bytes below accounted as unloading.
+  // An exception here (a runtime whose device failed) must neither end
+  // the loader thread nor leave the bytes below accounted as unloading.
+  const auto guarded = [](const LoadedModel& v, const std::function<void()>& step) {
     try {
-      v->attachment.reset();  // stops every use of the model first
-      if (v->runtime != nullptr) v->runtime->Unload();
+      step();
     } catch (const std::exception& ex) {
-      LOG_ERROR("worker", "unloading " << v->config.name << ": " << ex.what());
+      LOG_ERROR("worker", "unloading " << v.config.name << ": " << ex.what());
     } catch (...) {
-      LOG_ERROR("worker", "unloading " << v->config.name << ": unknown exception");
+      LOG_ERROR("worker", "unloading " << v.config.name << ": unknown exception");
     }
+  };
+  // Every use of every victim stops first, then the runtimes unload: a
+  // victim still attached while an earlier one's runtime unloads (a GPU's
+  // can take a second) would go on pulling work only to hand it back.
+  for (auto& v : victims) guarded(*v, [&] { v->attachment.reset(); });
+  for (auto& v : victims) {
+    guarded(*v, [&] {
+      if (v->runtime != nullptr) v->runtime->Unload();
+    });
     v.reset();
   }
   if (accounted_bytes == PoolBytes{} && accounted_count == 0) return;

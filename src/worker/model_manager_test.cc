@@ -96,7 +96,17 @@ class FakeLoader {
   void OnUnload(const std::string& name) {
     std::lock_guard<std::mutex> lock(mu_);
     ++unloads_[name];
+    events_.push_back("unload " + name);
     if (throw_on_unload_.count(name)) throw std::runtime_error("CUDA error: an illegal memory access");
+  }
+  void OnDetach(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    events_.push_back("detach " + name);
+  }
+  // Attachments destroyed and runtimes unloaded, in order.
+  std::vector<std::string> events() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return events_;
   }
   // Runtimes of `name` throw from Unload() from now on.
   void ThrowOnUnload(const std::string& name) {
@@ -129,6 +139,7 @@ class FakeLoader {
       m->config = config;
       m->runtime = std::make_unique<FakeRuntime>(this, config.name, spec.bytes);
       m->memory_bytes = spec.report_via_runtime ? 0 : spec.bytes;
+      m->attachment = std::make_unique<RecordingAttachment>(this, config.name);
       return m;
     };
   }
@@ -142,6 +153,18 @@ class FakeLoader {
   std::map<std::string, int> unloads_;
   std::map<std::string, Status> health_;
   std::set<std::string> throw_on_unload_;
+  std::vector<std::string> events_;
+
+  // Says when it is destroyed (the model stops being used).
+  class RecordingAttachment final : public ModelAttachment {
+   public:
+    RecordingAttachment(FakeLoader* owner, std::string name) : owner_(owner), name_(std::move(name)) {}
+    ~RecordingAttachment() override { owner_->OnDetach(name_); }
+
+   private:
+    FakeLoader* owner_;
+    std::string name_;
+  };
 };
 
 Status FakeRuntime::Health() const { return owner_->HealthOf(name_); }
@@ -844,6 +867,26 @@ TEST_F(ModelManagerTest, PastDeadlineStillServesALoadedModel) {
 
 // A runtime that throws as it unloads (a device that failed) neither ends
 // the loader thread nor leaves its bytes counted as being freed.
+// A load that evicts several models stops every use of all of them before
+// any runtime unloads: a victim still in use while another's runtime
+// unloads (a GPU's can take a second) would go on pulling work, only to
+// hand it back.
+TEST_F(ModelManagerTest, EveryVictimIsDetachedBeforeAnyRuntimeUnloads) {
+  ModelConfig a = Model("a", 100), b = Model("b", 100), c = Model("c", 200);
+  auto mm = Make(Options(200), {a, b, c});
+  Use(*mm, "a");
+  Use(*mm, "b");
+  Use(*mm, "c");  // needs both a's and b's room
+  EXPECT_FALSE(mm->IsLoaded("a"));
+  EXPECT_FALSE(mm->IsLoaded("b"));
+  std::vector<std::string> events = loader_.events();
+  ASSERT_EQ(events.size(), 4u);
+  EXPECT_EQ(events[0].rfind("detach ", 0), 0u) << events[0];
+  EXPECT_EQ(events[1].rfind("detach ", 0), 0u) << events[1];
+  EXPECT_EQ(events[2].rfind("unload ", 0), 0u) << events[2];
+  EXPECT_EQ(events[3].rfind("unload ", 0), 0u) << events[3];
+}
+
 TEST_F(ModelManagerTest, ARuntimeThatThrowsOnUnloadStillFreesItsRoom) {
   // a is larger than b: 50 of its bytes are counted as being freed until
   // its unload ends.
