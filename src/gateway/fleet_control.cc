@@ -132,8 +132,11 @@ Result<std::vector<FleetControl::Target>> FleetControl::Plan(const FleetSnapshot
     return out;
   }
   if (action == "unpin") {
+    // Also where it is loading or loaded unpinned: a pin under way shows as
+    // pinned only from the heartbeat after it (unpin is cheap and idempotent).
     for (const WorkerInfo* w : serving)
-      if (w->models.at(model).pinned) out.push_back({w->id, action});
+      if (w->models.at(model).pinned || w->Has(model, "loaded") || w->Has(model, "loading"))
+        out.push_back({w->id, action});
     return out;
   }
   // load / pin: where it is resident already, else on the worker with the most room.

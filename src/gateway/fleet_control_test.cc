@@ -68,6 +68,14 @@ TEST(FleetControlPlan, LoadGoesWhereItIsResidentElseToTheWorkerWithMostRoom) {
   EXPECT_FALSE(plan->front().alternative);
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "unload", "m", "")), (std::vector<std::string>{"a:unload", "b:unload"}));
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "unpin", "m", "")), std::vector<std::string>{"a:unpin"});
+  // A pin under way shows as pinned only from the heartbeat after it: unpin
+  // also goes where the model is loading or loaded.
+  snap = Fleet({
+      R"({"id":"a","models":[{"name":"m","state":"loading","pinned":false}]})",
+      R"({"id":"b","models":[{"name":"m","state":"failed","pinned":true}]})",
+      R"({"id":"c","models":[{"name":"m","state":"not_loaded"}]})",
+  });
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "unpin", "m", "")), (std::vector<std::string>{"a:unpin", "b:unpin"}));
 }
 
 // On GPU workers a model whose runtime computes on the host goes where the

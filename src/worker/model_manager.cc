@@ -320,7 +320,7 @@ Status ModelManager::Preload(const std::string& name) {
   return s;
 }
 
-Status ModelManager::StartLoad(const std::string& name) {
+Status ModelManager::StartLoad(const std::string& name, bool retry_failed) {
   std::lock_guard<std::mutex> lock(mu_);
   Entry* e = Find(name);
   if (e == nullptr) return NotFound("model '" + name + "' is not served here", "model_not_found");
@@ -328,7 +328,7 @@ Status ModelManager::StartLoad(const std::string& name) {
   if (stopping_) return Unavailable("the model manager is shutting down", "shutting_down");
   const bool retry_due = options_.retry_failed_after_us > 0 &&
                          clock_->NowMonoUs() - e->failed_mono_us >= options_.retry_failed_after_us;
-  if (e->state == ModelState::kFailed && !retry_due) return e->error;
+  if (e->state == ModelState::kFailed && !retry_due && !retry_failed) return e->error;
   ASSIGN_OR_RETURN(Step step, BeginLoadLocked(*e));
   if (step == Step::kWait) {
     return Unavailable("model '" + name + "' waits for room: memory still being freed, or another load first",

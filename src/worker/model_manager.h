@@ -242,8 +242,10 @@ class ModelManager {
   // the load. OK when loaded or loading; else the error Acquire() would
   // give, or Unavailable "memory_being_freed" while it needs evictions that
   // must wait (evictions in progress, or the loader busy with another
-  // load). For servers that answer 503 instead of waiting.
-  Status StartLoad(const std::string& name);
+  // load). For servers that answer 503 instead of waiting. `retry_failed`:
+  // a model that failed here is loaded again at once (an operator's load),
+  // not only once --retry-failed-after-ms has passed.
+  Status StartLoad(const std::string& name, bool retry_failed = false);
   // The load error (502 model_load_failed) while `name` is failed here; OK
   // in any other state. Never starts a load, due retry or not.
   Status LoadError(const std::string& name) const;

@@ -632,6 +632,11 @@ TEST_F(ModelManagerTest, LoadWithoutRetryReportsTheFailureOfTheLoadJustStarted) 
   EXPECT_FALSE(StatusOf(*mm, "a").pinned);
   EXPECT_EQ(mm->Load("a").reason(), "model_load_failed");  // retrying: loads again
   EXPECT_EQ(loader_.loads("a"), 2);
+  // StartLoad fails fast on a failed model, unless told to retry it.
+  EXPECT_EQ(mm->StartLoad("a").reason(), "model_load_failed");
+  EXPECT_EQ(loader_.loads("a"), 2);
+  EXPECT_TRUE(mm->StartLoad("a", /*retry_failed=*/true).ok());
+  EXPECT_TRUE(loader_.WaitStarted("a", 3));
 }
 
 // A load or pin that outlasts its caller's deadline answers then; the load

@@ -1083,8 +1083,9 @@ Result<std::string> Worker::Control(const std::string& action, const std::string
     // it), so their demand loops leave the model to this worker instead of
     // loading, and evicting for, a second copy. A load started here is the
     // one waited for: if it fails at once, that failure is the answer, not
-    // a second try.
-    const bool started = manager_->StartLoad(model).ok();
+    // a second try. A model that failed here is tried again (the operator
+    // asks for it), and shows as loading too.
+    const bool started = manager_->StartLoad(model, /*retry_failed=*/true).ok();
     if (started) PublishHeartbeat();
     s = action == "load" ? manager_->Load(model, /*retry_failed=*/!started, deadline_mono_us)
                          : manager_->Pin(model, /*retry_failed=*/!started, deadline_mono_us);
