@@ -132,11 +132,10 @@ Result<std::vector<FleetControl::Target>> FleetControl::Plan(const FleetSnapshot
     return out;
   }
   if (action == "unpin") {
-    // Also where it is loading or loaded unpinned: a pin under way shows as
-    // pinned only from the heartbeat after it (unpin is cheap and idempotent).
+    // Only where it is pinned: a worker runs one action at a time, so an
+    // unpin sent to every replica would wait behind their unrelated loads.
     for (const WorkerInfo* w : serving)
-      if (w->models.at(model).pinned || w->Has(model, "loaded") || w->Has(model, "loading"))
-        out.push_back({w->id, action});
+      if (w->models.at(model).pinned) out.push_back({w->id, action});
     return out;
   }
   // load / pin: where it is resident already, else on the worker with the most room.
@@ -212,7 +211,11 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
     // One at a time, until one has room and answers.
     for (const Target& t : targets) {
       ControlResult r = ask(t);
-      const bool try_next = r.status.reason() == "no_room_for_model" || r.status.reason() == "worker_unavailable";
+      // No room, or a worker that cannot load anything now (gone, stopping,
+      // its GPU failed): the next one may.
+      const std::string_view why = r.status.reason();
+      const bool try_next = why == "no_room_for_model" || why == "worker_unavailable" || why == "shutting_down" ||
+                            why == "device_fault";
       const bool last = &t == &targets.back() || left_ms() <= 0 || cancel_;
       if (!try_next || last) {
         out.results.push_back(std::move(r));

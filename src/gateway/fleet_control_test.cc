@@ -68,14 +68,12 @@ TEST(FleetControlPlan, LoadGoesWhereItIsResidentElseToTheWorkerWithMostRoom) {
   EXPECT_FALSE(plan->front().alternative);
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "unload", "m", "")), (std::vector<std::string>{"a:unload", "b:unload"}));
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "unpin", "m", "")), std::vector<std::string>{"a:unpin"});
-  // A pin under way shows as pinned only from the heartbeat after it: unpin
-  // also goes where the model is loading or loaded.
+  // Where it is pinned, whatever its state.
   snap = Fleet({
       R"({"id":"a","models":[{"name":"m","state":"loading","pinned":false}]})",
       R"({"id":"b","models":[{"name":"m","state":"failed","pinned":true}]})",
-      R"({"id":"c","models":[{"name":"m","state":"not_loaded"}]})",
   });
-  EXPECT_EQ(Workers(FleetControl::Plan(snap, "unpin", "m", "")), (std::vector<std::string>{"a:unpin", "b:unpin"}));
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "unpin", "m", "")), std::vector<std::string>{"b:unpin"});
 }
 
 // On GPU workers a model whose runtime computes on the host goes where the
@@ -126,6 +124,31 @@ TEST(FleetViewParsing, NullFieldsTakeTheirDefaults) {
   EXPECT_FALSE(ParseWorkerHeartbeat(R"({"id":null})", &w));
 }
 
+// A worker that answers every control request with a fixed reply (none
+// when `reply` is empty: a worker busy with a long load), and records the
+// requests it got.
+struct ScriptedControlWorker {
+  std::string reply;
+  std::mutex mu;
+  std::vector<std::string> requests;
+  static void OnMsg(natsConnection* nc, natsSubscription*, natsMsg* msg, void* closure) {
+    auto* w = static_cast<ScriptedControlWorker*>(closure);
+    std::string reply;
+    {
+      std::lock_guard<std::mutex> lock(w->mu);
+      w->requests.emplace_back(natsMsg_GetData(msg), static_cast<size_t>(natsMsg_GetDataLength(msg)));
+      reply = w->reply;
+    }
+    if (!reply.empty() && natsMsg_GetReply(msg) != nullptr)
+      natsConnection_Publish(nc, natsMsg_GetReply(msg), reply.data(), static_cast<int>(reply.size()));
+    natsMsg_Destroy(msg);
+  }
+  size_t asked() {
+    std::lock_guard<std::mutex> lock(mu);
+    return requests.size();
+  }
+};
+
 // A stopping gateway answers an action still waiting for a worker (a load
 // can take minutes) with 503 shutting_down at once, instead of keeping the
 // process, and its port, up until the worker answers or the wait runs out.
@@ -133,15 +156,8 @@ TEST(FleetControlStop, AnswersAnActionUnderWayWithShuttingDown) {
   shoal::testing::TestNatsServer nats;
   auto client = Connect(nats.url());
   ASSERT_TRUE(client.ok()) << client.status().ToString();
-  // A worker that takes control requests and never answers them.
-  std::atomic<int> asked{0};
-  auto sub = (*client)->Subscribe(
-      wire::ControlSubject("silent"),
-      [](natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
-        ++*static_cast<std::atomic<int>*>(closure);
-        natsMsg_Destroy(msg);
-      },
-      &asked);
+  ScriptedControlWorker silent;  // takes control requests and never answers them
+  auto sub = (*client)->Subscribe(wire::ControlSubject("silent"), &ScriptedControlWorker::OnMsg, &silent);
   ASSERT_TRUE(sub.ok());
   auto snap = std::make_shared<FleetSnapshot>(
       Fleet({R"({"id":"silent","models":[{"name":"m","state":"not_loaded"}]})"}));
@@ -152,7 +168,7 @@ TEST(FleetControlStop, AnswersAnActionUnderWayWithShuttingDown) {
   ASSERT_TRUE(control.ok());
   std::promise<Result<ControlOutcome>> under_way, queued;
   (*control)->Act("load", "m", "", [&](Result<ControlOutcome> r) { under_way.set_value(std::move(r)); });
-  ASSERT_TRUE(shoal::testing::Eventually([&] { return asked.load() == 1; }));
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return silent.asked() == 1; }));
   (*control)->Act("load", "m", "", [&](Result<ControlOutcome> r) { queued.set_value(std::move(r)); });
   (*control)->Stop();  // returns once the thread has given up (not after 10 minutes)
   for (auto* p : {&under_way, &queued}) {
@@ -163,7 +179,7 @@ TEST(FleetControlStop, AnswersAnActionUnderWayWithShuttingDown) {
     EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
     EXPECT_EQ(r.status().reason(), "shutting_down");
   }
-  EXPECT_EQ(asked.load(), 1);
+  EXPECT_EQ(silent.asked(), 1u);
 }
 
 // An action for several workers asks them all at once: a load that takes
@@ -210,28 +226,6 @@ TEST(FleetControlRun, AsksEveryWorkerAtOnce) {
   for (const auto& res : r->results) EXPECT_TRUE(res.status.ok()) << res.status.ToString();
 }
 
-// A worker that answers every control request with a fixed reply, and
-// records the requests it got.
-struct ScriptedControlWorker {
-  std::string reply;
-  std::mutex mu;
-  std::vector<std::string> requests;
-  static void OnMsg(natsConnection* nc, natsSubscription*, natsMsg* msg, void* closure) {
-    auto* w = static_cast<ScriptedControlWorker*>(closure);
-    {
-      std::lock_guard<std::mutex> lock(w->mu);
-      w->requests.emplace_back(natsMsg_GetData(msg), static_cast<size_t>(natsMsg_GetDataLength(msg)));
-    }
-    if (natsMsg_GetReply(msg) != nullptr)
-      natsConnection_Publish(nc, natsMsg_GetReply(msg), w->reply.data(), static_cast<int>(w->reply.size()));
-    natsMsg_Destroy(msg);
-  }
-  size_t asked() {
-    std::lock_guard<std::mutex> lock(mu);
-    return requests.size();
-  }
-};
-
 Result<ControlOutcome> ActAndWait(FleetControl& control, const std::string& action) {
   std::promise<Result<ControlOutcome>> done;
   control.Act(action, "m", "", [&](Result<ControlOutcome> r) { done.set_value(std::move(r)); });
@@ -267,12 +261,29 @@ TEST(FleetControlRun, ALoadThatFindsNoRoomGoesToTheNextWorker) {
   const auto req = nlohmann::json::parse(full.requests[0]);
   EXPECT_GT(req.value("deadline_unix_ms", int64_t{0}), SystemClock::Get()->NowUnixMs());
   // No worker has room: the last one's answer is the outcome.
-  roomy.reply = full.reply;
+  {
+    std::lock_guard<std::mutex> lock(roomy.mu);
+    roomy.reply = full.reply;
+  }
   r = ActAndWait(**control, "load");
   ASSERT_TRUE(r.ok());
   ASSERT_EQ(r->results.size(), 1u);
   EXPECT_EQ(r->results[0].worker, "b");
   EXPECT_EQ(r->results[0].status.reason(), "no_room_for_model");
+  // A worker whose GPU has failed cannot load anything either.
+  {
+    std::lock_guard<std::mutex> lock(full.mu);
+    full.reply = R"({"ok":false,"worker":"a","error":{"kind":"unavailable","message":"GPU failed","code":"device_fault"}})";
+  }
+  {
+    std::lock_guard<std::mutex> lock(roomy.mu);
+    roomy.reply = R"({"ok":true,"worker":"b","status":{"state":"loaded"}})";
+  }
+  r = ActAndWait(**control, "load");
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->results.size(), 1u);
+  EXPECT_EQ(r->results[0].worker, "b");
+  EXPECT_TRUE(r->results[0].status.ok()) << r->results[0].status.ToString();
 }
 
 // Without NATS the registry view is empty: an action is refused (503)
@@ -298,14 +309,8 @@ TEST(FleetControlRun, AnActionThatTimedOutInTheQueueIsNotSent) {
   shoal::testing::TestNatsServer nats;
   auto client = Connect(nats.url());
   ASSERT_TRUE(client.ok());
-  std::atomic<int> asked{0};
-  auto sub = (*client)->Subscribe(
-      wire::ControlSubject("silent"),
-      [](natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
-        ++*static_cast<std::atomic<int>*>(closure);
-        natsMsg_Destroy(msg);
-      },
-      &asked);
+  ScriptedControlWorker silent;  // takes control requests and never answers them
+  auto sub = (*client)->Subscribe(wire::ControlSubject("silent"), &ScriptedControlWorker::OnMsg, &silent);
   ASSERT_TRUE(sub.ok());
   auto snap = std::make_shared<FleetSnapshot>(
       Fleet({R"({"id":"silent","models":[{"name":"m","state":"loaded"}]})"}));
@@ -324,7 +329,7 @@ TEST(FleetControlRun, AnActionThatTimedOutInTheQueueIsNotSent) {
   auto b = second.get_future().get();
   ASSERT_FALSE(b.ok());
   EXPECT_EQ(b.status().code(), StatusCode::kDeadlineExceeded);
-  EXPECT_EQ(asked.load(), 1) << "the unload went to the worker after its caller's time was up";
+  EXPECT_EQ(silent.asked(), 1u) << "the unload went to the worker after its caller's time was up";
 }
 
 // While NATS cannot be reached the gateway keeps the catalog it last read:

@@ -191,8 +191,10 @@ TEST_F(ItemPathTest, InputsThatFailedOnTheirOwnDoNotCountInTheMeasuredCost) {
   auto r = Submit({"slow:200", "alone:1", "alone:2", "alone:3", "alone:4"});
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().reason(), "context_length_exceeded");
-  const double cost_us =
-      metrics_.GetGauge("shoal_worker_forward_cost_us_per_token", "", {{"model", "scripted-ocr"}})->Value();
+  // Measured once the batch is over, which is just after its answer went out.
+  const Gauge* cost = metrics_.GetGauge("shoal_worker_forward_cost_us_per_token", "", {{"model", "scripted-ocr"}});
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return cost->Value() > 0; }));
+  const double cost_us = cost->Value();
   // One input ran for 200 ms; over all five inputs it would be 40 ms each.
   EXPECT_GE(cost_us, 200e3);
   EXPECT_LT(cost_us, 2e6);

@@ -32,17 +32,17 @@
 //   models evicted for a load are unloaded before it starts.
 // - A failed load puts the model in kFailed. Every caller that was waiting on
 //   that load gets the same kBadGateway "model_load_failed" error, once; later
-//   Acquire()/StartLoad() calls fail fast with it (no new load) until Load()
-//   or Pin() asks again explicitly, Unload() clears the failure, or
-//   retry_failed_after_us passes.
+//   Acquire()/StartLoad() calls fail fast with it (no new load) until Load(),
+//   Pin() or StartLoad(retry_failed) asks again explicitly, Unload() clears
+//   the failure, or retry_failed_after_us passes.
 #pragma once
 
 #include <array>
 #include <condition_variable>
 #include <cstdint>
-#include <limits>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>

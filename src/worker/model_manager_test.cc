@@ -870,8 +870,6 @@ TEST_F(ModelManagerTest, PastDeadlineStillServesALoadedModel) {
   EXPECT_TRUE(mm->Acquire("a", clock_.NowMonoUs() - 1).ok());
 }
 
-// A runtime that throws as it unloads (a device that failed) neither ends
-// the loader thread nor leaves its bytes counted as being freed.
 // A load that evicts several models stops every use of all of them before
 // any runtime unloads: a victim still in use while another's runtime
 // unloads (a GPU's can take a second) would go on pulling work, only to
@@ -892,6 +890,8 @@ TEST_F(ModelManagerTest, EveryVictimIsDetachedBeforeAnyRuntimeUnloads) {
   EXPECT_EQ(events[3].rfind("unload ", 0), 0u) << events[3];
 }
 
+// A runtime that throws as it unloads (a device that failed) neither ends
+// the loader thread nor leaves its bytes counted as being freed.
 TEST_F(ModelManagerTest, ARuntimeThatThrowsOnUnloadStillFreesItsRoom) {
   // a is larger than b: 50 of its bytes are counted as being freed until
   // its unload ends.

@@ -151,6 +151,32 @@ class PushTest : public ::testing::Test {
 
   int64_t GatewayCounter(const std::string& name) { return gateway_metrics_.GetCounter(name, "")->Value(); }
 
+  // A pulling gateway, and the work stream (made by a worker that stops
+  // again), so that work sent before the worker under test starts waits in
+  // the stream.
+  void StartPullGatewayAndStream() {
+    auto d = Dispatcher::Create(DispatcherOptions{}, client_.get(), &gateway_metrics_);
+    ASSERT_TRUE(d.ok());
+    dispatcher_ = std::move(d).value();
+    Member creates_the_stream = Start(Options({"sim-b"}, "stream-setup"));
+    ASSERT_TRUE(creates_the_stream.worker);
+  }
+
+  // A worker whose sim-a runtime fails the first batch of two or more,
+  // then goes down for 4 s on the next pass (`*crashing` is that runtime).
+  Member StartWithSimACrashingOnce(std::vector<std::string> models, const std::string& id,
+                                   std::atomic<CrashOnceRuntime*>* crashing) {
+    WorkerOptions wo = Options(std::move(models), id);
+    wo.runtime_factory = [crashing](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
+      ASSIGN_OR_RETURN(auto inner, CreateRuntime(cfg.runtime));
+      if (cfg.name != "sim-a") return inner;
+      auto r = std::make_unique<CrashOnceRuntime>(std::move(inner), 4000ms);
+      *crashing = r.get();
+      return std::unique_ptr<Runtime>(std::move(r));
+    };
+    return Start(wo);
+  }
+
   TempDir repo_;
   TestNatsServer server_;
   MetricsRegistry gateway_metrics_;
@@ -474,34 +500,19 @@ TEST_F(PushTest, PullAheadDoesNotLockAColdModelOutBehindHotOnes) {
 // runtime to come back before the next one runs; the device is not its
 // meanwhile, so another model's work runs while it waits.
 TEST_F(PushTest, AModelWaitingForItsRuntimeToRestartLeavesTheDeviceToOthers) {
-  DispatcherOptions dopt;  // pull
-  auto d = Dispatcher::Create(dopt, client_.get(), &gateway_metrics_);
-  ASSERT_TRUE(d.ok());
-  dispatcher_ = std::move(d).value();
-  {
-    Member creates_the_stream = Start(Options({"sim-b"}, "restart-wait-setup"));
-    ASSERT_TRUE(creates_the_stream.worker);
-  }
+  ASSERT_NO_FATAL_FAILURE(StartPullGatewayAndStream());
   // Both messages wait in the stream, so the worker pulls them into one batch.
   auto first = EmbedAsync("sim-a", {"first"}, 60000);
   auto second = EmbedAsync("sim-a", {"second"}, 60000);
   std::this_thread::sleep_for(300ms);
-  CrashOnceRuntime* crashing = nullptr;
-  WorkerOptions wo = Options({"sim-a", "sim-b"}, "restart-wait");
-  wo.runtime_factory = [&crashing](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
-    ASSIGN_OR_RETURN(auto inner, CreateRuntime(cfg.runtime));
-    if (cfg.name != "sim-a") return inner;
-    auto r = std::make_unique<CrashOnceRuntime>(std::move(inner), 4000ms);
-    crashing = r.get();
-    return std::unique_ptr<Runtime>(std::move(r));
-  };
-  Member w = Start(wo);
+  std::atomic<CrashOnceRuntime*> crashing{nullptr};  // set on the loader thread
+  Member w = StartWithSimACrashingOnce({"sim-a", "sim-b"}, "restart-wait", &crashing);
   ASSERT_TRUE(w.worker);
-  ASSERT_NE(crashing, nullptr);
-  ASSERT_TRUE(Eventually([&] { return crashing->crashed(); }));
+  ASSERT_NE(crashing.load(), nullptr);
+  ASSERT_TRUE(Eventually([&] { return crashing.load()->crashed(); }));
   auto other = EmbedAsync("sim-b", {"another model"}, 60000);
   ASSERT_EQ(other.wait_for(30s), std::future_status::ready);
-  const bool sim_a_still_down = !crashing->Available();
+  const bool sim_a_still_down = !crashing.load()->Available();
   auto r = other.get();
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_TRUE(sim_a_still_down) << "sim-b ran only once sim-a's runtime was back";
@@ -514,37 +525,23 @@ TEST_F(PushTest, AModelWaitingForItsRuntimeToRestartLeavesTheDeviceToOthers) {
 // Work whose deadline passed while its model waited for the runtime to
 // come back is answered as expired, not run for nobody.
 TEST_F(PushTest, WorkThatExpiredWhileItsRuntimeRestartedIsNotRun) {
-  DispatcherOptions dopt;  // pull
-  auto d = Dispatcher::Create(dopt, client_.get(), &gateway_metrics_);
-  ASSERT_TRUE(d.ok());
-  dispatcher_ = std::move(d).value();
-  {
-    Member creates_the_stream = Start(Options({"sim-b"}, "restart-expiry-setup"));
-    ASSERT_TRUE(creates_the_stream.worker);
-  }
+  ASSERT_NO_FATAL_FAILURE(StartPullGatewayAndStream());
   // Pulled into one batch, which fails; then each runs alone: the first
   // takes the runtime down for 4 s, and the second's deadline passes
   // while it waits for the restart.
   auto first = EmbedAsync("sim-a", {"first"}, 60000);
   auto second = EmbedAsync("sim-a", {"second"}, 2500);
   std::this_thread::sleep_for(300ms);
-  CrashOnceRuntime* crashing = nullptr;
-  WorkerOptions wo = Options({"sim-a"}, "restart-expiry");
-  wo.runtime_factory = [&crashing](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
-    ASSIGN_OR_RETURN(auto inner, CreateRuntime(cfg.runtime));
-    auto r = std::make_unique<CrashOnceRuntime>(std::move(inner), 4000ms);
-    crashing = r.get();
-    return std::unique_ptr<Runtime>(std::move(r));
-  };
-  Member w = Start(wo);
+  std::atomic<CrashOnceRuntime*> crashing{nullptr};  // set on the loader thread
+  Member w = StartWithSimACrashingOnce({"sim-a"}, "restart-expiry", &crashing);
   ASSERT_TRUE(w.worker);
   auto late = second.get();
   ASSERT_FALSE(late.ok());
   EXPECT_EQ(late.status().code(), StatusCode::kDeadlineExceeded);
   auto a = first.get();
   EXPECT_TRUE(a.ok()) << a.status().ToString();
-  ASSERT_NE(crashing, nullptr);
-  EXPECT_TRUE(crashing->crashed());
+  ASSERT_NE(crashing.load(), nullptr);
+  EXPECT_TRUE(crashing.load()->crashed());
   EXPECT_TRUE(Eventually([&] { return w.Counter("shoal_worker_expired_total", {{"model", "sim-a"}}) == 1; }))
       << "the expired work was run after the restart";
 }

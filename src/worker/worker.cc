@@ -1075,7 +1075,8 @@ Result<std::string> Worker::Control(const std::string& action, const std::string
       return DeadlineExceeded("the caller stopped waiting before this worker could start the action",
                               "deadline_exceeded");
     }
-    deadline_mono_us = clock_->NowMonoUs() + left_ms * 1000;
+    constexpr int64_t kDayMs = 86'400'000;  // bounds a mistyped or hostile value
+    deadline_mono_us = clock_->NowMonoUs() + std::min(left_ms, kDayMs) * 1000;
   }
   Status s;
   if (action == "load" || action == "pin") {

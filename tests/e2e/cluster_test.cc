@@ -56,11 +56,11 @@ void StopGracefully(Shoal& s) {
   ASSERT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << DescribeWaitStatus(*status);
 }
 
-// Polls the gateway's view of the queue (refreshed about once a second)
-// until it shows `want` messages or `timeout` passes; returns the last value.
+// Polls the work stream's message count on nats-server until it is `want`
+// or `timeout` passes; returns the last value. (Not the gateway's /readyz:
+// its snapshot is up to a second old, and could say 0 before an ack had
+// landed.)
 int64_t WaitForQueueDepth(const std::string& nats_url, int64_t want, std::chrono::milliseconds timeout) {
-  // Read from nats-server itself: the gateway's /readyz shows a snapshot up
-  // to a second old, which could say 0 before an ack had landed.
   NatsOptions no;
   no.url = nats_url;
   auto client = NatsClient::Connect(no);
