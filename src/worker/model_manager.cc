@@ -311,11 +311,14 @@ Status ModelManager::Preload(const std::string& name) {
   // Memory still being freed (a preload just given back) is room soon.
   cv_.wait(lock, [this] { return unloading_count_ == 0 || stopping_; });
   if (e->state == ModelState::kLoaded) return Status::Ok();  // loaded by another caller meanwhile
-  if (e->state != ModelState::kLoading && !FitsWithoutEvictionLocked(*e))
+  // A load under way is someone else's: joined, it keeps its own rules (a
+  // preload's, that it must fit without evicting, would unload it instead).
+  const bool joins = e->state == ModelState::kLoading;
+  if (!joins && !FitsWithoutEvictionLocked(*e))
     return NoRoom("model '" + name + "' would not fit without evicting");
-  e->preloading = true;
+  if (!joins) e->preloading = true;
   Status s = WaitLoadedLocked(lock, *e, kNoDeadline, /*retry_failed=*/false, /*count_wait=*/false);
-  e->preloading = false;
+  if (!joins) e->preloading = false;
   if (s.ok()) TouchLocked(*e);
   return s;
 }

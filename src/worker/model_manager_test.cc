@@ -1204,6 +1204,29 @@ TEST_F(ModelManagerTest, AModelMeasuredLargerThanTheWholeBudgetIsUnloadedAgain) 
 // Preloading fills what is free and never evicts: a model that fits by its
 // estimate but not by its measured footprint is unloaded again, not the
 // models preloaded before it.
+// A preload that joins a load under way (a request's) does not change what
+// that load does when the model measures more than estimated: the request's
+// load evicts idle models as any load does, rather than being unloaded
+// again as a preload that does not fit would be.
+TEST_F(ModelManagerTest, APreloadJoiningAnotherLoadLeavesThatLoadItsRules) {
+  ModelConfig a = Model("a", 100), b = Model("b", 250, /*file_bytes=*/100);
+  auto mm = Make(Options(300), {a, b});
+  Use(*mm, "a");
+  loader_.Hold("b");
+  ASSERT_TRUE(mm->StartLoad("b").ok());  // fits by its estimate (100)
+  ASSERT_TRUE(loader_.WaitStarted("b", 1));
+  Status preloaded;
+  std::thread preload([&] { preloaded = mm->Preload("b"); });
+  ASSERT_TRUE(Eventually([&] { return StatusOf(*mm, "b").state == ModelState::kLoading; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the preload waits on the load
+  loader_.Open("b");
+  preload.join();
+  EXPECT_TRUE(preloaded.ok()) << preloaded.ToString();
+  EXPECT_TRUE(mm->IsLoaded("b"));
+  EXPECT_FALSE(mm->IsLoaded("a"));  // evicted for b's measured 250
+  EXPECT_EQ(loader_.loads("b"), 1);
+}
+
 TEST_F(ModelManagerTest, PreloadNeverEvicts) {
   auto mm = Make(Options(300), {Model("a", 100), Model("b", 100), Model("ocr", /*measured=*/150, /*file=*/-1),
                                 Model("c", 100), Model("d", 100)});
