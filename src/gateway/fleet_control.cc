@@ -159,12 +159,18 @@ Result<std::vector<FleetControl::Target>> FleetControl::Plan(const FleetSnapshot
 
 Result<ControlOutcome> FleetControl::Run(const Job& job) {
   auto snap = snapshot_();
+  auto targets = Plan(*snap, job.action, job.model, job.worker);
+  // An unknown model or action is that, with NATS or without (the catalog
+  // outlives the connection).
+  const std::string invalid = targets.ok() ? "" : std::string(targets.status().reason());
+  if (invalid == "model_not_found" || invalid == "route_not_found") return targets.status();
   // Without NATS the registry is empty: an unload would find nothing to do
   // and say so with 200.
   if (!snap->nats_connected) {
     return Unavailable("NATS is not reachable from this gateway; the fleet cannot be asked", "queue_unavailable");
   }
-  ASSIGN_OR_RETURN(auto targets, Plan(*snap, job.action, job.model, job.worker));
+  if (!targets.ok()) return targets.status();
+  const std::vector<Target>& plan = *targets;
   ControlOutcome out;
   out.model = job.model;
   out.action = job.action;
@@ -207,16 +213,16 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
     }
     return r;
   };
-  if (!targets.empty() && targets.front().alternative) {
+  if (!plan.empty() && plan.front().alternative) {
     // One at a time, until one has room and answers.
-    for (const Target& t : targets) {
+    for (const Target& t : plan) {
       ControlResult r = ask(t);
       // No room, or a worker that cannot load anything now (gone, stopping,
       // its GPU failed): the next one may.
       const std::string_view why = r.status.reason();
       const bool try_next = why == "no_room_for_model" || why == "worker_unavailable" || why == "shutting_down" ||
                             why == "device_fault";
-      const bool last = &t == &targets.back() || left_ms() <= 0 || cancel_;
+      const bool last = &t == &plan.back() || left_ms() <= 0 || cancel_;
       if (!try_next || last) {
         out.results.push_back(std::move(r));
         break;
@@ -230,7 +236,7 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
   // Every worker at once: a load or pin can take minutes on each, and one
   // after another they would add up (and outlast the caller's timeout).
   std::vector<std::future<ControlResult>> asked;
-  for (const Target& t : targets) asked.push_back(std::async(std::launch::async, ask, std::cref(t)));
+  for (const Target& t : plan) asked.push_back(std::async(std::launch::async, ask, std::cref(t)));
   for (auto& f : asked) out.results.push_back(f.get());
   (void)snapshot_();  // the next GET /v1/models shows what was done
   return out;

@@ -300,6 +300,10 @@ TEST(FleetControlRun, WithoutNatsAnActionIsRefused) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
   EXPECT_EQ(r.status().reason(), "queue_unavailable");
+  // A model the catalog does not have is still 404.
+  std::promise<Result<ControlOutcome>> done;
+  (*control)->Act("unload", "nope", "", [&](Result<ControlOutcome> o) { done.set_value(std::move(o)); });
+  EXPECT_EQ(done.get_future().get().status().reason(), "model_not_found");
 }
 
 // An action's timeout runs from when it was asked for: one that waited it
