@@ -106,7 +106,8 @@ void FleetControl::Loop() {
 }
 
 Result<std::vector<FleetControl::Target>> FleetControl::Plan(const FleetSnapshot& snap, const std::string& action,
-                                                             const std::string& model, const std::string& worker) {
+                                                             const std::string& model, const std::string& worker,
+                                                             const std::map<std::string, int>& busy) {
   if (!KnownAction(action)) {
     return NotFound("unknown model action '" + action + "' (load, unload, pin, unpin)", "route_not_found");
   }
@@ -148,7 +149,12 @@ Result<std::vector<FleetControl::Target>> FleetControl::Plan(const FleetSnapshot
   // not all a load needs (pinned residents, --max-models): the others are
   // alternatives, in the same order.
   const bool host = snap.models.at(model).runtime != "torchscript";
-  std::sort(serving.begin(), serving.end(), [host](const WorkerInfo* a, const WorkerInfo* b) {
+  const auto under_way = [&busy](const WorkerInfo* w) {
+    const auto it = busy.find(w->id);
+    return it == busy.end() ? 0 : it->second;
+  };
+  std::sort(serving.begin(), serving.end(), [&](const WorkerInfo* a, const WorkerInfo* b) {
+    if (under_way(a) != under_way(b)) return under_way(a) < under_way(b);
     if (FreeBytes(*a, host) != FreeBytes(*b, host)) return FreeBytes(*a, host) > FreeBytes(*b, host);
     if (Resident(*a) != Resident(*b)) return Resident(*a) < Resident(*b);
     return a->id < b->id;
@@ -159,7 +165,12 @@ Result<std::vector<FleetControl::Target>> FleetControl::Plan(const FleetSnapshot
 
 Result<ControlOutcome> FleetControl::Run(const Job& job) {
   auto snap = snapshot_();
-  auto targets = Plan(*snap, job.action, job.model, job.worker);
+  std::map<std::string, int> busy;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    busy = busy_;
+  }
+  auto targets = Plan(*snap, job.action, job.model, job.worker, busy);
   // An unknown model or action is that, with NATS or without (the catalog
   // outlives the connection).
   const std::string invalid = targets.ok() ? "" : std::string(targets.status().reason());
@@ -189,6 +200,18 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
   auto ask = [&](const Target& t) {
     ControlResult r;
     r.worker = t.worker;
+    struct UnderWay {  // counted in busy_ while the worker is asked
+      FleetControl* self;
+      std::string worker;
+      UnderWay(FleetControl* s, std::string w) : self(s), worker(std::move(w)) {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        ++self->busy_[worker];
+      }
+      ~UnderWay() {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        if (--self->busy_[worker] <= 0) self->busy_.erase(worker);
+      }
+    } under_way(this, t.worker);
     const int64_t timeout = std::max<int64_t>(1, left_ms());
     // The worker does not start an action its caller has stopped waiting for.
     json req = {{"action", t.action}, {"model", job.model}, {"deadline_unix_ms", NowUnixMs() + timeout}};

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -81,8 +82,12 @@ class FleetControl final : public ModelController {
     // not answer, and only the last one asked is reported.
     bool alternative = false;
   };
+  // `busy`: actions this gateway has under way, per worker (a worker runs
+  // one at a time): alternatives with fewer come first, so loads asked for
+  // together spread over the workers instead of queueing on one.
   static Result<std::vector<Target>> Plan(const FleetSnapshot& snap, const std::string& action,
-                                          const std::string& model, const std::string& worker);
+                                          const std::string& model, const std::string& worker,
+                                          const std::map<std::string, int>& busy = {});
 
  private:
   struct Job {
@@ -100,6 +105,7 @@ class FleetControl final : public ModelController {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> jobs_;  // guarded by mu_
+  std::map<std::string, int> busy_;  // guarded by mu_: actions under way per worker
   bool stop_ = false;     // guarded by mu_
   std::atomic<bool> cancel_{false};  // requests under way give up
   std::vector<std::thread> threads_;

@@ -54,6 +54,10 @@ TEST(FleetControlPlan, LoadGoesWhereItIsResidentElseToTheWorkerWithMostRoom) {
   for (const auto& t : *plan) EXPECT_TRUE(t.alternative);
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "pin", "m", "")), (std::vector<std::string>{"roomy:pin", "full:pin"}));
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "full")), std::vector<std::string>{"full:load"});
+  // A worker this gateway has an action under way on goes after one it has
+  // none on (a worker runs one at a time): loads asked for together spread.
+  EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "", {{"roomy", 1}})),
+            (std::vector<std::string>{"full:load", "roomy:load"}));
   // "elsewhere" does not serve m.
   EXPECT_EQ(Workers(FleetControl::Plan(snap, "load", "m", "elsewhere")),
             std::vector<std::string>{"error: worker_not_found"});
@@ -284,6 +288,39 @@ TEST(FleetControlRun, ALoadThatFindsNoRoomGoesToTheNextWorker) {
   ASSERT_EQ(r->results.size(), 1u);
   EXPECT_EQ(r->results[0].worker, "b");
   EXPECT_TRUE(r->results[0].status.ok()) << r->results[0].status.ToString();
+}
+
+// Two loads asked for together go to two workers: the one with most room
+// is still busy with the first (a worker runs one action at a time).
+TEST(FleetControlRun, LoadsAskedForTogetherSpreadOverTheWorkers) {
+  shoal::testing::TestNatsServer nats;
+  auto client = Connect(nats.url());
+  ASSERT_TRUE(client.ok());
+  ScriptedControlWorker slow, other;  // slow: still loading, never answers here
+  other.reply = R"({"ok":true,"worker":"b","status":{"state":"loaded"}})";
+  auto sub_a = (*client)->Subscribe(wire::ControlSubject("a"), &ScriptedControlWorker::OnMsg, &slow);
+  auto sub_b = (*client)->Subscribe(wire::ControlSubject("b"), &ScriptedControlWorker::OnMsg, &other);
+  ASSERT_TRUE(sub_a.ok() && sub_b.ok());
+  auto snap = std::make_shared<FleetSnapshot>(Fleet({
+      R"({"id":"a","memory_used_bytes":0,"memory_budget_bytes":1000,
+          "models":[{"name":"m","state":"not_loaded"},{"name":"other","state":"not_loaded"}]})",
+      R"({"id":"b","memory_used_bytes":500,"memory_budget_bytes":1000,
+          "models":[{"name":"m","state":"not_loaded"},{"name":"other","state":"not_loaded"}]})"}));
+  FleetControlOptions o;
+  o.load_timeout_ms = 600000;
+  auto control = FleetControl::Create(o, client->get(), [snap] { return snap; });
+  ASSERT_TRUE(control.ok());
+  std::promise<Result<ControlOutcome>> first, second;
+  (*control)->Act("load", "m", "", [&](Result<ControlOutcome> r) { first.set_value(std::move(r)); });
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return slow.asked() == 1; }));
+  (*control)->Act("load", "other", "", [&](Result<ControlOutcome> r) { second.set_value(std::move(r)); });
+  auto r = second.get_future().get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->results.size(), 1u);
+  EXPECT_EQ(r->results[0].worker, "b");
+  EXPECT_EQ(slow.asked(), 1u);
+  (*control)->Stop();  // ends the first load's wait
+  EXPECT_EQ(first.get_future().get().status().reason(), "shutting_down");
 }
 
 // Without NATS the registry view is empty: an action is refused (503)
