@@ -289,14 +289,11 @@ Result<BlobRef> NatsObjectStore::PutFrom(const BlobSource& source, const std::st
   // then left allocated (a few dozen bytes per such Put) rather than freed
   // under a late callback.
   bool settled = true;  // the last PublishAsyncComplete left nothing pending
-  std::unique_ptr<PublishErrors> errors_owner(new PublishErrors);
-  struct KeepUnlessSettled {
-    std::unique_ptr<PublishErrors>& owner;
-    const bool& settled;
-    ~KeepUnlessSettled() {
-      if (!settled) (void)owner.release();
-    }
+  const auto free_if_settled = [&settled](PublishErrors* p) {
+    if (settled) delete p;
   };
+  // Declared before the context, so destroyed after it.
+  std::unique_ptr<PublishErrors, decltype(free_if_settled)> errors_owner(new PublishErrors, free_if_settled);
   PublishErrors& errors = *errors_owner;
   jsOptions jo;
   jsOptions_Init(&jo);
@@ -308,8 +305,6 @@ Result<BlobRef> NatsObjectStore::PutFrom(const BlobSource& source, const std::st
   jsCtx* js_raw = nullptr;
   natsStatus s = natsConnection_JetStream(&js_raw, client_.conn(), &jo);
   if (s != NATS_OK) return FromNats(s, "jetstream context");
-  // Destroyed in reverse order: the context first, then (maybe) the record.
-  KeepUnlessSettled keep{errors_owner, settled};
   std::unique_ptr<jsCtx, JsCtxDeleter> js(js_raw);
 
   const std::string nuid = blob_internal::RandomId();

@@ -382,9 +382,8 @@ void Dispatcher::OnMessage(natsConnection*, natsSubscription*, natsMsg* raw, voi
       if (natsMsgHeader_Get(raw, wire::kHdrRequestId, &id) != NATS_OK || id == nullptr) id = "";
       const char* chunk_text = nullptr;
       int chunk = -1;
-      if (natsMsgHeader_Get(raw, wire::kHdrChunk, &chunk_text) == NATS_OK && chunk_text != nullptr &&
-          std::from_chars(chunk_text, chunk_text + std::strlen(chunk_text), chunk).ec != std::errc())
-        chunk = -1;
+      if (natsMsgHeader_Get(raw, wire::kHdrChunk, &chunk_text) == NATS_OK && chunk_text != nullptr)
+        std::from_chars(chunk_text, chunk_text + std::strlen(chunk_text), chunk);  // left -1 if not a number
       self->HandleReplyRef(ref, id, chunk);
       return;
     }

@@ -16,8 +16,6 @@ namespace {
 
 using nlohmann::json;
 
-int64_t NowUnixMs() { return SystemClock::Get()->NowUnixMs(); }
-
 bool KnownAction(const std::string& a) { return a == "load" || a == "unload" || a == "pin" || a == "unpin"; }
 
 // Room a worker has left for another model (unlimited: the largest value):
@@ -112,6 +110,11 @@ Result<std::vector<FleetControl::Target>> FleetControl::Plan(const FleetSnapshot
     return NotFound("unknown model action '" + action + "' (load, unload, pin, unpin)", "route_not_found");
   }
   if (snap.models.count(model) == 0) return NotFound("The model '" + model + "' does not exist", "model_not_found");
+  // Without NATS the registry is empty: an unload would find nothing to do
+  // and say so with 200. (The catalog outlives the connection.)
+  if (!snap.nats_connected) {
+    return Unavailable("NATS is not reachable from this gateway; the fleet cannot be asked", "queue_unavailable");
+  }
   std::vector<const WorkerInfo*> serving;  // live workers with the model in their catalog
   for (const auto& w : snap.workers)
     if (w.models.count(model) != 0) serving.push_back(&w);
@@ -170,18 +173,7 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
     std::lock_guard<std::mutex> lock(mu_);
     busy = busy_;
   }
-  auto targets = Plan(*snap, job.action, job.model, job.worker, busy);
-  // An unknown model or action is that, with NATS or without (the catalog
-  // outlives the connection).
-  const std::string invalid = targets.ok() ? "" : std::string(targets.status().reason());
-  if (invalid == "model_not_found" || invalid == "route_not_found") return targets.status();
-  // Without NATS the registry is empty: an unload would find nothing to do
-  // and say so with 200.
-  if (!snap->nats_connected) {
-    return Unavailable("NATS is not reachable from this gateway; the fleet cannot be asked", "queue_unavailable");
-  }
-  if (!targets.ok()) return targets.status();
-  const std::vector<Target>& plan = *targets;
+  ASSIGN_OR_RETURN(const std::vector<Target> plan, Plan(*snap, job.action, job.model, job.worker, busy));
   ControlOutcome out;
   out.model = job.model;
   out.action = job.action;
@@ -214,7 +206,7 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
     } under_way(this, t.worker);
     const int64_t timeout = std::max<int64_t>(1, left_ms());
     // The worker does not start an action its caller has stopped waiting for.
-    json req = {{"action", t.action}, {"model", job.model}, {"deadline_unix_ms", NowUnixMs() + timeout}};
+    json req = {{"action", t.action}, {"model", job.model}, {"deadline_unix_ms", SystemClock::Get()->NowUnixMs() + timeout}};
     auto reply = client_->Request(wire::ControlSubject(t.worker), DumpJson(req), timeout, cancel_);
     if (!reply.ok()) {
       r.status = reply.status().code() == StatusCode::kUnavailable
@@ -237,7 +229,8 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
     return r;
   };
   if (!plan.empty() && plan.front().alternative) {
-    // One at a time, until one has room and answers.
+    // One at a time, until one has room and answers; only that one is
+    // reported.
     for (const Target& t : plan) {
       ControlResult r = ask(t);
       // No room, or a worker that cannot load anything now (gone, stopping,
@@ -253,14 +246,13 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
       LOG_INFO("gateway", job.action << " " << job.model << ": worker " << t.worker << " cannot ("
                                      << r.status.ToString() << "); asking the next");
     }
-    (void)snapshot_();
-    return out;
+  } else {
+    // Every worker at once: a load or pin can take minutes on each, and one
+    // after another they would add up (and outlast the caller's timeout).
+    std::vector<std::future<ControlResult>> asked;
+    for (const Target& t : plan) asked.push_back(std::async(std::launch::async, ask, std::cref(t)));
+    for (auto& f : asked) out.results.push_back(f.get());
   }
-  // Every worker at once: a load or pin can take minutes on each, and one
-  // after another they would add up (and outlast the caller's timeout).
-  std::vector<std::future<ControlResult>> asked;
-  for (const Target& t : plan) asked.push_back(std::async(std::launch::async, ask, std::cref(t)));
-  for (auto& f : asked) out.results.push_back(f.get());
   (void)snapshot_();  // the next GET /v1/models shows what was done
   return out;
 }

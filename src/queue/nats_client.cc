@@ -761,12 +761,8 @@ Status KvBucket::Put(const std::string& key, std::string_view value) {
 }
 
 Result<std::string> KvBucket::Get(const std::string& key) {
-  kvEntry* e = nullptr;
-  natsStatus s = kvStore_Get(&e, kv_.get(), key.c_str());
-  if (s != NATS_OK) return FromNats(s, "kv get " + key);
-  std::string v(static_cast<const char*>(kvEntry_Value(e)), kvEntry_ValueLen(e));
-  kvEntry_Destroy(e);
-  return v;
+  ASSIGN_OR_RETURN(auto entry, GetRevision(key));
+  return std::move(entry.first);
 }
 
 Result<std::pair<std::string, uint64_t>> KvBucket::GetRevision(const std::string& key) {

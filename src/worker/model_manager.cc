@@ -4,7 +4,6 @@
 #include <chrono>
 #include <exception>
 #include <filesystem>
-#include <functional>
 #include <limits>
 #include <set>
 #include <system_error>
@@ -699,7 +698,7 @@ void ModelManager::UnloadVictims(std::vector<std::unique_ptr<LoadedModel>> victi
                                  PoolBytes accounted_bytes, int accounted_count) {
   // An exception here (a runtime whose device failed) must neither end
   // the loader thread nor leave the bytes below accounted as unloading.
-  const auto guarded = [](const LoadedModel& v, const std::function<void()>& step) {
+  const auto guarded = [](const LoadedModel& v, auto&& step) {
     try {
       step();
     } catch (const std::exception& ex) {

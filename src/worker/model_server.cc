@@ -274,6 +274,13 @@ void ModelServer::Fail(Delivery& delivery, const wire::WorkHeaders& headers, con
                          {{"model", d_.config.name}, {"code", status.ReasonOrDefault()}})->Inc();
 }
 
+bool ModelServer::FailIfExpired(Delivery& delivery, const wire::WorkHeaders& headers, int64_t now_unix_ms) {
+  if (headers.deadline_unix_ms <= 0 || now_unix_ms <= headers.deadline_unix_ms) return false;
+  expired_->Inc();
+  Fail(delivery, headers, DeadlineExceeded("deadline passed before the work was run"));
+  return true;
+}
+
 Result<std::unique_ptr<PendingWork>> ModelServer::Prepare(std::string_view data) const {
   ASSIGN_OR_RETURN(wire::WorkBody body, wire::DecodeWorkBody(data));
   const ModelConfig& c = d_.config;
@@ -381,11 +388,7 @@ void ModelServer::Push(Delivery delivery) {
     return;
   }
   pushed_->Inc();
-  if (headers.deadline_unix_ms > 0 && d_.clock->NowUnixMs() > headers.deadline_unix_ms) {
-    expired_->Inc();
-    Fail(delivery, headers, DeadlineExceeded("deadline passed before the work was run"));
-    return;
-  }
+  if (FailIfExpired(delivery, headers, d_.clock->NowUnixMs())) return;
   // An offloaded payload is fetched on this (subscription) thread: pushed
   // work over the blob threshold is rare, and push is the baseline.
   auto work = PrepareDelivery(delivery, headers);
@@ -518,11 +521,7 @@ void ModelServer::FetchLoop() {
       if (!headers) continue;
       const Delivery::Info info = delivery.Metadata();  // one parse per message
       if (info.num_delivered > 1) redelivered_->Inc();
-      if (headers->deadline_unix_ms > 0 && now_ms > headers->deadline_unix_ms) {
-        expired_->Inc();
-        Fail(delivery, *headers, DeadlineExceeded("deadline passed before the work was run"));
-        continue;
-      }
+      if (FailIfExpired(delivery, *headers, now_ms)) continue;
       auto work = PrepareDelivery(delivery, *headers);
       if (!work.ok()) {
         if (work.status().code() == StatusCode::kUnavailable &&
@@ -682,11 +681,7 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
   std::vector<std::unique_ptr<PendingWork>> live;
   for (auto& w : batch) {
     batch_wait_seconds_->Observe(static_cast<double>(now_us - w->enqueued_mono_us) / 1e6);
-    if (w->headers.deadline_unix_ms > 0 && now_ms > w->headers.deadline_unix_ms) {
-      expired_->Inc();
-      Fail(w->delivery, w->headers, DeadlineExceeded("deadline passed before the work was run"));
-      continue;
-    }
+    if (FailIfExpired(w->delivery, w->headers, now_ms)) continue;
     live.push_back(std::move(w));
   }
   if (live.empty()) return;
@@ -742,11 +737,8 @@ void ModelServer::RunEachAlone(std::vector<std::unique_ptr<PendingWork>> work) {
         return;
       }
     }
-    if (work[i]->headers.deadline_unix_ms > 0 && d_.clock->NowUnixMs() > work[i]->headers.deadline_unix_ms) {
-      expired_->Inc();  // expired while it waited for the runtime or the device
-      Fail(work[i]->delivery, work[i]->headers, DeadlineExceeded("deadline passed before the work was run"));
-      continue;
-    }
+    // Expired while it waited for the runtime or the device.
+    if (FailIfExpired(work[i]->delivery, work[i]->headers, d_.clock->NowUnixMs())) continue;
     std::vector<std::unique_ptr<PendingWork>> one;
     one.push_back(std::move(work[i]));
     RunLive(std::move(one));

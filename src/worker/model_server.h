@@ -186,6 +186,9 @@ class ModelServer final : public ModelAttachment {
   void Release(std::vector<std::unique_ptr<PendingWork>> work, const Status& last_chance, int64_t delay_ms = 0);
   // Publishes an error reply (when the caller can be reached) and terms.
   void Fail(Delivery& delivery, const wire::WorkHeaders& headers, const Status& status);
+  // Work whose deadline passed by `now_unix_ms` is answered as expired
+  // (counted, terminated): true. Else false, and nothing is done.
+  bool FailIfExpired(Delivery& delivery, const wire::WorkHeaders& headers, int64_t now_unix_ms);
   Status Reply(const wire::WorkReply& reply, const std::string& reply_to);
 
   ModelServerDeps d_;

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "common/clock.h"
+
 namespace shoal {
 namespace {
 
@@ -221,10 +223,7 @@ TEST_F(TesseractOcrTest, ReadsALargeNoisyPng) {
   Check(eng_.get(), "large.png");
 }
 
-int64_t NowUnixMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
+int64_t NowUnixMs() { return SystemClock::Get()->NowUnixMs(); }
 
 // A deadline stops the work: not started once it has passed, and stopped
 // part-way through a page that takes longer (large.png takes about 450 ms

@@ -11,6 +11,8 @@
 
 #include <msgpack.hpp>
 
+#include "common/clock.h"
+
 namespace shoal {
 namespace {
 
@@ -96,9 +98,7 @@ TEST(TesseractRuntime, AnImagePastItsDeadlineFailsAlone) {
   TesseractRuntime rt;
   ASSERT_TRUE(rt.Load(OcrEng()).ok());
   const std::string png = Slurp(Source() + "/testdata/ocr/eng.png");
-  const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
-                          std::chrono::system_clock::now().time_since_epoch())
-                          .count();
+  const int64_t now = SystemClock::Get()->NowUnixMs();
   auto r = rt.RunItemsBefore({png, png, png}, {now - 1, 0, now + 600000}, {});
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_EQ(r->size(), 3u);
