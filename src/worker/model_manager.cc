@@ -537,6 +537,10 @@ Result<ModelManager::Step> ModelManager::BeginLoadLocked(Entry& e) {
   int count = CountLocked();
   std::vector<Entry*> chosen;
   if (!fits(used, count)) {
+    // Unloads under way (an operator's, or the excess of an earlier
+    // eviction) will free enough: wait for them rather than evict more,
+    // which would leave the budget part empty once they end.
+    if (fits(used - unloading_bytes_[pool], count - unloading_count_)) return Step::kWait;
     std::vector<Entry*> evictable = EvictableLocked(&e);
     auto choose = [&](std::vector<Entry*>::iterator it) {
       chosen.push_back(*it);

@@ -94,10 +94,28 @@ class FakeLoader {
     return unloads_[name];
   }
   void OnUnload(const std::string& name) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     ++unloads_[name];
     events_.push_back("unload " + name);
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return held_unloads_.count(name) == 0; });
     if (throw_on_unload_.count(name)) throw std::runtime_error("CUDA error: an illegal memory access");
+  }
+  // Unloads of `name` wait in the runtime (its memory still being freed)
+  // until OpenUnload.
+  void HoldUnload(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_unloads_.insert(name);
+  }
+  void OpenUnload(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_unloads_.erase(name);
+    cv_.notify_all();
+  }
+  // Blocks until `n` unloads of `name` have started (false after 10 s).
+  bool WaitUnloadStarted(const std::string& name, int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(10), [&] { return unloads_[name] >= n; });
   }
   void OnDetach(const std::string& name) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -149,6 +167,7 @@ class FakeLoader {
   std::condition_variable cv_;
   std::map<std::string, Spec> specs_;
   std::set<std::string> held_;
+  std::set<std::string> held_unloads_;
   std::map<std::string, int> started_;
   std::map<std::string, int> unloads_;
   std::map<std::string, Status> health_;
@@ -953,6 +972,36 @@ TEST_F(ModelManagerTest, VictimsAreChosenWhenTheLoaderIsFreeNotWhileItIsBusy) {
   EXPECT_EQ(StateOf(*mm, "c"), ModelState::kLoaded);
   EXPECT_EQ(StateOf(*mm, "a"), ModelState::kNotLoaded);
   EXPECT_EQ(Evictions("a"), 1);
+}
+
+// Room that an unload under way will free is waited for, not taken again
+// from another resident model: evicting b as well would leave the budget
+// half empty once a's unload ends. The same for a model count.
+TEST_F(ModelManagerTest, ALoadWaitsForMemoryBeingFreedInsteadOfEvictingMore) {
+  for (const bool by_count : {false, true}) {
+    SCOPED_TRACE(by_count ? "max_models 2" : "budget of 2 models");
+    auto mm = Make(by_count ? Options(0, {}, /*max_models=*/2) : Options(200),
+                   {Model("a", 100), Model("b", 100), Model("c", 100)});
+    ASSERT_TRUE(mm->Load("a").ok());
+    ASSERT_TRUE(mm->Load("b").ok());
+    const int unloads_before = loader_.unloads("a");
+    const int64_t evictions_before = Evictions("b");
+    loader_.HoldUnload("a");
+    std::thread unload([&] { EXPECT_TRUE(mm->Unload("a").ok()); });
+    ASSERT_TRUE(loader_.WaitUnloadStarted("a", unloads_before + 1));
+    EXPECT_EQ(mm->StartLoad("c").reason(), "memory_being_freed");
+    EXPECT_EQ(StateOf(*mm, "b"), ModelState::kLoaded) << "evicted while a's room was being freed";
+    Status c_loaded;
+    std::thread waiter([&] { c_loaded = mm->Load("c"); });
+    loader_.OpenUnload("a");
+    unload.join();
+    waiter.join();
+    EXPECT_TRUE(c_loaded.ok()) << c_loaded.ToString();
+    EXPECT_EQ(StateOf(*mm, "b"), ModelState::kLoaded);
+    EXPECT_EQ(StateOf(*mm, "c"), ModelState::kLoaded);
+    EXPECT_EQ(Evictions("b"), evictions_before);
+    mm.reset();
+  }
 }
 
 TEST_F(ModelManagerTest, StartLoadDoesNotWait) {
