@@ -26,4 +26,16 @@ struct JsonBounds {
 Status ParseBoundedJson(std::string_view text, std::string_view what, const JsonBounds& bounds,
                         nlohmann::json* out);
 
+// Walks MessagePack `data` without decoding it, before a decoder that
+// recurses once per level (nlohmann's, which a million nested one-element
+// arrays in 1 MiB would take past the end of the stack) or reserves what a
+// header claims (msgpack-c) sees it. Errors name `what`: InvalidArgument
+// "nesting_too_deep" past max_depth, PayloadTooLarge "too_many_values" past
+// max_values, InvalidArgument "invalid_msgpack" for an array or map that
+// claims more elements than `data` has bytes, and for any bin or ext value
+// unless `binary_allowed` (they have no JSON form). OK otherwise, also when
+// `data` is malformed in another way: the decoder says so.
+Status CheckBoundedMsgpack(std::string_view data, std::string_view what, const JsonBounds& bounds,
+                           bool binary_allowed);
+
 }  // namespace shoal

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/bounded_json.h"
 #include "common/json_text.h"
 #include "gateway/internal/http_json.h"
 #include "gateway/routes.h"
@@ -22,6 +23,12 @@ using nlohmann::json;
 
 // Decodes one MessagePack result document and puts Shoal's model name in.
 Result<json> ResultDoc(std::string_view doc, const std::string& model) {
+  // Anything on NATS can publish to a reply subject; nlohmann's reader
+  // recurses once per level.
+  if (Status bounded = CheckBoundedMsgpack(doc, "the worker's result", JsonBounds{}, /*binary_allowed=*/true);
+      !bounded.ok()) {
+    return Status(StatusCode::kBadGateway, bounded.message(), "upstream_error");
+  }
   json j = json::from_msgpack(doc, true, false);
   if (j.is_discarded() || !j.is_object())
     return Status(StatusCode::kBadGateway, "the worker returned a result that is not a MessagePack map",

@@ -8,8 +8,6 @@
 #include <cstdio>
 #include <random>
 
-#include <msgpack.hpp>
-
 #include "common/bounded_json.h"
 #include "common/utf8.h"
 
@@ -71,75 +69,6 @@ HttpResponse JsonResponse(int status, std::string body) {
   return r;
 }
 
-namespace {
-
-Status TooManyValuesError(const char* format) {
-  return Status(StatusCode::kPayloadTooLarge, std::string("request body has more than ") +
-                                                  std::to_string(kMaxRequestValues) + " " + format + " values",
-                "too_many_values");
-}
-
-Status TooDeepError(const char* format) {
-  return InvalidArgument(std::string("request body nests ") + format + " arrays and objects more than " +
-                             std::to_string(kMaxRequestDepth) + " deep",
-                         "nesting_too_deep");
-}
-
-// Walks a MessagePack body without building it: counts values, tracks
-// nesting, and stops at the first bound crossed or at an array or map
-// header that claims more elements than the body has bytes (each takes one
-// at least), before msgpack-c would reserve room for them.
-struct MsgpackBodyCheck : msgpack::null_visitor {
-  MsgpackBodyCheck(size_t body_bytes, bool binary_allowed) : body_bytes(body_bytes), binary_allowed(binary_allowed) {}
-  const uint64_t body_bytes;
-  const bool binary_allowed;
-  uint64_t values = 0;
-  int depth = 0;
-  Status status;
-  bool Stop(Status s) {
-    status = std::move(s);
-    return false;
-  }
-  bool Take() {
-    if (++values > kMaxRequestValues) return Stop(TooManyValuesError("MessagePack"));
-    return true;
-  }
-  bool Open(uint64_t elements) {
-    if (!Take()) return false;
-    if (++depth > kMaxRequestDepth) return Stop(TooDeepError("MessagePack"));
-    if (elements > body_bytes) {
-      return Stop(InvalidArgument("request body is not valid MessagePack: a header claims " +
-                                      std::to_string(elements) + " elements in " + std::to_string(body_bytes) +
-                                      " bytes",
-                                  "invalid_msgpack"));
-    }
-    if (elements > kMaxRequestValues - values) return Stop(TooManyValuesError("MessagePack"));
-    return true;
-  }
-  bool visit_nil() { return Take(); }
-  bool visit_boolean(bool) { return Take(); }
-  bool visit_positive_integer(uint64_t) { return Take(); }
-  bool visit_negative_integer(int64_t) { return Take(); }
-  bool visit_float32(float) { return Take(); }
-  bool visit_float64(double) { return Take(); }
-  bool visit_str(const char*, uint32_t) { return Take(); }
-  bool Binary(const char* kind) {
-    if (binary_allowed) return Take();
-    return Stop(InvalidArgument(std::string("request body holds a MessagePack ") + kind +
-                                    " value, which this route does not take (it has no JSON form): send text as str",
-                                "invalid_msgpack"));
-  }
-  bool visit_bin(const char*, uint32_t) { return Binary("bin"); }
-  bool visit_ext(const char*, uint32_t) { return Binary("ext"); }
-  bool start_array(uint32_t n) { return Open(n); }
-  bool end_array() { return --depth, true; }
-  bool start_map(uint32_t n) { return Open(uint64_t{2} * n); }
-  bool end_map() { return --depth, true; }
-  void parse_error(size_t, size_t) {}
-  void insufficient_bytes(size_t, size_t) {}
-};
-
-}  // namespace
 
 Status ParseJsonObject(const std::string& text, json* out) {
   RETURN_IF_ERROR(ParseBoundedJson(text, "request body", {kMaxRequestDepth, kMaxRequestValues}, out));
@@ -148,10 +77,7 @@ Status ParseJsonObject(const std::string& text, json* out) {
 }
 
 Status CheckMsgpackBody(std::string_view body, bool binary_allowed) {
-  MsgpackBodyCheck check(body.size(), binary_allowed);
-  std::size_t offset = 0;
-  (void)msgpack::parse(body.data(), body.size(), offset, check);  // errors: the decoder's to report
-  return check.status;
+  return CheckBoundedMsgpack(body, "request body", {kMaxRequestDepth, kMaxRequestValues}, binary_allowed);
 }
 
 namespace {

@@ -298,6 +298,30 @@ TEST(OpenAiRuntime, DeeplyNestedAnswersAreUpstreamErrors) {
   EXPECT_EQ(embed->RunItems({"x"}, {}).status().reason(), "upstream_error");
 }
 
+// A generate input published to the queue directly (past the gateway's
+// checks) that nests a million one-element arrays in 1 MiB is refused
+// before nlohmann's reader, which recurses once per level, would take the
+// worker's stack; the upstream is never called, and the next input is
+// served.
+TEST(OpenAiRuntime, DeeplyNestedGenerateInputsAreRefusedBeforeDecoding) {
+  std::atomic<int> calls{0};
+  FakeOpenAiServer server([&](const FakeOpenAiServer::Request&) {
+    ++calls;
+    return FakeOpenAiServer::Reply{200, R"({"id":"c","object":"chat.completion","choices":[]})"};
+  });
+  auto rt = Loaded(Config("generate", server.url() + "/v1"));
+  std::string deep(1 << 20, '\x91');  // fixarray of one element, a million deep
+  deep.push_back('\xc0');
+  const Status st = OnlyError(rt->RunItems({deep}, [](size_t, std::string_view) {}));
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_EQ(st.reason(), "nesting_too_deep") << st.ToString();
+  EXPECT_EQ(calls.load(), 0);
+  auto out = rt->RunItems({ChatRequest(false)}, [](size_t, std::string_view) {});
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_TRUE(ParseItemError((*out)[0]).ok()) << ParseItemError((*out)[0]).ToString();
+  EXPECT_EQ(calls.load(), 1);
+}
+
 TEST(OpenAiRuntime, MapsUpstreamErrors) {
   int status = 400;
   FakeOpenAiServer server([&](const FakeOpenAiServer::Request&) {
