@@ -23,6 +23,7 @@ struct Dispatcher::Pending {
   int received = 0;
   int64_t deadline_unix_ms = 0;
   std::vector<bool> have;
+  std::vector<int> next_seq;  // per chunk: the number of the partial reply it expects next
   std::vector<wire::WorkReply> parts;
   std::vector<std::string> blob_refs;  // offloaded chunks, deleted on completion; guarded by mu_
   // Push: per chunk, the worker it went to (empty: the queue) and its rows.
@@ -215,13 +216,20 @@ void Dispatcher::SubmitItems(ItemJob job, ItemCallback done, PartialCallback par
   }
   auto assemble = [n, done = std::move(done)](Parts parts) {
     if (!parts.ok()) return done(parts.status());
+    // One input per chunk, so one result per reply: counted per chunk, a
+    // reply with two results and one with none would hand an input its
+    // neighbour's result.
     ItemResult r;
     r.items.reserve(n);
-    for (auto& part : *parts)
-      for (auto& item : part.items) r.items.push_back(std::move(item));
-    if (r.items.size() != n)
-      return done(Internal("workers returned " + std::to_string(r.items.size()) + " results for " +
-                           std::to_string(n) + " inputs"));
+    for (size_t c = 0; c < parts->size(); ++c) {
+      auto& part = (*parts)[c];
+      if (part.items.size() != 1)
+        return done(Status(StatusCode::kBadGateway,
+                           "worker " + part.worker_id + " returned " + std::to_string(part.items.size()) +
+                               " results for input " + std::to_string(c) + ", which is one input",
+                           "bad_worker_reply"));
+      r.items.push_back(std::move(part.items.front()));
+    }
     done(std::move(r));
   };
   Submit(job.model, job.deadline_unix_ms, std::move(chunks), std::move(assemble), std::move(partial),
@@ -255,6 +263,7 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
   p->chunk_count = count;
   p->deadline_unix_ms = deadline_unix_ms;
   p->have.assign(count, false);
+  p->next_seq.assign(count, 0);
   p->parts.resize(count);
   p->chunk_worker.resize(count);
   p->chunk_rows.resize(count);
@@ -479,15 +488,15 @@ void Dispatcher::FetchReply(const std::string& ref, const std::string& request_i
   }
   auto data = offload_->Fetch(ref);
   offload_->DeleteAsync(ref);
+  Status failed = data.status();
   if (data.ok()) {
     auto reply = wire::DecodeWorkReply(*data);
-    if (!reply.ok()) {
-      LOG_WARN("gateway", "undecodable reply " << ref << ": " << reply.status().message());
-      return;
-    }
-    return HandleDecodedReply(std::move(reply).value());
+    if (reply.ok()) return HandleDecodedReply(std::move(reply).value());
+    // Its headers say whose it is: that request hears now, not at its deadline.
+    failed = Status(StatusCode::kBadGateway, "a worker sent a reply this gateway cannot read: " + reply.status().message(),
+                    "bad_worker_reply");
   }
-  LOG_WARN("gateway", "reply payload " << ref << ": " << data.status().ToString());
+  LOG_WARN("gateway", "reply payload " << ref << ": " << failed.ToString());
   if (request_id.empty()) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -496,7 +505,7 @@ void Dispatcher::FetchReply(const std::string& ref, const std::string& request_i
     // A redelivered copy of a chunk already answered: the answer stands.
     if (chunk >= 0 && chunk < it->second->chunk_count && it->second->have[chunk]) return;
   }
-  Complete(request_id, data.status());
+  Complete(request_id, failed);
 }
 
 void Dispatcher::HandlePubAck(std::string_view tail, natsMsg* msg) {
@@ -551,6 +560,7 @@ void Dispatcher::HandleDecodedReply(wire::WorkReply reply) {
   const bool is_partial = reply.partial;
   std::shared_ptr<Pending> p;
   bool complete = false;
+  bool forward = false;  // a partial reply to pass on
   Status error;
   std::string released_worker;
   int64_t released_rows = 0;
@@ -569,9 +579,23 @@ void Dispatcher::HandleDecodedReply(wire::WorkReply reply) {
     }
     if (is_partial) {
       // Replies arrive in order on this one subscription thread, so a
-      // chunk's partials reach the callback in the order they were sent.
-      // (A redelivered chunk may repeat partials already passed on.)
+      // chunk's partials reach the callback in the order they were sent,
+      // numbered from 0. Any other number means the output the caller has
+      // cannot go on: the chunk started again from its beginning (its
+      // worker was lost and the work redelivered; it would repeat, or
+      // differ from, what was passed on), or a partial went missing.
       if (!p->partial || !reply.status.ok() || reply.items.empty()) return;
+      if (reply.seq == p->next_seq[c]) {
+        ++p->next_seq[c];
+        forward = true;
+      } else {
+        error = Status(StatusCode::kBadGateway,
+                       reply.seq < p->next_seq[c]
+                           ? "the worker streaming this output was lost and its work started again from the "
+                             "beginning; the output already sent cannot be continued"
+                           : "part of this streamed output was lost on its way",
+                       "stream_interrupted");
+      }
     } else if (!reply.status.ok()) {
       error = reply.status;
       // An input the worker found bad (its reason names the kind of input,
@@ -593,7 +617,7 @@ void Dispatcher::HandleDecodedReply(wire::WorkReply reply) {
     }
   }
   if (!released_worker.empty()) ReleaseRows(released_worker, released_rows);
-  if (is_partial) {
+  if (forward) {
     const size_t c = static_cast<size_t>(reply.chunk_index);
     const size_t item = (c < p->first_item.size() ? p->first_item[c] : 0) + static_cast<size_t>(reply.item);
     p->partial(item, reply.items.front());

@@ -290,6 +290,31 @@ TEST(FleetControlRun, ALoadThatFindsNoRoomGoesToTheNextWorker) {
   EXPECT_TRUE(r->results[0].status.ok()) << r->results[0].status.ToString();
 }
 
+// A worker that says it failed is never reported as done, whatever its
+// error's kind says (here "ok", or none at all).
+TEST(FleetControlRun, AFailureReplyIsAFailureWhateverItsKind) {
+  shoal::testing::TestNatsServer nats;
+  auto client = Connect(nats.url());
+  ASSERT_TRUE(client.ok());
+  ScriptedControlWorker odd;
+  auto sub = (*client)->Subscribe(wire::ControlSubject("a"), &ScriptedControlWorker::OnMsg, &odd);
+  ASSERT_TRUE(sub.ok());
+  auto snap = std::make_shared<FleetSnapshot>(Fleet({R"({"id":"a","models":[{"name":"m","state":"loaded"}]})"}));
+  auto control = FleetControl::Create(FleetControlOptions{}, client->get(), [snap] { return snap; });
+  ASSERT_TRUE(control.ok());
+  for (const char* reply : {R"({"ok":false,"worker":"a","error":{"kind":"ok","message":"it broke"}})",
+                            R"({"ok":false,"worker":"a"})"}) {
+    {
+      std::lock_guard<std::mutex> lock(odd.mu);
+      odd.reply = reply;
+    }
+    auto r = ActAndWait(**control, "unload");
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_EQ(r->results.size(), 1u);
+    EXPECT_EQ(r->results[0].status.code(), StatusCode::kInternal) << reply;
+  }
+}
+
 // Two loads asked for together go to two workers: the one with most room
 // is still busy with the first (a worker runs one action at a time).
 TEST(FleetControlRun, LoadsAskedForTogetherSpreadOverTheWorkers) {

@@ -145,11 +145,43 @@ int64_t NatsClient::MaxBodyBytes() const {
   return max_payload > kHeaderRoom ? max_payload - kHeaderRoom : 0;
 }
 
+bool IsPublishableSubject(std::string_view subject) {
+  if (subject.empty() || subject.size() > kMaxPublishSubject) return false;
+  size_t token_start = 0;
+  for (size_t i = 0; i <= subject.size(); ++i) {
+    if (i == subject.size() || subject[i] == '.') {
+      const std::string_view token = subject.substr(token_start, i - token_start);
+      if (token.empty() || token == "*" || token == ">") return false;
+      token_start = i + 1;
+      continue;
+    }
+    const auto c = static_cast<unsigned char>(subject[i]);
+    if (c <= ' ' || c == 0x7f) return false;
+  }
+  return true;
+}
+
+namespace {
+
+Status UnpublishableSubject(std::string_view subject) {
+  const size_t shown = std::min<size_t>(subject.size(), 64);
+  return InvalidArgument("cannot publish to subject '" + std::string(subject.substr(0, shown)) +
+                             (shown < subject.size() ? "...'" : "'") + " (" + std::to_string(subject.size()) +
+                             " bytes): blanks, control bytes, empty or wildcard tokens, or more than " +
+                             std::to_string(kMaxPublishSubject) + " bytes",
+                         "invalid_subject");
+}
+
+}  // namespace
+
 Status NatsClient::PublishMsg(natsMsg* msg) {
+  if (const char* subject = natsMsg_GetSubject(msg); subject == nullptr || !IsPublishableSubject(subject))
+    return UnpublishableSubject(subject == nullptr ? "" : subject);
   return FromNats(natsConnection_PublishMsg(conn_.get(), msg), "publish");
 }
 
 Status NatsClient::Publish(std::string_view subject, std::string_view data) {
+  if (!IsPublishableSubject(subject)) return UnpublishableSubject(subject);
   std::string subj(subject);
   return FromNats(natsConnection_Publish(conn_.get(), subj.c_str(), data.data(),
                                          static_cast<int>(data.size())),

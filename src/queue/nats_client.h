@@ -78,6 +78,15 @@ class Subscription {
 };
 using SubscriptionPtr = std::unique_ptr<Subscription>;
 
+// Whether a message can be published to `subject`: 1 to kMaxPublishSubject
+// bytes of tokens joined by '.', none empty and none a wildcard ('*', '>'),
+// with no blank or control byte. nats.c writes the subject into the
+// protocol line as it is: with blanks it goes to another subject or makes
+// nats-server close the connection (and drop every ack, reply and pull in
+// flight on it), as does a line past the server's 4 KiB.
+inline constexpr size_t kMaxPublishSubject = 1024;
+bool IsPublishableSubject(std::string_view subject);
+
 // One connection plus its JetStream context. Thread-safe (nats.c is).
 class NatsClient {
  public:
@@ -101,6 +110,8 @@ class NatsClient {
     return max <= 0 || static_cast<int64_t>(bytes) <= max;
   }
   // Core-NATS publish of a prepared message (headers allowed). Non-blocking.
+  // Both refuse a subject IsPublishableSubject rejects (InvalidArgument
+  // "invalid_subject") before anything is sent.
   Status PublishMsg(natsMsg* msg);
   Status Publish(std::string_view subject, std::string_view data);
   // Asynchronous subscription; `handler` owns each message it gets and

@@ -75,6 +75,31 @@ TEST(NatsClient, AServerWithoutJetStreamIsNamedAsSuch) {
   EXPECT_EQ(kv.status().reason(), "jetstream_unavailable") << kv.status().ToString();
 }
 
+TEST(NatsClient, PublishableSubjects) {
+  for (const char* ok : {"a", "_INBOX.abc123", "shoal.work.tiny-bert", "a.b-c_d.$e", "x.*y.>z"})
+    EXPECT_TRUE(IsPublishableSubject(ok)) << ok;
+  for (const std::string& bad : std::vector<std::string>{"", "a b", "a\tb", "a\r\nPUB x 1", "a..b", ".a", "a.", "a.*", ">", "a.>.b",
+                                std::string("a\x01"), std::string("a\x7f")})
+    EXPECT_FALSE(IsPublishableSubject(bad)) << bad;
+  EXPECT_TRUE(IsPublishableSubject(std::string(kMaxPublishSubject, 'x')));
+  EXPECT_FALSE(IsPublishableSubject(std::string(kMaxPublishSubject + 1, 'x')));
+}
+
+// Refused before anything is written: nats-server would have closed the
+// connection at "PUB a b c 1".
+TEST_F(NatsClientTest, PublishRefusesAnUnpublishableSubjectAndKeepsTheConnection) {
+  Status s = client_->Publish("a b c", "x");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.reason(), "invalid_subject");
+  natsMsg* raw = nullptr;
+  ASSERT_EQ(natsMsg_Create(&raw, "inbox.>", nullptr, "x", 1), NATS_OK);
+  NatsMsgPtr msg(raw);
+  EXPECT_EQ(client_->PublishMsg(raw).reason(), "invalid_subject");
+  EXPECT_TRUE(client_->Publish("fine.subject", "x").ok());
+  EXPECT_TRUE(client_->Flush(2000).ok());
+  EXPECT_TRUE(client_->IsConnected());
+}
+
 TEST_F(NatsClientTest, OwnerCreatesStreamOthersVerify) {
   WorkStreamOptions so;
   so.owner = false;

@@ -307,11 +307,9 @@ std::string EncodeWorkReply(const WorkReply& r) {
   return std::move(buf.out);
 }
 
-Result<WorkReply> DecodeWorkReply(std::string_view data) {
-  ASSIGN_OR_RETURN(auto handle, Unpack(data));
-  const msgpack::object& root = handle.get();
-  RETURN_IF_ERROR(ExpectType(root, msgpack::type::MAP, "reply"));
-  WorkReply r;
+namespace {
+
+Status DecodeWorkReplyFields(const msgpack::object& root, WorkReply& r) {
   for (uint32_t i = 0; i < root.via.map.size; ++i) {
     const auto& kv = root.via.map.ptr[i];
     auto key = KeyOf(kv.key);
@@ -370,10 +368,44 @@ Result<WorkReply> DecodeWorkReply(std::string_view data) {
       r.status = Status(sc, message, reason);
     }
   }
-  if (r.request_id.empty()) return InvalidArgument("wire: reply has no id");
   if (r.status.ok() && static_cast<size_t>(r.rows) * r.dim != r.embeddings.size())
     return InvalidArgument("wire: reply embeddings do not match rows x dim");
-  return r;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<WorkReply> DecodeWorkReply(std::string_view data) {
+  ASSIGN_OR_RETURN(auto handle, Unpack(data));
+  const msgpack::object& root = handle.get();
+  RETURN_IF_ERROR(ExpectType(root, msgpack::type::MAP, "reply"));
+  WorkReply r;
+  const Status fields = DecodeWorkReplyFields(root, r);
+  if (fields.ok()) {
+    if (r.request_id.empty()) return InvalidArgument("wire: reply has no id");
+    return r;
+  }
+  // Its request and chunk, when they can be read, get the error at once
+  // rather than their deadline: the worker has settled the work.
+  WorkReply failed;
+  for (uint32_t i = 0; i < root.via.map.size; ++i) {
+    const auto& kv = root.via.map.ptr[i];
+    const auto key = KeyOf(kv.key);
+    if (key == "id") {
+      if (auto id = AsString(kv.val, "id"); id.ok()) failed.request_id = *id;
+    } else if (key == "chunk") {
+      auto chunk = AsInt(kv.val, "chunk");
+      failed.chunk_index = chunk.ok() && *chunk >= 0 && *chunk <= INT32_MAX ? static_cast<int>(*chunk) : -1;
+    } else if (key == "worker") {
+      if (auto worker = AsString(kv.val, "worker"); worker.ok()) failed.worker_id = *worker;
+    }
+  }
+  if (failed.request_id.empty()) return fields;
+  failed.status = Status(StatusCode::kBadGateway,
+                         "the worker" + (failed.worker_id.empty() ? "" : " " + failed.worker_id) +
+                             " sent a reply this gateway cannot read: " + fields.message(),
+                         "bad_worker_reply");
+  return failed;
 }
 
 Result<std::vector<float>> DecodeFloatRow(std::string_view doc) {

@@ -126,6 +126,11 @@ struct WorkReply {
 };
 
 std::string EncodeWorkReply(const WorkReply& reply);
+// An error for data that is not a reply map with an id. A reply whose id
+// can be read but another field cannot (a type, embeddings that are not
+// rows x dim) decodes as a final reply for that id and chunk (chunk -1 when
+// unreadable) with status BadGateway "bad_worker_reply": its caller hears
+// now, since the worker has settled the work.
 Result<WorkReply> DecodeWorkReply(std::string_view data);
 
 // One row of floats from a MessagePack document: a bin of little-endian

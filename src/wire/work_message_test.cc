@@ -233,12 +233,36 @@ TEST(WorkReply, CarriesErrors) {
   EXPECT_EQ(d->status.message(), "input 0 has 300 tokens, limit 256");
 }
 
-TEST(WorkReply, RejectsMismatchedShape) {
+// A reply that names its request but is unusable otherwise decodes as that
+// chunk's failure (502 bad_worker_reply), so its caller hears at once; one
+// without an id cannot be placed and is an error.
+TEST(WorkReply, AnUnusableReplyWithAnIdIsItsChunksFailure) {
   WorkReply r;
   r.request_id = "x";
+  r.chunk_index = 2;
+  r.worker_id = "w9";
   r.rows = 2;
   r.dim = 2;
   r.embeddings = {1, 2, 3};
+  auto d = DecodeWorkReply(EncodeWorkReply(r));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->request_id, "x");
+  EXPECT_EQ(d->chunk_index, 2);
+  EXPECT_FALSE(d->partial);
+  EXPECT_EQ(d->status.code(), StatusCode::kBadGateway);
+  EXPECT_EQ(d->status.reason(), "bad_worker_reply");
+  EXPECT_NE(d->status.message().find("w9"), std::string::npos) << d->status.message();
+  EXPECT_NE(d->status.message().find("rows x dim"), std::string::npos) << d->status.message();
+
+  // {"partial": true, "error": "not a map", "id": "y"}: the id comes last.
+  const std::string bad = "\x83\xa7partial\xc3\xa5" "error\xa9not a map\xa2id\xa1y";
+  d = DecodeWorkReply(bad);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->request_id, "y");
+  EXPECT_FALSE(d->partial);
+  EXPECT_EQ(d->status.reason(), "bad_worker_reply");
+
+  r.request_id.clear();
   EXPECT_EQ(DecodeWorkReply(EncodeWorkReply(r)).status().code(), StatusCode::kInvalidArgument);
 }
 

@@ -52,6 +52,12 @@ Status ParseWorkHeaders(const Delivery& d, wire::WorkHeaders* h) {
   h->reply_to = std::string(d.Header(wire::kHdrReplyTo));
   if (h->request_id.empty() || h->reply_to.empty())
     return InvalidArgument("work message lacks request id or reply subject");
+  if (!IsPublishableSubject(h->reply_to)) {
+    // Nobody can be answered there: the message is termed unanswered.
+    h->request_id.clear();
+    h->reply_to.clear();
+    return InvalidArgument("work message has a reply subject nothing can be published to", "invalid_work_message");
+  }
   std::string_view chunk = d.Header(wire::kHdrChunk);
   if (!chunk.empty()) {
     auto slash = chunk.find('/');

@@ -17,6 +17,7 @@
 
 #include "gateway/dispatcher.h"
 #include "runtime/runtime.h"
+#include "worker/model_server.h"
 #include "support/forwarding_runtime.h"
 #include "support/test_env.h"
 #include "wire/work_message.h"
@@ -712,6 +713,177 @@ TEST_F(WorkerTest, MalformedWorkMessagesAreAnsweredNotDropped) {
   EXPECT_EQ(many->status.code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(many->status.reason(), "too_many_inputs");
   EXPECT_EQ(runs_.load(), 1) << "only the good message ran";
+}
+
+// A reply subject that nats.c would write into the protocol line as it is
+// (blanks, a wildcard, more than the server's 4 KiB control line): the
+// message is termed unrun and nothing is published to it. Published, "a b c"
+// or 5,000 bytes made nats-server close the connection, and with it every
+// reply, ack and pull this worker had in flight; "a b" went to subject "a".
+TEST_F(WorkerTest, WorkWithAnUnusableReplySubjectIsTermedWithoutAReply) {
+  wire::WorkBody body;
+  body.task = "embed";
+  body.model = "tiny-bert";
+  body.texts = {"hello"};
+  const std::string encoded = wire::EncodeWorkBody(body);
+  const auto reconnects = [&] {
+    natsStatistics* stats = nullptr;
+    uint64_t n = 0;
+    if (natsStatistics_Create(&stats) != NATS_OK) return ~uint64_t{0};
+    if (natsConnection_GetStats(client_->conn(), stats) != NATS_OK ||
+        natsStatistics_GetCounts(stats, nullptr, nullptr, nullptr, nullptr, &n) != NATS_OK)
+      n = ~uint64_t{0};
+    natsStatistics_Destroy(stats);
+    return n;
+  };
+  const uint64_t reconnects_before = reconnects();
+  for (const std::string& reply : {std::string("a b c"), std::string("a b"), std::string("inbox.>"),
+                                   std::string("inbox..x"), "inbox." + std::string(5000, 'x')}) {
+    natsMsg* raw = nullptr;
+    ASSERT_EQ(natsMsg_Create(&raw, wire::WorkSubject("tiny-bert").c_str(), nullptr, encoded.data(),
+                             static_cast<int>(encoded.size())),
+              NATS_OK);
+    NatsMsgPtr msg(raw);
+    const std::string deadline = std::to_string(SystemClock::Get()->NowUnixMs() + 30000);
+    natsMsgHeader_Set(raw, wire::kHdrRequestId, "bad-reply");
+    natsMsgHeader_Set(raw, wire::kHdrDeadline, deadline.c_str());
+    natsMsgHeader_Set(raw, wire::kHdrReplyTo, reply.c_str());
+    ASSERT_TRUE(client_->PublishMsg(raw).ok());
+  }
+  // Settled at once (AckWait is 1 s, a lost Term would leave them for it).
+  EXPECT_TRUE(shoal::testing::Eventually([&] {
+    auto st = GetStreamState(*client_, "SHOAL_WORK");
+    return st.ok() && st->msgs == 0;
+  }));
+  auto ok = SendByHand(*client_, "0/1", encoded);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_TRUE(ok->status.ok()) << ok->status.ToString();
+  EXPECT_EQ(runs_.load(), 1) << "only the good message ran";
+  EXPECT_EQ(reconnects(), reconnects_before) << "the connection was broken";
+}
+
+// Takes the next `n` work messages from `consumer` and answers each with
+// the replies `make(chunk)` returns, in order (request id and chunk filled
+// in), then acks it: a worker made by hand.
+void AnswerByHand(NatsClient& client, PullConsumer& consumer, int n,
+                  const std::function<std::vector<wire::WorkReply>(int)>& make) {
+  for (int answered = 0; answered < n;) {
+    auto got = consumer.Fetch(n - answered, 5000);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    ASSERT_FALSE(got->empty()) << "no work message";
+    for (Delivery& d : *got) {
+      wire::WorkHeaders h;
+      ASSERT_TRUE(ParseWorkHeaders(d, &h).ok());
+      for (wire::WorkReply& r : make(h.chunk_index)) {
+        r.request_id = h.request_id;
+        r.chunk_index = h.chunk_index;
+        ASSERT_TRUE(client.Publish(h.reply_to, wire::EncodeWorkReply(r)).ok());
+      }
+      ASSERT_TRUE(d.Ack().ok());
+      ++answered;
+    }
+  }
+}
+
+std::unique_ptr<PullConsumer> ByHandConsumer(NatsClient& client) {
+  auto consumer = PullConsumer::Create(client, "SHOAL_WORK", wire::WorkSubject("by-hand"),
+                                       wire::ConsumerName("by-hand"), ConsumerOptions{});
+  EXPECT_TRUE(consumer.ok()) << consumer.status().ToString();
+  return consumer.ok() ? std::move(consumer).value() : nullptr;
+}
+
+// Replies the gateway cannot use fail their request at once with 502
+// bad_worker_reply, not at its deadline (the worker has settled the work,
+// so nothing else will come): embeddings that are not rows x dim, and an
+// item job whose first input got two results and its second none (counted
+// together they were the two results it needed). The replies are made by
+// hand for a model no worker here serves.
+TEST_F(WorkerTest, UnusableRepliesFailTheirRequestAtOnce) {
+  auto consumer = ByHandConsumer(*client_);
+  ASSERT_NE(consumer, nullptr);
+  const int64_t deadline = SystemClock::Get()->NowUnixMs() + 60000;
+  EmbedJob job;
+  job.model = "by-hand";
+  job.texts = {"one"};
+  job.deadline_unix_ms = deadline;
+  std::promise<Result<EmbedResult>> embedded;
+  dispatcher_->SubmitEmbed(std::move(job), [&](Result<EmbedResult> r) { embedded.set_value(std::move(r)); });
+  AnswerByHand(*client_, *consumer, 1, [](int) {
+    wire::WorkReply r;
+    r.rows = 1;
+    r.dim = 2;
+    r.embeddings = {1, 2, 3};
+    return std::vector<wire::WorkReply>{r};
+  });
+  auto e = embedded.get_future();
+  ASSERT_EQ(e.wait_for(std::chrono::seconds(10)), std::future_status::ready) << "left for its deadline";
+  auto er = e.get();
+  EXPECT_EQ(er.status().code(), StatusCode::kBadGateway) << er.status().ToString();
+  EXPECT_EQ(er.status().reason(), "bad_worker_reply");
+
+  ItemJob items;
+  items.task = "ocr";
+  items.model = "by-hand";
+  items.items = {"first", "second"};
+  items.deadline_unix_ms = deadline;
+  std::promise<Result<ItemResult>> itemised;
+  dispatcher_->SubmitItems(std::move(items), [&](Result<ItemResult> r) { itemised.set_value(std::move(r)); });
+  AnswerByHand(*client_, *consumer, 2, [](int chunk) {
+    wire::WorkReply r;
+    if (chunk == 0) r.items = {"a", "b"};
+    return std::vector<wire::WorkReply>{r};
+  });
+  auto i = itemised.get_future();
+  ASSERT_EQ(i.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  auto ir = i.get();
+  EXPECT_EQ(ir.status().code(), StatusCode::kBadGateway) << (ir.ok() ? "answered" : ir.status().ToString());
+  EXPECT_EQ(ir.status().reason(), "bad_worker_reply");
+}
+
+// Streamed output whose chunk starts again from its first partial (its
+// worker was lost and the work redelivered to another) is not spliced onto
+// what the caller has: the request fails 502 stream_interrupted after the
+// two events passed on. A partial that skips a number does the same.
+TEST_F(WorkerTest, StreamedOutputThatStartsAgainFailsInsteadOfRepeating) {
+  auto consumer = ByHandConsumer(*client_);
+  ASSERT_NE(consumer, nullptr);
+  const auto partial = [](int seq, const std::string& text) {
+    wire::WorkReply r;
+    r.partial = true;
+    r.seq = seq;
+    r.items = {text};
+    return r;
+  };
+  for (const std::vector<int>& seqs : {std::vector<int>{0, 1, 0}, std::vector<int>{0, 1, 3}}) {
+    ItemJob job;
+    job.task = "generate";
+    job.model = "by-hand";
+    job.items = {"prompt"};
+    job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 60000;
+    std::mutex mu;
+    std::vector<std::string> passed_on;
+    std::promise<Result<ItemResult>> done;
+    dispatcher_->SubmitItems(
+        std::move(job), [&](Result<ItemResult> r) { done.set_value(std::move(r)); },
+        [&](size_t, std::string_view text) {
+          std::lock_guard<std::mutex> lock(mu);
+          passed_on.emplace_back(text);
+        });
+    AnswerByHand(*client_, *consumer, 1, [&](int) {
+      std::vector<wire::WorkReply> replies;
+      for (size_t k = 0; k < seqs.size(); ++k) replies.push_back(partial(seqs[k], "event " + std::to_string(k)));
+      replies.emplace_back();  // the final reply
+      replies.back().items = {"end"};
+      return replies;
+    });
+    auto f = done.get_future();
+    ASSERT_EQ(f.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+    auto r = f.get();
+    EXPECT_EQ(r.status().code(), StatusCode::kBadGateway) << (r.ok() ? "answered" : r.status().ToString());
+    EXPECT_EQ(r.status().reason(), "stream_interrupted");
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(passed_on, (std::vector<std::string>{"event 0", "event 1"}));
+  }
 }
 
 TEST_F(WorkerTest, NoWorkerMeansDeadlineExceeded) {
