@@ -124,6 +124,11 @@ Result<pid_t> Spawn(const std::vector<std::string>& argv, const std::vector<std:
     // NATS connection, the HTTP listener) leak into it.
     ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    // The signals the parent's threads block (SIGINT, SIGTERM: one thread
+    // waits for them) would stay blocked across exec.
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
     if (::getppid() != parent) ::_exit(127);
     if (::syscall(SYS_close_range, 3U, ~0U, 0U) != 0) {
       for (int fd = 3; fd < 65536; ++fd) ::close(fd);

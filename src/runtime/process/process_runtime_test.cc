@@ -156,6 +156,26 @@ TEST(ProcessRuntime, PythonRuntimeServesTheEagerModelLikeTorchScript) {
   EXPECT_EQ(::kill(pid, 0), -1) << "the runtime process outlived Unload()";
 }
 
+// `shoal` blocks SIGINT and SIGTERM in every thread (one waits for them);
+// a runtime it starts gets neither blocked: a mask survives exec, and a
+// runtime that stops its own helpers with SIGTERM would hang until killed.
+TEST(ProcessRuntime, ARuntimeStartsWithNoSignalBlocked) {
+  sigset_t shutdown_signals, before;
+  sigemptyset(&shutdown_signals);
+  sigaddset(&shutdown_signals, SIGINT);
+  sigaddset(&shutdown_signals, SIGTERM);
+  ASSERT_EQ(::pthread_sigmask(SIG_BLOCK, &shutdown_signals, &before), 0);  // as main() does
+  ProcessRuntime rt;
+  const Status loaded = rt.Load(PythonModel());
+  ASSERT_EQ(::pthread_sigmask(SIG_SETMASK, &before, nullptr), 0);
+  ASSERT_TRUE(loaded.ok()) << loaded.ToString();
+  std::ifstream status("/proc/" + std::to_string(rt.pid()) + "/status");
+  std::string blocked;
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("SigBlk:", 0) == 0) blocked = line.substr(line.find_first_not_of(" \t", 7));
+  EXPECT_EQ(blocked, "0000000000000000");
+}
+
 TEST(ProcessRuntime, AKilledRuntimeIsRestartedAndServesAgain) {
   ProcessRuntime rt;
   ASSERT_TRUE(rt.Load(PythonModel()).ok());
