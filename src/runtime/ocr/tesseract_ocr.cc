@@ -20,26 +20,26 @@
 namespace shoal {
 namespace {
 
-// Width and height from a BMP's header (BITMAPCOREHEADER or a later one;
-// a negative height is a top-down image). False when it is too short.
+int32_t Le32(std::string_view bytes, size_t at) {
+  const auto u8 = [&](size_t i) { return static_cast<uint32_t>(static_cast<unsigned char>(bytes[at + i])); };
+  return static_cast<int32_t>(u8(0) | u8(1) << 8 | u8(2) << 16 | u8(3) << 24);
+}
+
+// Width and height from a BMP's header (BITMAPINFOHEADER or a later one;
+// a negative height is a top-down image), read where Leptonica reads them.
+// False when it is too short.
 bool BmpSize(std::string_view bytes, l_int32* w, l_int32* h) {
-  const auto u8 = [&](size_t at) { return static_cast<uint32_t>(static_cast<unsigned char>(bytes[at])); };
-  const auto le16 = [&](size_t at) { return static_cast<l_int32>(u8(at) | u8(at + 1) << 8); };  // unsigned
-  const auto le32 = [&](size_t at) {
-    return static_cast<int32_t>(u8(at) | u8(at + 1) << 8 | u8(at + 2) << 16 | u8(at + 3) << 24);
-  };
   if (bytes.size() < 26) return false;
-  const int32_t header = le32(14);
-  if (header == 12) {
-    *w = le16(18);
-    *h = le16(20);
-  } else {
-    const int32_t height = le32(22);
-    *w = le32(18);
-    *h = height == INT32_MIN ? 0 : (height < 0 ? -height : height);
-  }
+  const int32_t height = Le32(bytes, 22);
+  *w = Le32(bytes, 18);
+  *h = height == INT32_MIN ? 0 : (height < 0 ? -height : height);
   return true;
 }
+
+// OS/2 1.x's BITMAPCOREHEADER (12 bytes, 16-bit sides): Leptonica reads
+// every BMP's sides as 32-bit fields at offsets 18 and 22, so for this
+// header the size checked here would not be the size it decodes.
+bool IsCoreHeaderBmp(std::string_view bytes) { return bytes.size() >= 18 && Le32(bytes, 14) == 12; }
 
 constexpr char kInvalidImage[] = "invalid_image";
 constexpr char kInvalidOptions[] = "invalid_ocr_options";
@@ -255,6 +255,11 @@ Result<OcrResult> TesseractOcr::Recognize(std::string_view image_bytes, int64_t 
     return Status(StatusCode::kUnsupportedMedia,
                   std::string("image format '") + getFormatExtension(format) +
                       "' is not supported (expected PNG, JPEG, TIFF, BMP or PNM)",
+                  "unsupported_image_format");
+  }
+  if (format == IFF_BMP && IsCoreHeaderBmp(image_bytes)) {
+    return Status(StatusCode::kUnsupportedMedia,
+                  "OS/2 1.x BMP (12-byte BITMAPCOREHEADER) is not supported: save it as a Windows BMP, or as PNG",
                   "unsupported_image_format");
   }
   // Leptonica reads a BMP's header by decoding the whole image; its size is

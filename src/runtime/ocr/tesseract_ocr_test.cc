@@ -307,6 +307,14 @@ TEST_F(TesseractOcrTest, RejectsBadImagesWithReasons) {
   ExpectError(e, PngHeader(20, 32768), StatusCode::kInvalidArgument, "image_too_large");
   ExpectError(e, std::string("GIF89a\x01\x00\x01\x00\x00\x00\x00\x00", 14),
               StatusCode::kUnsupportedMedia, "unsupported_image_format");
+  // An OS/2 1.x BMP header (12 bytes, 16-bit sides) claiming 1 x 1, whose
+  // bytes at 22.. read as Leptonica reads a height: 415, not a decode of an
+  // image the size checks never saw.
+  std::string core = LoadImage("eng.bmp").bytes;
+  ASSERT_GT(core.size(), 26u);
+  core.replace(14, 12, std::string("\x0c\x00\x00\x00\x01\x00\x01\x00\x01\x00\x18\x00", 12));
+  core.replace(22, 4, std::string("\x70\x17\x00\x00", 4));
+  ExpectError(e, core, StatusCode::kUnsupportedMedia, "unsupported_image_format");
 
   // The engine is still usable after all of that.
   Check(e, "eng.tif");
