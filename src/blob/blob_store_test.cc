@@ -510,6 +510,35 @@ TEST_F(NatsObjectStoreTest, SweepRemovesOrphanChunks) {
   EXPECT_TRUE(counts->empty());
 }
 
+// Any client can write a meta. One whose "nuid" is a wildcard names no
+// chunks Shoal purges: deleting or sweeping it leaves every other object's
+// chunks alone (purging "$O.SHOAL_BLOBS.C.>" would have taken them all).
+TEST_F(NatsObjectStoreTest, AForeignMetaWithAWildcardForChunksPurgesNothingElse) {
+  auto store = Open();
+  ASSERT_TRUE(store);
+  auto live = store->Put(RandomBytes(kChunk + 1), "live");
+  ASSERT_TRUE(live.ok()) << live.status().ToString();
+  for (const char* nuid : {">", "*", "a.>"}) {
+    SCOPED_TRACE(nuid);
+    const std::string meta = nlohmann::json{{"name", "foreign"}, {"bucket", "SHOAL_BLOBS"}, {"nuid", nuid},
+                                            {"size", 10}, {"chunks", 1}, {"mtime", "2000-01-01T00:00:00Z"},
+                                            {"digest", "SHA-256=AAAA"}}
+                                 .dump();
+    ASSERT_EQ(js_Publish(nullptr, client_->js(), store->MetaSubject("foreign").c_str(), meta.data(),
+                         static_cast<int>(meta.size()), nullptr, nullptr),
+              NATS_OK);
+    EXPECT_TRUE(store->Delete("foreign").ok());
+    EXPECT_TRUE(store->Get(*live).ok()) << store->Get(*live).status().ToString();
+    ASSERT_EQ(js_Publish(nullptr, client_->js(), store->MetaSubject("foreign").c_str(), meta.data(),
+                         static_cast<int>(meta.size()), nullptr, nullptr),
+              NATS_OK);
+    auto swept = store->Sweep(60000);  // the foreign meta is old, "live" is not
+    ASSERT_TRUE(swept.ok()) << swept.status().ToString();
+    EXPECT_EQ(*swept, 1u);
+    EXPECT_TRUE(store->Get(*live).ok()) << store->Get(*live).status().ToString();
+  }
+}
+
 TEST_F(NatsObjectStoreTest, BindsToABucketAnotherClientMade) {
   // Created without rollups: not an object store, refuse it clearly.
   jsStreamConfig cfg;

@@ -73,6 +73,16 @@ std::optional<blob_internal::Sha256Digest> ParseNatsDigest(const std::string& te
   return d;
 }
 
+// Whether a meta's "nuid" can name its chunk subject: a plain token (what
+// Shoal and the NATS clients write). Any client can write a meta, and one
+// with "*" or ">" would make the purge of its chunks a purge of every
+// object's.
+bool IsChunkToken(std::string_view nuid) {
+  return !nuid.empty() && nuid.size() <= 64 && std::all_of(nuid.begin(), nuid.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_';
+  });
+}
+
 }  // namespace
 
 struct NatsObjectStore::Meta {
@@ -226,6 +236,7 @@ Result<NatsObjectStore::Meta> NatsObjectStore::ReadMeta(const std::string& name)
     m.json = nlohmann::json::parse(got->data());
     m.name = m.json.value("name", std::string());
     m.nuid = m.json.value("nuid", std::string());
+    if (!IsChunkToken(m.nuid)) m.nuid.clear();  // names no chunks Shoal reads or purges
     m.size = m.json.value("size", uint64_t{0});
     m.chunks = m.json.value("chunks", uint64_t{0});
     m.digest = m.json.value("digest", std::string());
@@ -403,6 +414,8 @@ Status NatsObjectStore::GetTo(const BlobRef& ref, const BlobSink& sink) {
                     kBlobCorrupt);
   }
 
+  if (meta.nuid.empty() && meta.chunks > 0)
+    return Internal("blob " + ref.name + " is corrupt: its meta names no chunk subject", kBlobCorrupt);
   const std::string subject = ChunkSubject(meta.nuid);
   blob_internal::Sha256 sha;
   uint64_t got = 0;
@@ -531,7 +544,8 @@ Result<size_t> NatsObjectStore::Sweep(int64_t older_than_ms) {
       continue;  // not ours to judge
     }
     if (!j.is_object()) continue;
-    const std::string nuid = j.value("nuid", std::string());
+    std::string nuid = j.value("nuid", std::string());
+    if (!IsChunkToken(nuid)) nuid.clear();
     const bool deleted = j.value("deleted", false);
     const int64_t mtime_ms = blob_internal::ParseRfc3339Ms(j.value("mtime", std::string())).value_or(0);
     if (mtime_ms >= cutoff_ms) {
