@@ -239,7 +239,11 @@ struct Subscription::Done {
 };
 
 Subscription::~Subscription() {
-  (void)natsSubscription_Unsubscribe(sub_);
+  // Drained, not just unsubscribed: what nats.c has received for it but not
+  // yet handed over still reaches the handler (unsubscribing dropped it,
+  // and a pushed request or a control request then waited out its caller's
+  // timeout). Without a connection to drain on, unsubscribed.
+  if (natsSubscription_DrainTimeout(sub_, kMaxWaitMs) != NATS_OK) (void)natsSubscription_Unsubscribe(sub_);
   bool finished;
   {
     std::unique_lock<std::mutex> lock(done_->mu);

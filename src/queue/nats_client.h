@@ -54,13 +54,13 @@ struct NatsOptions {
 // thread and takes ownership of the message.
 using NatsMsgHandler = void (*)(natsConnection*, natsSubscription*, natsMsg*, void*);
 
-// An asynchronous core-NATS subscription (NatsClient::Subscribe). nats.c
-// may still be running the handler, or start it once more for a message
-// it had already taken, after natsSubscription_Unsubscribe returns; the
-// destructor unsubscribes and then waits until the handler has returned for
-// good, so whatever the handler's closure points to may be freed right
-// after. It waits at most kMaxWaitMs and then logs and goes on (never a
-// hang). Must not be destroyed from inside its own handler.
+// An asynchronous core-NATS subscription (NatsClient::Subscribe). The
+// destructor drains it: the server stops sending, the messages nats.c has
+// already received still go to the handler, and then it waits until the
+// handler has returned for good, so whatever the handler's closure points
+// to may be freed right after. It waits at most kMaxWaitMs in all and then
+// logs and goes on (never a hang); messages not handed over by then are
+// dropped. Must not be destroyed from inside its own handler.
 class Subscription {
  public:
   static constexpr int64_t kMaxWaitMs = 5000;

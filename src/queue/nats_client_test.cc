@@ -523,6 +523,29 @@ TEST_F(NatsClientTest, EndingASubscriptionWaitsForItsRunningHandler) {
   EXPECT_TRUE(h.finished.load()) << "the handler was still running after its subscription ended";
 }
 
+// Messages the subscription had received but not yet handed over when it
+// ended still reach the handler (a worker's queued pushed work and control
+// requests get their answers instead of waiting out their callers).
+TEST_F(NatsClientTest, EndingASubscriptionHandsOverWhatItHadReceived) {
+  struct Counter {
+    std::atomic<int> handled{0};
+  } counter;
+  const auto count = [](natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ++static_cast<Counter*>(closure)->handled;
+    natsMsg_Destroy(msg);
+  };
+  auto sub = client_->Subscribe("queued.x", count, &counter);
+  ASSERT_TRUE(sub.ok()) << sub.status().ToString();
+  ASSERT_TRUE(client_->Flush(1000).ok());
+  for (int i = 0; i < 10; ++i) ASSERT_TRUE(client_->Publish("queued.x", "m").ok());
+  // A round trip after the publishes: the server has sent all ten here.
+  ASSERT_TRUE(client_->Flush(1000).ok());
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return counter.handled.load() >= 1; }));
+  sub->reset();
+  EXPECT_EQ(counter.handled.load(), 10);
+}
+
 // A subscription that outlives its connection ends at once (the connection
 // closed it) instead of waiting out Subscription::kMaxWaitMs.
 TEST_F(NatsClientTest, SubscriptionOutlivingItsConnectionEndsAtOnce) {
