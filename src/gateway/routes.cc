@@ -454,6 +454,10 @@ Status Router::CheckModel(const std::string& model, const std::string& task, Cat
   }
   if (entry) *entry = it->second;
   if (!options_.wait_for_load && !snap->AnyWorker(model, "loaded")) {
+    // Disconnected, no worker is known: the queue cannot be reached, and a
+    // load hint would only wait in the client's reconnect buffer.
+    if (!snap->nats_connected)
+      return Unavailable("the work queue cannot be reached (NATS is disconnected); retry later", "queue_unavailable");
     submitter_->RequestLoad(model);
     return Unavailable("model '" + model + "' is not loaded yet; it is being loaded, retry later", "model_loading");
   }

@@ -610,6 +610,19 @@ TEST_F(RoutesTest, NoWaitGatewayAnswers503AndAsksForTheLoad) {
   EXPECT_EQ(Call("POST", "/v1/encode/m", R"({"inputs":["a"]})").status, 503);
   AddWorker(R"({"id":"w2","models":[{"name":"m","state":"loaded"}]})");
   EXPECT_EQ(Call("POST", "/v1/embeddings", R"({"model":"m","input":"hi"})").status, 200);
+  // While NATS cannot be reached, no worker is known to have it: that is
+  // the queue's unavailability, not a load under way, and no load is asked
+  // for (the hint would wait in the client's reconnect buffer).
+  auto disconnected = std::make_shared<FleetSnapshot>(*snapshot_);
+  disconnected->nats_connected = false;
+  disconnected->workers.clear();
+  disconnected->worker_json.clear();
+  snapshot_ = disconnected;
+  const size_t loads_asked = submitter_.load_requests.size();
+  r = Call("POST", "/v1/embeddings", R"({"model":"m","input":"hi"})");
+  EXPECT_EQ(r.status, 503);
+  EXPECT_EQ(ErrorCode(r), "queue_unavailable");
+  EXPECT_EQ(submitter_.load_requests.size(), loads_asked);
 }
 
 }  // namespace
