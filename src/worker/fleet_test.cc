@@ -238,6 +238,47 @@ TEST_F(FleetTest, WorkForAModelLargerThanTheWholeBudgetIsAnswered) {
   EXPECT_TRUE(Eventually([&] { return GetStreamState(*client_, "SHOAL_WORK")->msgs == 0; }));
 }
 
+// On a GPU peer a model of another runtime than TorchScript lives in host
+// memory, so the peer's host budget is the one that may hold it. A peer
+// whose GPU budget is ample but whose host budget is as small as this
+// worker's cannot take the model: the work is answered 429 here, not left
+// for its deadline. (The GPU peer is a registry entry written by hand:
+// this machine has no GPU; what is tested is this worker's reading of it.)
+TEST_F(FleetTest, APeersHostBudgetIsTheOneThatMayHoldAHostModel) {
+  namespace fs = std::filesystem;
+  const fs::path src = fs::path(shoal::testing::ModelsDir()) / "tiny-bert-py";
+  const fs::path dir = fs::path(repo_.path()) / "py-a";
+  fs::create_directories(dir);
+  json config = json::parse(std::ifstream(src / "shoal.json"));
+  config["name"] = "py-a";
+  std::ofstream(dir / "shoal.json") << config.dump(2);
+  for (const char* f : {"model.py", "shoal_runtime.py", "vocab.txt", "weights.pt"}) fs::create_symlink(src / f, dir / f);
+  WorkerOptions small = Options();
+  small.memory_budget_bytes = 1000;  // the model's estimate is its weights' file size x 1.3
+  Member m = Start(small);
+  ASSERT_NE(m.worker, nullptr);
+  auto kv = KvBucket::Bind(*client_, wire::kWorkersBucket);
+  ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+  const std::string peer =
+      json{{"id", "gpu-peer"}, {"device", "cuda:0"}, {"memory_budget_bytes", int64_t{1} << 40},
+           {"memory_used_bytes", 0}, {"host_memory_budget_bytes", 1000}, {"host_memory_used_bytes", 0},
+           {"models", json::array({json{{"name", "py-a"}, {"state", "not_loaded"}}})}}
+          .dump();
+  std::atomic<bool> done{false};
+  std::thread heartbeat([&] {  // the entries live 1.5 s
+    while (!done) {
+      (void)(*kv)->Put("gpu-peer", peer);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  });
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return (*kv)->Get("gpu-peer").ok(); }));
+  auto r = EmbedAsync("py-a", "too big for both", 8000).get();
+  done = true;
+  heartbeat.join();
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status().ToString();
+  EXPECT_EQ(r.status().reason(), "no_room_for_model");
+}
+
 // A model larger than one worker's whole budget but not a peer's: that
 // worker leaves the work to the peer, even one slow to claim it (its first
 // backlog read comes 5 s after its start, long past this worker's grace

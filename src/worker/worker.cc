@@ -707,9 +707,17 @@ const std::map<std::string, std::vector<Worker::PeerModel>>& Worker::Peers(bool 
     if (key == id_) continue;
     try {
       json j = json::parse(value);
-      const int64_t budget = j.value("memory_budget_bytes", int64_t{0});
+      const int64_t device_budget = j.value("memory_budget_bytes", int64_t{0});
+      const int64_t host_budget = j.value("host_memory_budget_bytes", int64_t{0});
+      const bool gpu_peer = j.value("device", std::string("cpu")) != "cpu";
       for (const json& m : j.value("models", json::array())) {
-        peers[m.value("name", "")].push_back({key, m.value("state", ""), budget});
+        const std::string name = m.value("name", "");
+        // On a GPU peer only TorchScript models live in GPU memory; the
+        // others take its host memory budget (as on this worker).
+        const auto config = std::find_if(catalog_.begin(), catalog_.end(),
+                                         [&](const ModelConfig& c) { return c.name == name; });
+        const bool in_host = gpu_peer && config != catalog_.end() && config->runtime != "torchscript";
+        peers[name].push_back({key, m.value("state", ""), in_host ? host_budget : device_budget});
       }
     } catch (const std::exception& e) {
       LOG_WARN("worker", "unreadable heartbeat of " << key << ": " << e.what());

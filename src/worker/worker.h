@@ -212,7 +212,7 @@ class Worker {
   struct PeerModel {
     std::string worker;
     std::string state;
-    int64_t memory_budget_bytes = 0;  // the peer's; 0: unlimited
+    int64_t memory_budget_bytes = 0;  // the peer's for this model (GPU or host memory); 0: unlimited
   };
 
   Worker() = default;
