@@ -279,6 +279,23 @@ TEST_F(FleetTest, APeersHostBudgetIsTheOneThatMayHoldAHostModel) {
   EXPECT_EQ(r.status().reason(), "no_room_for_model");
 }
 
+// A placement claim this worker already holds (its delete failed earlier)
+// is taken as its own and given back once the load settles, not left to
+// block peers until its TTL.
+TEST_F(FleetTest, AClaimFromAnEarlierRoundIsGivenBackAfterTheLoad) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"});
+  Member m = Start(Options());
+  ASSERT_NE(m.worker, nullptr);
+  auto claims = KvBucket::Bind(*client_, wire::kPlacementBucket);
+  ASSERT_TRUE(claims.ok()) << claims.status().ToString();
+  const std::string key = wire::ModelKvKey("tiny-a") + ".0";
+  ASSERT_TRUE((*claims)->Put(key, m.worker->id()).ok());
+  ASSERT_TRUE(Embed("tiny-a", "cold").ok());
+  // Well inside the claim's TTL (15 s).
+  EXPECT_TRUE(Eventually([&] { return (*claims)->Get(key).status().code() == StatusCode::kNotFound; }, 5s))
+      << "the claim was left for its TTL";
+}
+
 // A model larger than one worker's whole budget but not a peer's: that
 // worker leaves the work to the peer, even one slow to claim it (its first
 // backlog read comes 5 s after its start, long past this worker's grace

@@ -737,7 +737,12 @@ bool Worker::Claim(const std::string& model, int replica) {
   }
   if (!*created) {
     auto holder = placement_kv_->Get(key);
-    if (holder.ok() && *holder == id_) return true;  // ours from an earlier round
+    if (holder.ok() && *holder == id_) {
+      // Ours from an earlier round (its delete failed, or this worker took
+      // over its id): given back once the load settles, like a new one.
+      held_claims_[key] = model;
+      return true;
+    }
     claims_lost_->Inc();
     return false;
   }
@@ -765,8 +770,8 @@ void Worker::ReleaseSettledClaims() {
       PublishHeartbeat();  // peers see the outcome before the claim goes
       published = true;
     }
-    (void)placement_kv_->Delete(it->first);
-    it = held_claims_.erase(it);
+    // Kept on a failed delete (a timeout), and tried again at the next poll.
+    it = placement_kv_->Delete(it->first).ok() ? held_claims_.erase(it) : std::next(it);
   }
 }
 
@@ -958,8 +963,7 @@ void Worker::PollDemand() {
         no_room_logged_mono_us_[c.model] = now_mono;
       }
       const std::string key = wire::ModelKvKey(c.model) + "." + std::to_string(c.replica);
-      (void)placement_kv_->Delete(key);
-      held_claims_.erase(key);
+      if (placement_kv_->Delete(key).ok()) held_claims_.erase(key);  // else the next poll gives it back
       // Waiting work gets an answer rather than its deadline when no room
       // can come here: the model is larger than this worker's whole budget
       // (429 no_room_for_model), or it failed here and its retry finds
