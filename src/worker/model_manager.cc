@@ -740,6 +740,7 @@ void ModelManager::LoaderLoop() {
     Entry& e = *job->entry;
     lock.unlock();
 
+    if (on_load_start_) on_load_start_(e.config.name);  // config is fixed after construction
     UnloadVictims(std::move(job->victims), job->excess_bytes, job->excess_count);
     lock.lock();
     const bool stop = stopping_;

@@ -237,6 +237,13 @@ class ModelManager {
   // by FailUnhealthy() on its caller's thread when it failed a model. Set
   // before Start().
   void SetOnChange(std::function<void()> on_change) { on_change_ = std::move(on_change); }
+  // Called when a loader thread takes a load, before it unloads the load's
+  // victims and loads, outside the lock: the model shows as loading from
+  // here, also a load that had to wait for room or for the loader and so
+  // began in no caller's StartLoad. Set before Start().
+  void SetOnLoadStart(std::function<void(const std::string& model)> on_load_start) {
+    on_load_start_ = std::move(on_load_start);
+  }
 
   // Starts loading `name` if it is not loaded or loading; never waits for
   // the load. OK when loaded or loading; else the error Acquire() would
@@ -344,6 +351,7 @@ class ModelManager {
   const ModelManagerOptions options_;
   const ModelLoader loader_;
   std::function<void()> on_change_;
+  std::function<void(const std::string&)> on_load_start_;
   const Clock* clock_;
   std::unique_ptr<MetricsRegistry> own_metrics_;
   MetricsRegistry* metrics_;

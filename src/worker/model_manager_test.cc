@@ -954,6 +954,16 @@ TEST_F(ModelManagerTest, ALoadStartedWhenALoadIsAnnouncedDoesNotWaitForThatLoade
 // would go on serving for the whole other load while shown not loaded.
 TEST_F(ModelManagerTest, VictimsAreChosenWhenTheLoaderIsFreeNotWhileItIsBusy) {
   auto mm = Make(Options(200), {Model("a", 100), Model("b", 100), Model("c", 100)});
+  // Every load is announced when it starts, c's too, though it began after
+  // waiting for the loader rather than in a StartLoad (the worker publishes
+  // its heartbeat then, so peers see "loading").
+  std::mutex started_mu;
+  std::vector<std::pair<std::string, ModelState>> started;
+  mm->SetOnLoadStart([&](const std::string& model) {
+    const ModelState state = StateOf(*mm, model);
+    std::lock_guard<std::mutex> lock(started_mu);
+    started.emplace_back(model, state);
+  });
   ASSERT_TRUE(mm->Load("a").ok());
   loader_.Hold("b");
   ASSERT_TRUE(mm->StartLoad("b").ok());  // fits beside a: no eviction
@@ -972,6 +982,9 @@ TEST_F(ModelManagerTest, VictimsAreChosenWhenTheLoaderIsFreeNotWhileItIsBusy) {
   EXPECT_EQ(StateOf(*mm, "c"), ModelState::kLoaded);
   EXPECT_EQ(StateOf(*mm, "a"), ModelState::kNotLoaded);
   EXPECT_EQ(Evictions("a"), 1);
+  std::lock_guard<std::mutex> lock(started_mu);
+  EXPECT_EQ(started, (std::vector<std::pair<std::string, ModelState>>{
+                         {"a", ModelState::kLoading}, {"b", ModelState::kLoading}, {"c", ModelState::kLoading}}));
 }
 
 // Room that an unload under way will free is waited for, not taken again
