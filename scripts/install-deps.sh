@@ -12,9 +12,8 @@ PACKAGES=(
   nlohmann-json3-dev
   libssl-dev
   libcli11-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev
   gdb
-  wrk
   wamerican
   libtesseract-dev libleptonica-dev tesseract-ocr-eng tesseract-ocr-vie
   python3-pil fonts-dejavu-core

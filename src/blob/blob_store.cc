@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstring>
+#include <optional>
 
 #include "blob/internal/codec.h"
 #include "blob/local_dir_blob_store.h"
@@ -169,32 +170,33 @@ Result<Url> SplitUrl(std::string_view url) {
   return u;
 }
 
-}  // namespace
+// What a store URL asks for, parsed and checked, nothing opened.
+struct BlobStoreSpec {
+  std::optional<LocalDirBlobStoreOptions> file;
+  std::optional<NatsObjectStoreOptions> nats;
+};
 
-Result<std::unique_ptr<BlobStore>> OpenBlobStore(std::string_view url, NatsClient* nats, const Clock* clock) {
+Result<BlobStoreSpec> ParseBlobStoreUrl(std::string_view url) {
   ASSIGN_OR_RETURN(Url u, SplitUrl(url));
+  BlobStoreSpec spec;
   if (u.scheme == "file") {
     if (!u.host.empty() && u.host != "localhost") {
       return InvalidArgument("file blob store URL must be file:///absolute/dir, got " + std::string(url));
     }
-    LocalDirBlobStoreOptions o;
+    LocalDirBlobStoreOptions& o = spec.file.emplace();
     o.dir = u.path;
-    o.clock = clock;
     for (auto& [k, v] : u.query) {
       if (k == "id") o.id = v;
       else return InvalidArgument("unknown file blob store option " + k);
     }
-    ASSIGN_OR_RETURN(auto store, LocalDirBlobStore::Create(o));
-    return std::unique_ptr<BlobStore>(std::move(store));
+    return spec;
   }
   if (u.scheme == "nats" || u.scheme == "nats-os") {
-    if (nats == nullptr) return InvalidArgument("the NATS object store needs a NATS connection");
     if (!u.path.empty() && u.path != "/") {
       return InvalidArgument("NATS object store URL is nats://<bucket>, got " + std::string(url));
     }
-    NatsObjectStoreOptions o;
+    NatsObjectStoreOptions& o = spec.nats.emplace();
     if (!u.host.empty()) o.bucket = u.host;
-    o.clock = clock;
     for (auto& [k, v] : u.query) {
       auto n = ParseUint(v);
       if (!n.ok()) return InvalidArgument("blob store option " + k + " must be a number");
@@ -206,10 +208,26 @@ Result<std::unique_ptr<BlobStore>> OpenBlobStore(std::string_view url, NatsClien
       else if (k == "stream_read_min_chunks") o.stream_read_min_chunks = static_cast<int>(*n);
       else return InvalidArgument("unknown NATS blob store option " + k);
     }
-    ASSIGN_OR_RETURN(auto store, NatsObjectStore::Open(*nats, o));
-    return std::unique_ptr<BlobStore>(std::move(store));
+    return spec;
   }
   return InvalidArgument("unknown blob store scheme \"" + u.scheme + "\" (file or nats)");
+}
+
+}  // namespace
+
+Status CheckBlobStoreUrl(std::string_view url) { return ParseBlobStoreUrl(url).status(); }
+
+Result<std::unique_ptr<BlobStore>> OpenBlobStore(std::string_view url, NatsClient* nats, const Clock* clock) {
+  ASSIGN_OR_RETURN(BlobStoreSpec spec, ParseBlobStoreUrl(url));
+  if (spec.file) {
+    spec.file->clock = clock;
+    ASSIGN_OR_RETURN(auto store, LocalDirBlobStore::Create(*spec.file));
+    return std::unique_ptr<BlobStore>(std::move(store));
+  }
+  if (nats == nullptr) return InvalidArgument("the NATS object store needs a NATS connection");
+  spec.nats->clock = clock;
+  ASSIGN_OR_RETURN(auto store, NatsObjectStore::Open(*nats, *spec.nats));
+  return std::unique_ptr<BlobStore>(std::move(store));
 }
 
 }  // namespace shoal

@@ -117,5 +117,8 @@ class BlobStore {
 // `clock` (null: the system clock) dates writes and drives Sweep.
 Result<std::unique_ptr<BlobStore>> OpenBlobStore(std::string_view url, NatsClient* nats,
                                                  const Clock* clock = nullptr);
+// The checks OpenBlobStore makes of `url` itself (scheme, form, options),
+// opening nothing.
+Status CheckBlobStoreUrl(std::string_view url);
 
 }  // namespace shoal

@@ -19,6 +19,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "blob/blob_store.h"
 #include "cli/bench_command.h"
 #include "cli/models_command.h"
 #include "common/log.h"
@@ -497,6 +498,9 @@ int main(int argc, char** argv) {
     ApplyStream(serve_stream, &serve_wk.options.stream);
     if (Status s = serve_wk.options.Validate(); !s.ok()) return Fail(s);
     if (Status s = serve_gw.Validate(); !s.ok()) return Fail(s);
+    if (!serve_gw.blob.store_url.empty())
+      if (Status s = CheckBlobStoreUrl(serve_gw.blob.store_url); !s.ok()) return Fail(s);
+    if (auto models = Worker::SelectModels(serve_wk.options); !models.ok()) return Fail(models.status());
     auto lock_fd = LockDataDir(std::filesystem::absolute(data_dir));
     if (!lock_fd.ok()) return Fail(lock_fd.status());
     // A port in use fails here, not after every model has loaded.

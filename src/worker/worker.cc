@@ -250,17 +250,8 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   ASSIGN_OR_RETURN(w->placement_kv_, KvBucket::Open(*client, wire::kPlacementBucket, options.claim_ttl_ms));
 
   PrepareProcess(options);
-  ASSIGN_OR_RETURN(auto configs, LoadModelRepository(options.model_repository));
+  ASSIGN_OR_RETURN(std::vector<ModelConfig> selected, SelectModels(options));
   const int cpus = UsableCpus();
-  std::vector<ModelConfig> selected;
-  for (const auto& name : options.models) {
-    auto it = std::find_if(configs.begin(), configs.end(), [&](const ModelConfig& c) { return c.name == name; });
-    if (it == configs.end())
-      return NotFound("model '" + name + "' is not in repository " + options.model_repository);
-    selected.push_back(*it);
-  }
-  if (options.models.empty()) selected = configs;
-  if (selected.empty()) return NotFound("no models in repository " + options.model_repository);
   for (ModelConfig& config : selected) {
     if (!options.runtime_override.empty()) config.runtime = options.runtime_override;
     if (config.runtime == "torchscript") config.device = w->options_.device;
@@ -324,6 +315,15 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   w->manager_ = std::make_unique<ModelManager>(
       mo, selected, [self](const ModelConfig& c) { return self->LoadModel(c); }, clock, metrics);
   w->manager_raw_ = w->manager_.get();
+  // Peers see a load as soon as it starts, one begun after waiting for
+  // room (an operator's) too, and leave the model to this worker.
+  w->manager_->SetOnLoadStart([self](const std::string&) {
+    {
+      std::lock_guard<std::mutex> lock(self->hb_mu_);
+      self->hb_now_ = true;
+    }
+    self->hb_cv_.notify_all();
+  });
   w->manager_->SetOnChange([self] {
     {
       std::lock_guard<std::mutex> lock(self->hb_mu_);
@@ -372,6 +372,29 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   LOG_INFO("worker", "worker " << w->id_ << ": " << w->LoadedModels().size() << " of " << w->catalog_.size()
                                << " model(s) loaded");
   return w;
+}
+
+Result<std::vector<ModelConfig>> Worker::SelectModels(const WorkerOptions& options) {
+  ASSIGN_OR_RETURN(auto configs, LoadModelRepository(options.model_repository));
+  std::vector<ModelConfig> selected;
+  for (const auto& name : options.models) {
+    auto it = std::find_if(configs.begin(), configs.end(), [&](const ModelConfig& c) { return c.name == name; });
+    if (it == configs.end())
+      return NotFound("model '" + name + "' is not in repository " + options.model_repository, "model_not_found");
+    selected.push_back(*it);
+  }
+  if (options.models.empty()) selected = configs;
+  if (selected.empty()) return NotFound("no models in repository " + options.model_repository);
+  const auto served = [&](const std::string& name) {
+    return std::any_of(selected.begin(), selected.end(), [&](const ModelConfig& c) { return c.name == name; });
+  };
+  for (const std::string& name : options.pinned)
+    if (!served(name)) return NotFound("--pin: model '" + name + "' is not in this worker's catalog", "model_not_found");
+  const bool all = options.preload.size() == 1 && options.preload.front() == "all";
+  for (const std::string& name : options.preload)
+    if (!all && !served(name))
+      return NotFound("--preload: model '" + name + "' is not in this worker's catalog", "model_not_found");
+  return selected;
 }
 
 Worker::~Worker() { Stop(); }

@@ -169,6 +169,11 @@ class Worker {
   // Reads the catalog, binds the stream and buckets, loads the pinned and
   // preloaded models (blocking), registers and starts its threads. `client`
   // and `metrics` must outlive the worker.
+  // The models a worker with `options` serves: `models` from its repository
+  // (every one when none is named), each `pinned` and `preload` name among
+  // them (else NotFound "model_not_found"). Reads the repository; starts
+  // nothing. Create() goes through it.
+  static Result<std::vector<ModelConfig>> SelectModels(const WorkerOptions& options);
   static Result<std::unique_ptr<Worker>> Create(const WorkerOptions& options, NatsClient* client,
                                                 MetricsRegistry* metrics, const Clock* clock = nullptr);
   ~Worker();

@@ -518,7 +518,9 @@ TEST(E2eServeShutdown, SigtermExitsZeroAndStopsNatsServer) {
 // A bad option value is an error before anything starts: exit 1 with an
 // error naming the option, and no nats-server was started (its JetStream
 // directory was never made). A GPU the build's libtorch cannot use (here
-// one past any machine's) is such a value too.
+// one past any machine's), a model named that the repository lacks, a
+// repository that does not exist and a blob store URL that does not parse
+// are such values too.
 TEST(E2eServeShutdown, BadOptionExitsBeforeStartingNatsServer) {
   struct Case {
     std::vector<std::string> bad;
@@ -529,15 +531,24 @@ TEST(E2eServeShutdown, BadOptionExitsBeforeStartingNatsServer) {
                                    {{"--device-slots", "-1"}, "invalid_argument", "device_slots"},
                                    {{"--device", "gpu"}, "invalid_argument", "bad device 'gpu'"},
                                    {{"--device", "cuda:255"}, "unavailable (device_unavailable)", "device cuda:255"},
-                                   {{"--host-memory-budget", "1GiB"}, "invalid_argument", "host memory budget"}};
+                                   {{"--host-memory-budget", "1GiB"}, "invalid_argument", "host memory budget"},
+                                   {{"--preload", "bogus"}, "model_not_found", "--preload: model 'bogus'"},
+                                   {{"--pin", "bogus"}, "model_not_found", "--pin: model 'bogus'"},
+                                   {{"--models", "bogus"}, "model_not_found", "model 'bogus' is not in repository"},
+                                   {{"--models-dir", "/nonexistent-shoal-models"}, "not_found", "/nonexistent-shoal-models"},
+                                   {{"--blob-store", "file://relative/dir"}, "invalid_argument", "file:///absolute/dir"},
+                                   {{"--blob-store", "s3://bucket"}, "invalid_argument", "unknown blob store scheme"}};
   // Runs shoal serve with `bad`; expects it to exit `want` naming `named`,
   // without having started a nats-server.
   auto expect_exit = [](const std::vector<std::string>& bad, int want, const std::string& code,
                         const std::string& named) {
     shoal::testing::TempDir dir;
     ChildOptions o;
-    o.argv = {shoal::testing::ShoalBinary(), "serve", "--data-dir", dir.path() + "/data", "--port", "0",
-              "--models-dir", shoal::testing::ModelsDir(), "--models", kModel};
+    o.argv = {shoal::testing::ShoalBinary(), "serve", "--data-dir", dir.path() + "/data", "--port", "0"};
+    for (const auto& [flag, value] : {std::pair<std::string, std::string>{"--models-dir", shoal::testing::ModelsDir()},
+                                      std::pair<std::string, std::string>{"--models", kModel}}) {
+      if (std::find(bad.begin(), bad.end(), flag) == bad.end()) o.argv.insert(o.argv.end(), {flag, value});
+    }
     o.argv.insert(o.argv.end(), bad.begin(), bad.end());
     o.stderr_path = dir.path() + "/stderr.log";
     auto child = ChildProcess::Spawn(o);
