@@ -269,6 +269,12 @@ bool ModelManager::IsLoaded(const std::string& name) const {
   return e != nullptr && e->state == ModelState::kLoaded;
 }
 
+bool ModelManager::LoadedOrLoading(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Entry* e = Find(name);
+  return e != nullptr && (e->state == ModelState::kLoaded || e->state == ModelState::kLoading);
+}
+
 void ModelManager::Touch(const std::string& name) {
   std::lock_guard<std::mutex> lock(mu_);
   Entry* e = Find(name);

@@ -216,6 +216,8 @@ class ModelManager {
 
   // Whether `name` is loaded right now. Never blocks on a load.
   bool IsLoaded(const std::string& name) const;
+  // Whether `name` is loaded or loading right now. Never blocks on a load.
+  bool LoadedOrLoading(const std::string& name) const;
   // Marks a loaded model used now (LRU order) without a lease; for users
   // that keep it busy through an attachment. No-op when not loaded.
   void Touch(const std::string& name);

@@ -1020,9 +1020,11 @@ TEST_F(ModelManagerTest, ALoadWaitsForMemoryBeingFreedInsteadOfEvictingMore) {
 TEST_F(ModelManagerTest, StartLoadDoesNotWait) {
   auto mm = Make(Options(0), {Model("a", 100)});
   loader_.Hold("a");
+  EXPECT_FALSE(mm->LoadedOrLoading("a"));
   EXPECT_TRUE(mm->StartLoad("a").ok());
   EXPECT_TRUE(mm->StartLoad("a").ok());  // already loading: same load
   EXPECT_FALSE(mm->IsLoaded("a"));
+  EXPECT_TRUE(mm->LoadedOrLoading("a"));
   loader_.Open("a");
   ASSERT_TRUE(Eventually([&] { return mm->IsLoaded("a"); }));
   EXPECT_EQ(loader_.loads("a"), 1);

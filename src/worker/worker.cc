@@ -1085,6 +1085,12 @@ void Worker::DrainFailed(const std::string& model, const Status& error, int max)
   }
   auto fetched = it->second->Fetch(max, kDrainPollMs);
   if (!fetched.ok()) return;
+  // The error was read before the fetch: a load started since (an
+  // operator's retry) will serve this work, which goes back to the queue.
+  if (manager_->LoadedOrLoading(model)) {
+    for (Delivery& d : *fetched) (void)d.Nak();
+    return;
+  }
   for (Delivery& d : *fetched) {
     if (!d.Header(wire::kHdrLoadHint).empty()) {
       (void)d.Ack();
