@@ -9,13 +9,16 @@
 
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include <CLI/CLI.hpp>
 
@@ -264,27 +267,66 @@ Status ApplyWorkerFlags(WorkerFlags& w) {
   return CheckComputeDevice(w.options.device);
 }
 
-// Blocks SIGINT/SIGTERM in every thread (call before starting any), then
-// WaitForSignal() receives them synchronously.
-pthread_t g_main_thread;  // the thread that calls WaitForSignal()
+// SIGINT and SIGTERM are blocked in every thread and taken by one thread of
+// their own (BlockSignals, before any other thread starts). While a command
+// starts (nats-server, model loads: minutes, or a load that hangs), one ends
+// the process at once, exit status 128 + the signal: nothing is served yet,
+// and the nats-server and runtime processes it started die with it
+// (PDEATHSIG). Once serving (WaitForSignal), the first one starts the
+// orderly stop; a second one while stopping ends the process at once.
+std::mutex g_signal_mu;
+std::condition_variable g_signal_cv;
+int g_signal = 0;        // guarded by g_signal_mu: the one that asked to stop (0: none yet)
+bool g_serving = false;  // guarded by g_signal_mu: WaitForSignal() has been called
 
-void BlockSignals() {
-  g_main_thread = pthread_self();
+sigset_t ShutdownSignals() {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  return set;
 }
 
+// Asks the command to stop as `sig` would (WaitForSignal returns it).
+void RequestStop(int sig) {
+  {
+    std::lock_guard<std::mutex> lock(g_signal_mu);
+    if (g_signal == 0) g_signal = sig;
+  }
+  g_signal_cv.notify_all();
+}
+
+void SignalLoop() {
+  const sigset_t set = ShutdownSignals();
+  for (;;) {
+    int sig = 0;
+    if (sigwait(&set, &sig) != 0) continue;
+    bool serving = false, stopping = false;
+    {
+      std::lock_guard<std::mutex> lock(g_signal_mu);
+      serving = g_serving;
+      stopping = g_signal != 0;
+    }
+    if (!serving || stopping) {
+      LOG_WARN("shoal", "signal " << sig << (serving ? " while stopping" : " while starting") << ": exiting now");
+      std::_Exit(128 + sig);
+    }
+    RequestStop(sig);
+  }
+}
+
+void BlockSignals() {
+  const sigset_t set = ShutdownSignals();
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::thread(SignalLoop).detach();
+}
+
+// Blocks until a signal (or a failed device) asks the command to stop.
 int WaitForSignal() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  int sig = 0;
-  sigwait(&set, &sig);
-  return sig;
+  std::unique_lock<std::mutex> lock(g_signal_mu);
+  g_serving = true;
+  g_signal_cv.wait(lock, [] { return g_signal != 0; });
+  return g_signal;
 }
 
 // libgomp reads OMP_WAIT_POLICY once, when the process loads it, so a
@@ -307,10 +349,7 @@ std::atomic<bool> g_device_failed{false};
 
 void StopAfterDeviceFault(const Status&) {
   g_device_failed = true;
-  // To the main thread, which waits for it: a signal to the process could
-  // reach a thread that does not block it and end the process by SIGTERM,
-  // which supervisors count as a clean stop.
-  pthread_kill(g_main_thread, SIGTERM);
+  RequestStop(SIGTERM);  // no real signal: one could end the process by SIGTERM, a clean stop to supervisors
 }
 
 int ExitCode(const char* component) {

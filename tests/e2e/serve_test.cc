@@ -515,6 +515,47 @@ TEST(E2eServeShutdown, SigtermExitsZeroAndStopsNatsServer) {
   EXPECT_NE(HttpGet(serve.port, "/healthz", 1s).status, 200);
 }
 
+// A signal while `shoal serve` is still starting (here a preloaded model
+// whose runtime never answers, which would hold the start for its 60 s
+// start timeout) ends it at once, exit status 130, and the nats-server it
+// had started goes with it. Before, the signal waited until the start was
+// over.
+TEST(E2eServeShutdown, SigintWhileStartingExitsAtOnce) {
+  namespace fs = std::filesystem;
+  shoal::testing::TempDir dir;
+  const fs::path src = fs::path(shoal::testing::ModelsDir()) / "tiny-bert-py";
+  const fs::path repo = fs::path(dir.path()) / "models";
+  fs::create_directories(repo / "stuck");
+  json config = json::parse(std::ifstream(src / "shoal.json"));
+  config["name"] = "stuck";
+  config["process"]["command"] = {"/bin/sleep", "600"};
+  std::ofstream(repo / "stuck" / "shoal.json") << config.dump(2);
+  for (const char* f : {"vocab.txt", "weights.pt"}) fs::create_symlink(src / f, repo / "stuck" / f);
+  ChildOptions o;
+  o.argv = {shoal::testing::ShoalBinary(), "serve", "--data-dir", dir.path() + "/data", "--port", "0",
+            "--models-dir", repo.string(), "--preload", "stuck"};
+  o.stderr_path = dir.path() + "/stderr.log";
+  auto child = ChildProcess::Spawn(o);
+  // Starting: its nats-server is up and the model's runtime is running.
+  pid_t nats = -1;
+  ASSERT_TRUE(shoal::testing::Eventually([&] {
+    nats = NatsServerChildOf(child->pid());
+    for (pid_t p : Descendants(child->pid())) {
+      std::ifstream comm("/proc/" + std::to_string(p) + "/comm");
+      std::string name;
+      std::getline(comm, name);
+      if (name == "sleep" && nats > 0) return true;
+    }
+    return false;
+  }, 30s)) << "shoal serve never reached the model's load";
+  child->Signal(SIGINT);
+  auto status = child->Wait(10s);
+  ASSERT_TRUE(status.has_value()) << "shoal serve went on starting after SIGINT";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 130) << DescribeWaitStatus(*status);
+  EXPECT_TRUE(shoal::testing::Eventually([&] { return !ProcessAlive(nats); }, 15s))
+      << "nats-server " << nats << " outlived shoal serve";
+}
+
 // A bad option value is an error before anything starts: exit 1 with an
 // error naming the option, and no nats-server was started (its JetStream
 // directory was never made). A GPU the build's libtorch cannot use (here
