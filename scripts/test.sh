@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-BUILD_DIR="${SHOAL_BUILD_DIR:-build}"
+BUILD_DIR="$(cd "${SHOAL_BUILD_DIR:-build}" && pwd)"  # absolute, given either way
 
 echo "test: C++ unit, integration and end-to-end tests"
 ctest --test-dir "${BUILD_DIR}" --output-on-failure -j "${SHOAL_TEST_JOBS:-2}" --timeout 300
@@ -14,10 +14,10 @@ ctest --test-dir "${BUILD_DIR}" --output-on-failure -j "${SHOAL_TEST_JOBS:-2}" -
 if [ -f tests/js/package.json ]; then
   echo "test: official OpenAI SDK (Node.js) against shoal serve"
   npm ci --prefix tests/js --no-audit --no-fund --loglevel=error
-  SHOAL_BIN="$(pwd)/${BUILD_DIR}/src/cli/shoal" SHOAL_MODELS_DIR="$(pwd)/models" \
+  SHOAL_BIN="${BUILD_DIR}/src/cli/shoal" SHOAL_MODELS_DIR="$(pwd)/models" \
     node --test tests/js/openai_sdk_test.mjs tests/js/openai_chat_test.mjs
   echo "test: NATS object store interop with the nats Node.js client"
-  SHOAL_BLOB_TOOL="$(pwd)/${BUILD_DIR}/tests/shoal_blob_tool" \
+  SHOAL_BLOB_TOOL="${BUILD_DIR}/tests/shoal_blob_tool" \
     node --test tests/js/objstore_interop_test.mjs
 fi
 echo "test: all passed"

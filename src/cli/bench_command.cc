@@ -79,11 +79,16 @@ std::optional<double> Number(const std::string& s) {
   return v;
 }
 
+// Past this an arrival gap rounds to no time at all (one client process
+// cannot offer it anyway).
+constexpr double kMaxRate = 1e6;
+
 Result<std::vector<double>> Rates(const std::string& list, const std::string& flag) {
   std::vector<double> out;
   for (const auto& item : SplitList(list, ',')) {
     auto v = Number(item);
-    if (!v || *v <= 0) return InvalidArgument(flag + ": '" + item + "' is not a positive rate (requests/s)");
+    if (!v || *v <= 0 || *v > kMaxRate)
+      return InvalidArgument(flag + ": '" + item + "' is not a rate in (0, 1000000] requests/s");
     out.push_back(*v);
   }
   if (out.empty()) return InvalidArgument(flag + ": no rate given");
@@ -103,10 +108,12 @@ Result<std::vector<Phase>> ParsePhases(const BenchCommandFlags& f) {
   }
   if (!f.sweep.empty()) {
     const auto parts = SplitList(f.sweep, ':');
-    const std::string usage = "--sweep '" + f.sweep + "': use START:STOP:STEPS, rates > 0, STEPS >= 1 (e.g. 50:500:10)";
+    const std::string usage =
+        "--sweep '" + f.sweep + "': use START:STOP:STEPS, rates in (0, 1000000], STEPS in [1, 1000] (e.g. 50:500:10)";
     if (parts.size() != 3) return InvalidArgument(usage);
     auto a = Number(parts[0]), b = Number(parts[1]), n = Number(parts[2]);
-    if (!a || !b || !n || *a <= 0 || *b <= 0 || *n < 1 || *n != std::floor(*n) || *n > 1000) {
+    if (!a || !b || !n || *a <= 0 || *b <= 0 || *a > kMaxRate || *b > kMaxRate || *n < 1 || *n != std::floor(*n) ||
+        *n > 1000) {
       return InvalidArgument(usage);
     }
     const int steps = static_cast<int>(*n);

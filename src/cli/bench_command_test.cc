@@ -73,7 +73,10 @@ TEST(BenchCommand, BadOptionsAreUsageErrors) {
       {[](BenchCommandFlags& f) { f.input_words = "fixed:0"; }, "--input-words"},
       {[](BenchCommandFlags& f) { f.rate = "10", f.closed = "4"; }, "choose one of"},
       {[](BenchCommandFlags& f) { f.sweep = "10:20"; }, "START:STOP:STEPS"},
-      {[](BenchCommandFlags& f) { f.rates = "10,x"; }, "'x' is not a positive rate"},
+      {[](BenchCommandFlags& f) { f.rates = "10,x"; }, "'x' is not a rate in (0, 1000000]"},
+      // A gap of under a nanosecond: every arrival at once, for ever.
+      {[](BenchCommandFlags& f) { f.rate = "1e12"; }, "'1e12' is not a rate in (0, 1000000]"},
+      {[](BenchCommandFlags& f) { f.sweep = "10:1e9:3"; }, "rates in (0, 1000000]"},
       {[](BenchCommandFlags& f) { f.closed = "0"; }, "client count"},
       {[](BenchCommandFlags& f) { f.url = "https://api.example.com"; }, "https"},
       {[](BenchCommandFlags& f) { f.duration_s = 0; }, "--duration"},

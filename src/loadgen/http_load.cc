@@ -35,14 +35,17 @@ double ThreadCpuSeconds(clockid_t id) {
   return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) / 1e9;
 }
 
-// Reads "prompt_tokens":N near the end of an OpenAI embeddings response.
+// Reads "prompt_tokens":N (blanks allowed before N) near the end of an
+// OpenAI embeddings response.
 int64_t PromptTokens(const std::string& body) {
   static constexpr std::string_view kKey = "\"prompt_tokens\":";
   const size_t at = body.rfind(kKey);
   if (at == std::string::npos) return 0;
   int64_t v = 0;
   const char* p = body.data() + at + kKey.size();
-  std::from_chars(p, body.data() + body.size(), v);
+  const char* end = body.data() + body.size();
+  while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) ++p;  // pretty-printed JSON
+  std::from_chars(p, end, v);
   return v;
 }
 
@@ -62,6 +65,7 @@ struct ThreadState {
   std::vector<double> latencies_ms;
   int64_t completed = 0, errors = 0, dropped = 0, prompt_tokens = 0;
   int64_t due = 0;  // open loop: arrivals in the window
+  int64_t answered_in_window = 0;  // 200s that arrived in the window, whenever due
   std::string first_error;
   std::map<int, int64_t> errors_by_status;
   std::vector<TagCounts> per_tag;
@@ -153,6 +157,20 @@ class Conn : public std::enable_shared_from_this<Conn> {
     });
   }
 
+  // After the run (its io_context stopped): an open-loop request due in the
+  // window and still unanswered is an error of its own (status
+  // kUnansweredStatus), not left out of every count.
+  void CountUnansweredDue() {
+    const Shared& sh = *ts_->shared;
+    if (!sh.open_loop || !in_flight_ || start_ < sh.window_start || start_ >= sh.window_end) return;
+    in_flight_ = false;
+    ts_->Error("no answer 30 s after the window", kUnansweredStatus, request_);
+    if (sh.options->on_request_done) {
+      const double latency_ms = std::chrono::duration<double, std::milli>(Clock::now() - start_).count();
+      sh.options->on_request_done(request_, sent_value_, kUnansweredStatus, latency_ms, true);
+    }
+  }
+
  private:
   void OnResponse(beast::error_code ec) {
     if (ec) return Fail("read: " + ec.message());
@@ -165,6 +183,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
     const Time key = sh.open_loop ? start_ : end;
     const bool in_window = key >= sh.window_start && key < sh.window_end;
     const bool ok = res.result() == http::status::ok;
+    if (ok && end >= sh.window_start && end < sh.window_end) ++ts_->answered_in_window;
     const double latency_ms = std::chrono::duration<double, std::milli>(end - start_).count();
     if (LoadProgress* p = sh.options->progress) p->OnDone(ok, latency_ms);
     if (sh.options->on_request_done) {
@@ -465,12 +484,17 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   for (auto& t : ts) t->io.stop();
   for (auto& th : threads) th.join();
+  // Open loop: what was due in the window and is still unanswered is an
+  // error of its own, not left out of every count.
+  for (auto& t : ts)
+    for (const auto& c : t->conns) c->CountUnansweredDue();
 
   LoadResult r;
   r.window_s = options.duration_s;
   r.client_cpu_s = cpu_end - cpu_start;
   for (auto& t : ts) {
     r.completed += t->completed;
+    r.answered_in_window += t->answered_in_window;
     r.errors += t->errors;
     r.dropped += t->dropped;
     r.due += t->due;

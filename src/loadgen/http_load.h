@@ -81,7 +81,9 @@ struct LoadOptions {
   // failed), its latency, and whether it counts in the measured window (the
   // rule of `completed`; `errors` also counts failed connects that carried
   // no request, which no observer sees). Every request that was sent ends
-  // once, except those still in flight when RunLoad gives up on them.
+  // once, except those still in flight when RunLoad gives up on them (30 s
+  // after the window): open-loop ones due in the window end then with
+  // status kUnansweredStatus, the others not at all.
   std::function<uint64_t(size_t request)> on_request_sent;
   std::function<void(size_t request, uint64_t sent_value, int status, double latency_ms, bool in_window)>
       on_request_done;
@@ -93,9 +95,19 @@ struct TagCounts {
   int64_t errors = 0;
 };
 
+// The status under which an open-loop request due in the window and still
+// unanswered 30 s after it is counted (errors_by_status, on_request_done).
+inline constexpr int kUnansweredStatus = -1;
+
 struct LoadResult {
   double window_s = 0;          // measured window length
-  int64_t completed = 0;        // 200 responses that finished in the window
+  // 200 responses: closed loop, those that finished in the window; open
+  // loop, those due in it (answered up to 30 s after it).
+  int64_t completed = 0;
+  // 200 responses that arrived inside the window, whenever due: the
+  // throughput (open loop: under overload the server's rate, not the
+  // offered one).
+  int64_t answered_in_window = 0;
   int64_t errors = 0;           // non-200 responses or failed connections
   int64_t dropped = 0;          // open loop: arrivals with no free connection
   int64_t due = 0;              // open loop: arrivals in the window
@@ -105,12 +117,13 @@ struct LoadResult {
   std::string first_error;
   std::vector<double> latencies_ms;  // of `completed`, sorted ascending
   // `errors` by HTTP status; 0 counts failed connections (connect, write or
-  // read failed, or the answer was not HTTP).
+  // read failed, or the answer was not HTTP), kUnansweredStatus open-loop
+  // requests never answered.
   std::map<int, int64_t> errors_by_status;
   // Indexed by tag (size: largest tag + 1) when request_tags was given.
   std::vector<TagCounts> per_tag;
 
-  double RequestsPerS() const { return window_s > 0 ? completed / window_s : 0; }
+  double RequestsPerS() const { return window_s > 0 ? answered_in_window / window_s : 0; }
   double TokensPerS() const { return window_s > 0 ? prompt_tokens / window_s : 0; }
   // p in [0, 100]; 0 when there are no samples.
   double PercentileMs(double p) const;

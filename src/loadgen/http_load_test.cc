@@ -94,6 +94,33 @@ TEST(HttpLoad, OpenLoopAccountsForEveryArrival) {
   EXPECT_EQ(r->completed + r->errors, r->due);
 }
 
+// Open-loop throughput counts the answers that arrived inside the window,
+// whenever due; latencies and `completed` count the requests due in it.
+// With every answer 300 ms late, those due in the window's last 300 ms are
+// answered after it: counted as completed, not as throughput. (Before,
+// throughput was completed / window: the offered rate even when the server
+// fell behind.)
+TEST(HttpLoad, OpenLoopThroughputCountsAnswersInsideTheWindow) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
+    FakeOpenAiServer::Reply reply = FakeOpenAiServer::Embeddings(r.body);
+    reply.delay_ms = 300;
+    return reply;
+  });
+  LoadOptions o = Options(server.port());
+  o.requests.resize(1);
+  o.request_tags.clear();
+  o.warmup_s = 0;
+  o.duration_s = 1;
+  o.rate_per_s = 40;
+  o.connections = 64;
+  auto r = RunLoad(o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->completed, r->due);
+  EXPECT_GT(r->completed, r->answered_in_window);
+  EXPECT_GT(r->answered_in_window, 0);
+  EXPECT_DOUBLE_EQ(r->RequestsPerS(), static_cast<double>(r->answered_in_window) / r->window_s);
+}
+
 // The per-request observers see every request once, with the value their
 // send returned, its status, and the same window rule as the counts.
 TEST(HttpLoad, ObserversSeeEveryRequestWithItsStatus) {

@@ -205,7 +205,9 @@ std::vector<const PhaseReport*> ByLoad(const BenchReport& r) {
   return out;
 }
 
-std::string StatusKey(int status) { return status == 0 ? "transport" : std::to_string(status); }
+std::string StatusKey(int status) {
+  return status == 0 ? "transport" : status == kUnansweredStatus ? "unanswered" : std::to_string(status);
+}
 
 }  // namespace
 

@@ -22,6 +22,7 @@ LoadResult Result(int64_t completed, int64_t errors_429, double window_s) {
   LoadResult r;
   r.window_s = window_s;
   r.completed = completed;
+  r.answered_in_window = completed;
   r.errors = errors_429 + 1;
   r.errors_by_status = {{429, errors_429}, {0, 1}};
   r.due = completed + r.errors;

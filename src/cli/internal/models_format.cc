@@ -62,8 +62,8 @@ std::string PastTense(const std::string& action) {
 
 std::string OneLine(std::string s, size_t max_chars) {
   std::replace_if(s.begin(), s.end(), [](char c) { return c == '\n' || c == '\r' || c == '\t'; }, ' ');
+  s.erase(0, std::min(s.size(), s.find_first_not_of(' ')));  // one erase: a long run of blanks is not quadratic
   while (!s.empty() && s.back() == ' ') s.pop_back();
-  while (!s.empty() && s.front() == ' ') s.erase(s.begin());
   if (s.size() > max_chars) s = s.substr(0, max_chars) + "...";
   return s;
 }
