@@ -39,6 +39,9 @@ Status DispatcherOptions::Validate() const {
   if (push_policy != "least-loaded" && push_policy != "p2c")
     return InvalidArgument("push_policy must be least-loaded or p2c");
   if (push_worker_timeout_ms < 100) return InvalidArgument("push_worker_timeout_ms must be >= 100");
+  // It is part of every reply subject (escaped, up to 3 bytes a byte), and
+  // workers refuse reply subjects over 1,024 bytes.
+  if (gateway_id.size() > 128) return InvalidArgument("gateway_id must be at most 128 bytes");
   return Status::Ok();
 }
 
@@ -573,11 +576,16 @@ void Dispatcher::HandleDecodedReply(wire::WorkReply reply) {
     }
     p = it->second;
     const int c = reply.chunk_index;
-    if (c < 0 || c >= p->chunk_count || p->have[c]) {
+    // An unusable reply whose chunk could not be read (wire::DecodeWorkReply)
+    // fails the request while any chunk is still unanswered.
+    const bool unplaced_failure = c == -1 && !is_partial && !reply.status.ok();
+    if (!unplaced_failure && (c < 0 || c >= p->chunk_count || p->have[c])) {
       duplicates_->Inc();
       return;
     }
-    if (is_partial) {
+    if (unplaced_failure) {
+      error = reply.status;
+    } else if (is_partial) {
       // Replies arrive in order on this one subscription thread, so a
       // chunk's partials reach the callback in the order they were sent,
       // numbered from 0. Any other number means the output the caller has

@@ -111,7 +111,7 @@ class WorkSubmitter {
 };
 
 struct DispatcherOptions {
-  std::string gateway_id;        // empty: random
+  std::string gateway_id;        // empty: random; at most 128 bytes
   int chunk_size = 32;           // inputs per queue message
   int64_t retry_after_s = 1;     // advertised on 429/503
   std::string dispatch = "pull";           // pull | push

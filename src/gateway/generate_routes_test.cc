@@ -121,6 +121,18 @@ TEST_F(GenerateRoutesTest, CompletionsUseTheirEndpoint) {
   EXPECT_EQ(json::from_msgpack(submitter_.last.items[0])["endpoint"], "completions");
 }
 
+// A result nested deeper than any answer a worker passes on (it bounds
+// upstream answers to 64 levels) is not decoded: anything on NATS can
+// publish to a reply subject, and the decoder recurses once per level.
+TEST_F(GenerateRoutesTest, AResultNestedTooDeepIsAnUpstreamError) {
+  json deep = json::array();
+  for (int i = 0; i < 100; ++i) deep = json::array({deep});
+  submitter_.result = {{"object", "chat.completion"}, {"model", "up-model"}, {"deep", deep}};
+  HttpResponse r = Call("/v1/chat/completions", R"({"model":"gen","messages":[{"role":"user","content":"yo"}]})");
+  EXPECT_EQ(r.status, 502) << r.body;
+  EXPECT_EQ(json::parse(r.body)["error"]["code"], "upstream_error");
+}
+
 TEST_F(GenerateRoutesTest, ValidatesBeforeQueueing) {
   EXPECT_EQ(Call("/v1/chat/completions", R"({"model":"gen"})").status, 400);
   EXPECT_EQ(Call("/v1/completions", R"({"model":"gen"})").status, 400);

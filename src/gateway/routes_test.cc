@@ -841,3 +841,19 @@ TEST(AcceptHeader, MessagePackOnlyWhenPreferredAtLeastAsMuchAsJson) {
 
 }  // namespace
 }  // namespace shoal
+
+namespace shoal {
+namespace {
+
+// The gateway id is part of every reply subject, which workers refuse past
+// 1,024 bytes: a long one is refused at start, not by every worker later.
+TEST(DispatcherOptionsTest, AGatewayIdTooLongForAReplySubjectIsRefused) {
+  DispatcherOptions o;
+  o.gateway_id = std::string(128, 'g');
+  EXPECT_TRUE(o.Validate().ok());
+  o.gateway_id = std::string(129, 'g');
+  EXPECT_EQ(o.Validate().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace shoal

@@ -242,8 +242,12 @@ Subscription::~Subscription() {
   // Drained, not just unsubscribed: what nats.c has received for it but not
   // yet handed over still reaches the handler (unsubscribing dropped it,
   // and a pushed request or a control request then waited out its caller's
-  // timeout). Without a connection to drain on, unsubscribed.
-  if (natsSubscription_DrainTimeout(sub_, kMaxWaitMs) != NATS_OK) (void)natsSubscription_Unsubscribe(sub_);
+  // timeout). Only while connected: a drain's flush cannot complete while
+  // reconnecting and would hold the stop for its whole timeout. The drain's
+  // timeout ends before the wait below does.
+  const bool connected = natsConnection_Status(conn_) == NATS_CONN_STATUS_CONNECTED;
+  if (!connected || natsSubscription_DrainTimeout(sub_, kMaxWaitMs / 2) != NATS_OK)
+    (void)natsSubscription_Unsubscribe(sub_);
   bool finished;
   {
     std::unique_lock<std::mutex> lock(done_->mu);
@@ -271,7 +275,7 @@ Result<SubscriptionPtr> NatsClient::Subscribe(const std::string& subject, NatsMs
     // though the handler may still be finishing a message it had.
     Subscription::Done::Complete(done);
   }
-  return SubscriptionPtr(new Subscription(sub, done));
+  return SubscriptionPtr(new Subscription(sub, conn_.get(), done));
 }
 
 Status NatsClient::Flush(int64_t timeout_ms) {

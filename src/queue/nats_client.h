@@ -55,12 +55,13 @@ struct NatsOptions {
 using NatsMsgHandler = void (*)(natsConnection*, natsSubscription*, natsMsg*, void*);
 
 // An asynchronous core-NATS subscription (NatsClient::Subscribe). The
-// destructor drains it: the server stops sending, the messages nats.c has
-// already received still go to the handler, and then it waits until the
+// destructor drains it while connected (the server stops sending, the
+// messages nats.c has already received still go to the handler, for up to
+// kMaxWaitMs / 2; disconnected, it unsubscribes), then waits until the
 // handler has returned for good, so whatever the handler's closure points
 // to may be freed right after. It waits at most kMaxWaitMs in all and then
-// logs and goes on (never a hang); messages not handed over by then are
-// dropped. Must not be destroyed from inside its own handler.
+// logs and goes on (never a hang). Must not be destroyed from inside its
+// own handler, nor outlive its NatsClient.
 class Subscription {
  public:
   static constexpr int64_t kMaxWaitMs = 5000;
@@ -72,8 +73,9 @@ class Subscription {
  private:
   friend class NatsClient;
   struct Done;
-  Subscription(natsSubscription* sub, Done* done) : sub_(sub), done_(done) {}
+  Subscription(natsSubscription* sub, natsConnection* conn, Done* done) : sub_(sub), conn_(conn), done_(done) {}
   natsSubscription* sub_;
+  natsConnection* conn_;  // the client's; outlives the subscription
   Done* done_;  // set by nats.c once the handler is finished; freed by the destructor
 };
 using SubscriptionPtr = std::unique_ptr<Subscription>;

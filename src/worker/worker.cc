@@ -774,6 +774,25 @@ bool Worker::Claim(const std::string& model, int replica) {
   return true;
 }
 
+bool Worker::GiveBackClaim(const std::string& key) {
+  // After a failed delete (a timeout) the claim may have expired since and
+  // been taken by a peer: that claim is the peer's to give back.
+  if (claims_to_recheck_.count(key) > 0) {
+    auto holder = placement_kv_->Get(key);
+    if (!holder.ok() && holder.status().code() != StatusCode::kNotFound) return false;  // unreachable still
+    if (!holder.ok() || *holder != id_) {
+      claims_to_recheck_.erase(key);
+      return true;
+    }
+  }
+  if (placement_kv_->Delete(key).ok()) {
+    claims_to_recheck_.erase(key);
+    return true;
+  }
+  claims_to_recheck_.insert(key);
+  return false;
+}
+
 void Worker::ReleaseAllClaims() {
   for (const auto& [key, model] : held_claims_) (void)placement_kv_->Delete(key);
   held_claims_.clear();
@@ -794,7 +813,7 @@ void Worker::ReleaseSettledClaims() {
       published = true;
     }
     // Kept on a failed delete (a timeout), and tried again at the next poll.
-    it = placement_kv_->Delete(it->first).ok() ? held_claims_.erase(it) : std::next(it);
+    it = GiveBackClaim(it->first) ? held_claims_.erase(it) : std::next(it);
   }
 }
 
@@ -986,7 +1005,7 @@ void Worker::PollDemand() {
         no_room_logged_mono_us_[c.model] = now_mono;
       }
       const std::string key = wire::ModelKvKey(c.model) + "." + std::to_string(c.replica);
-      if (placement_kv_->Delete(key).ok()) held_claims_.erase(key);  // else the next poll gives it back
+      if (GiveBackClaim(key)) held_claims_.erase(key);  // else the next poll gives it back
       // Waiting work gets an answer rather than its deadline when no room
       // can come here: the model is larger than this worker's whole budget
       // (429 no_room_for_model), or it failed here and its retry finds
@@ -1086,9 +1105,24 @@ void Worker::DrainFailed(const std::string& model, const Status& error, int max)
   auto fetched = it->second->Fetch(max, kDrainPollMs);
   if (!fetched.ok()) return;
   // The error was read before the fetch: a load started since (an
-  // operator's retry) will serve this work, which goes back to the queue.
+  // operator's retry) will serve this work, which goes back to the queue;
+  // work on its last delivery, which would not come back, hears to retry.
   if (manager_->LoadedOrLoading(model)) {
-    for (Delivery& d : *fetched) (void)d.Nak();
+    for (Delivery& d : *fetched) {
+      if (static_cast<int64_t>(d.NumDelivered()) < options_.consumer.max_deliver) {
+        (void)d.Nak();
+        continue;
+      }
+      wire::WorkHeaders headers;
+      (void)ParseWorkHeaders(d, &headers);
+      if (!headers.request_id.empty()) {
+        PublishErrorReply(*client_, headers,
+                          Unavailable("model '" + model + "' is loading again after a failed load; retry",
+                                      "model_loading"),
+                          id_);
+      }
+      (void)d.Term();
+    }
     return;
   }
   for (Delivery& d : *fetched) {

@@ -166,14 +166,14 @@ class Worker {
   // more.
   static void PrepareProcess(const WorkerOptions& options);
 
-  // Reads the catalog, binds the stream and buckets, loads the pinned and
-  // preloaded models (blocking), registers and starts its threads. `client`
-  // and `metrics` must outlive the worker.
   // The models a worker with `options` serves: `models` from its repository
   // (every one when none is named), each `pinned` and `preload` name among
   // them (else NotFound "model_not_found"). Reads the repository; starts
   // nothing. Create() goes through it.
   static Result<std::vector<ModelConfig>> SelectModels(const WorkerOptions& options);
+  // Reads the catalog, binds the stream and buckets, loads the pinned and
+  // preloaded models (blocking), registers and starts its threads. `client`
+  // and `metrics` must outlive the worker.
   static Result<std::unique_ptr<Worker>> Create(const WorkerOptions& options, NatsClient* client,
                                                 MetricsRegistry* metrics, const Clock* clock = nullptr);
   ~Worker();
@@ -245,6 +245,10 @@ class Worker {
   // result: a claim must outlive only the window in which the registry does
   // not show the load yet (else a dead claimant would block failover).
   void ReleaseSettledClaims();
+  // Deletes this worker's placement claim `key`: true once it is gone or no
+  // longer this worker's (checked first when an earlier delete failed),
+  // false when it could not be deleted (tried again later).
+  bool GiveBackClaim(const std::string& key);
   // Claims of loads this worker will not finish: frees them for the others.
   // Demand thread, or after it has ended.
   void ReleaseAllClaims();
@@ -321,6 +325,7 @@ class Worker {
   std::map<std::string, int64_t> gave_up_unix_ms_;
   std::map<std::string, std::vector<PeerModel>> peers_;
   std::map<std::string, std::string> held_claims_;  // claim key -> model
+  std::set<std::string> claims_to_recheck_;         // keys whose delete failed: whose are they now?
   int64_t peers_read_mono_us_ = 0;
   int64_t oldest_read_mono_us_ = 0;
 

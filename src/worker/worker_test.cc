@@ -838,6 +838,28 @@ TEST_F(WorkerTest, UnusableRepliesFailTheirRequestAtOnce) {
   auto ir = i.get();
   EXPECT_EQ(ir.status().code(), StatusCode::kBadGateway) << (ir.ok() ? "answered" : ir.status().ToString());
   EXPECT_EQ(ir.status().reason(), "bad_worker_reply");
+
+  // A reply whose chunk cannot be read either: {"id": ..., "chunk": "zero"}.
+  EmbedJob unplaced;
+  unplaced.model = "by-hand";
+  unplaced.texts = {"two"};
+  unplaced.deadline_unix_ms = deadline;
+  std::promise<Result<EmbedResult>> answered;
+  dispatcher_->SubmitEmbed(std::move(unplaced), [&](Result<EmbedResult> r) { answered.set_value(std::move(r)); });
+  auto got = consumer->Fetch(1, 5000);
+  ASSERT_TRUE(got.ok() && got->size() == 1u);
+  wire::WorkHeaders h;
+  ASSERT_TRUE(ParseWorkHeaders((*got)[0], &h).ok());
+  std::string raw = "\x82\xa2id";
+  raw += static_cast<char>(0xa0 + h.request_id.size());  // fixstr (ids are short)
+  raw += h.request_id;
+  raw += "\xa5" "chunk\xa4zero";
+  ASSERT_LT(h.request_id.size(), 32u);
+  ASSERT_TRUE(client_->Publish(h.reply_to, raw).ok());
+  ASSERT_TRUE((*got)[0].Ack().ok());
+  auto u = answered.get_future();
+  ASSERT_EQ(u.wait_for(std::chrono::seconds(10)), std::future_status::ready) << "left for its deadline";
+  EXPECT_EQ(u.get().status().reason(), "bad_worker_reply");
 }
 
 // Streamed output whose chunk starts again from its first partial (its

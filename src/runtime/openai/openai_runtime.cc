@@ -219,8 +219,11 @@ Result<std::vector<std::string>> OpenAiRuntime::Embed(const std::vector<std::str
 Result<std::string> OpenAiRuntime::Generate(const std::string& item,
                                             const std::function<void(std::string)>& partial) {
   // Work published to the queue directly has not been through the
-  // gateway's checks, and nlohmann's reader recurses once per level.
-  RETURN_IF_ERROR(CheckBoundedMsgpack(item, "a generate input", JsonBounds{}, /*binary_allowed=*/true));
+  // gateway's checks, and nlohmann's reader recurses once per level. The
+  // gateway takes up to 2^22 JSON values, map keys not counted; this walk
+  // counts them, so twice that passes.
+  RETURN_IF_ERROR(CheckBoundedMsgpack(item, "a generate input", JsonBounds{64, uint64_t{1} << 23},
+                                      /*binary_allowed=*/true));
   json req = json::from_msgpack(item, true, false);
   if (req.is_discarded() || !req.is_object())
     return InvalidArgument("a generate input must be a MessagePack map (the request document)", "invalid_input");
