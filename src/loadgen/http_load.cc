@@ -417,7 +417,19 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
     tcp::resolver resolver(io);
     auto found = resolver.resolve(host, std::to_string(port), ec);
     if (ec || found.empty()) return Unavailable("load: cannot resolve host '" + host + "': " + ec.message());
-    sh.endpoints.push_back(found.begin()->endpoint());
+    // The first address that takes a connection: "localhost" resolves to
+    // ::1 first on many hosts, and a server may listen on IPv4 only.
+    tcp::endpoint chosen = found.begin()->endpoint();
+    for (const auto& entry : found) {
+      tcp::socket probe(io);
+      boost::system::error_code connect_ec;
+      probe.connect(entry.endpoint(), connect_ec);
+      if (!connect_ec) {
+        chosen = entry.endpoint();
+        break;
+      }
+    }
+    sh.endpoints.push_back(chosen);
   }
   sh.open_loop = options.rate_per_s > 0;
   const int nthreads = sh.open_loop ? 1 : std::min(options.threads, options.connections);

@@ -121,6 +121,19 @@ TEST(HttpLoad, OpenLoopThroughputCountsAnswersInsideTheWindow) {
   EXPECT_DOUBLE_EQ(r->RequestsPerS(), static_cast<double>(r->answered_in_window) / r->window_s);
 }
 
+// A host name is resolved to an address that takes connections: the test
+// server listens on 127.0.0.1 only, and "localhost" may resolve to ::1
+// first.
+TEST(HttpLoad, AHostNameReachesAServerOnIpv4Only) {
+  FakeOpenAiServer server(Answer);
+  LoadOptions o = Options(server.port());
+  o.host = "localhost";
+  o.connections = 2;
+  auto r = RunLoad(o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ExpectConsistent(*r);
+}
+
 // The per-request observers see every request once, with the value their
 // send returned, its status, and the same window rule as the counts.
 TEST(HttpLoad, ObserversSeeEveryRequestWithItsStatus) {
