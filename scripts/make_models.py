@@ -445,6 +445,19 @@ def stamp_text(name, arch, vocab_lines):
                        "arch": arch, "vocab_sha256": digest}, sort_keys=True)
 
 
+def reference_matches(mdir, spec):
+    """Whether reference.json was made with the spec's pooling and
+    normalisation (the stamp does not cover them: edited, the reference is
+    made again)."""
+    try:
+        with open(os.path.join(mdir, "reference.json")) as f:
+            ref = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return (ref.get("pooling") == spec.get("pooling", "mean")
+            and ref.get("normalize") == spec.get("normalize", True))
+
+
 def write_atomic(path, data, mode="w"):
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
     with os.fdopen(fd, mode) as f:
@@ -486,7 +499,8 @@ def make_model(out_dir, name, vocab_lines, force):
                  (spec.get("model_file", "model.pt"), "vocab.txt", "reference.json")]
     stamp = stamp_text(name, arch, vocab_lines)
     if (not force and all(os.path.exists(p) for p in artifacts)
-            and os.path.exists(stamp_path) and open(stamp_path).read() == stamp):
+            and os.path.exists(stamp_path) and open(stamp_path).read() == stamp
+            and reference_matches(mdir, spec)):
         print(f"{name}: up to date in {mdir}")
         return
 
@@ -571,7 +585,8 @@ def make_python_model(out_dir, name, vocab_lines, force):
     stamp_path = os.path.join(mdir, ".stamp")
     paths = [os.path.join(mdir, f) for f in list(files) + ["weights.pt", "reference.json"]]
     if (not force and all(os.path.exists(p) for p in paths)
-            and os.path.exists(stamp_path) and open(stamp_path).read() == stamp):
+            and os.path.exists(stamp_path) and open(stamp_path).read() == stamp
+            and reference_matches(mdir, spec)):
         print(f"{name}: up to date in {mdir}")
         return
     model = BertEncoder(arch)
