@@ -143,11 +143,17 @@ class Conn : public std::enable_shared_from_this<Conn> {
   void Send(Time start) {
     start_ = start;
     request_ = ts_->NextRequest();
-    const std::string& req = ts_->shared->options->requests[request_];
     in_flight_ = true;
+    retried_ = false;
     const LoadOptions& o = *ts_->shared->options;
     if (o.progress) o.progress->OnSent();
     if (o.on_request_sent) sent_value_ = o.on_request_sent(request_);
+    Write();
+  }
+
+  // Writes the request in flight and reads its answer.
+  void Write() {
+    const std::string& req = ts_->shared->options->requests[request_];
     asio::async_write(sock_, asio::buffer(req), [self = shared_from_this()](beast::error_code ec, size_t) {
       if (ec) return self->Fail("write: " + ec.message());
       self->parser_.emplace();
@@ -201,6 +207,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
     }
     const bool keep = res.keep_alive();
     parser_.reset();
+    reused_ = keep;  // its next request goes on a connection that has idled
     if (!keep) {
       // The server closes: open a new connection at once (open loop: it
       // rejoins the idle pool), so a target without keep-alive is not
@@ -213,7 +220,29 @@ class Conn : public std::enable_shared_from_this<Conn> {
     ts_->idle.push_back(this);
   }
 
+  // A kept-alive connection the server closed while it idled (servers do
+  // after their idle timeout: uvicorn's is 5 s) fails its next request
+  // before any byte of an answer. As HTTP clients do, the request goes
+  // again, once, on a new connection, with its due time kept; it is not the
+  // server's failure. True when it was sent again.
+  bool RetryOnNewConnection() {
+    if (!in_flight_ || !reused_ || retried_ || (parser_ && parser_->got_some())) return false;
+    retried_ = true;
+    reused_ = false;
+    Close();
+    sock_ = tcp::socket(ts_->io);
+    buf_.clear();
+    buf_.reserve(kReadBytes);
+    sock_.async_connect(endpoint_, [self = shared_from_this()](beast::error_code ec) {
+      if (ec) return self->Fail("connect: " + ec.message());
+      self->sock_.set_option(tcp::no_delay(true), ec);
+      self->Write();
+    });
+    return true;
+  }
+
   void Fail(const std::string& what) {
+    if (RetryOnNewConnection()) return;
     const Shared& sh = *ts_->shared;
     // A failed connect has no request of its own to count per tag.
     const bool had_request = in_flight_;
@@ -255,6 +284,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
     retry_.async_wait([self = shared_from_this()](beast::error_code ec) {
       if (ec) return;
       self->sock_ = tcp::socket(self->ts_->io);
+      self->reused_ = false;
       self->buf_.clear();
       self->buf_.reserve(kReadBytes);
       self->Connect();
@@ -272,6 +302,8 @@ class Conn : public std::enable_shared_from_this<Conn> {
   size_t request_ = 0;      // index of the request in flight
   uint64_t sent_value_ = 0;  // what on_request_sent returned for it
   bool in_flight_ = false;  // a request was sent and has no answer yet
+  bool reused_ = false;     // the connection has answered before and idled since
+  bool retried_ = false;    // the request in flight was sent again once
 };
 
 // Open loop: Poisson arrivals on thread 0 until the window ends.
