@@ -496,7 +496,11 @@ int RunBenchCommand(const BenchCommandFlags& flags, std::ostream& out, std::ostr
     lg::PhaseReport p = lg::SummarizePhase(phase.mode, phase.rate, phase.clients, *result, models, flags.batch);
     p.start_s = phase_start + flags.warmup_s;
     p.end_s = p.start_s + flags.duration_s;
-    if (p.completed > 0 || p.errors_by_status.size() > p.errors_by_status.count("transport")) any_answer = true;
+    // An HTTP answer of any status; failed connections and open-loop
+    // requests never answered are none.
+    if (p.completed > 0 ||
+        p.errors_by_status.size() > p.errors_by_status.count("transport") + p.errors_by_status.count("unanswered"))
+      any_answer = true;
     if (p.completed > 0) any_ok = true;
     report.phases.push_back(std::move(p));
   }

@@ -321,6 +321,13 @@ void BlockSignals() {
   std::thread(SignalLoop).detach();
 }
 
+// From here a signal stops the command in order (WaitForSignal returns it)
+// instead of ending the process: call it before saying it is ready.
+void MarkServing() {
+  std::lock_guard<std::mutex> lock(g_signal_mu);
+  g_serving = true;
+}
+
 // Blocks until a signal (or a failed device) asks the command to stop.
 int WaitForSignal() {
   std::unique_lock<std::mutex> lock(g_signal_mu);
@@ -563,6 +570,7 @@ int main(int argc, char** argv) {
     const auto models = (*w)->ModelNames();
     const std::string url = "http://" + (serve_gw.http.host == "0.0.0.0" ? std::string("127.0.0.1") : serve_gw.http.host) +
                             ":" + std::to_string((*g)->port());
+    MarkServing();
     std::printf("Shoal is serving %zu model(s) at %s\n", models.size(), url.c_str());
     std::printf("Try:\n  curl -s %s/v1/embeddings -H 'Content-Type: application/json' \\\n"
                 "    -d '{\"model\":\"%s\",\"input\":\"Shoal serves small models.\"}'\n",
@@ -592,6 +600,7 @@ int main(int argc, char** argv) {
     auto g = Gateway::Create(gw, client->get(), &metrics);
     if (!g.ok()) return Fail(g.status());
     LOG_INFO("gateway", "listening on " << gw.http.host << ":" << (*g)->port() << ", NATS " << gw_common.nats_url);
+    MarkServing();
     std::printf("shoal gateway listening on port %d\n", (*g)->port());
     std::fflush(stdout);
     int sig = WaitForSignal();
@@ -631,6 +640,7 @@ int main(int argc, char** argv) {
       metrics_server = std::move(m).value();
       LOG_INFO("worker", "metrics on port " << metrics_server->port());
     }
+    MarkServing();
     for (const auto& one : workers) std::printf("shoal worker %s ready\n", one->id().c_str());
     std::fflush(stdout);
     int sig = WaitForSignal();

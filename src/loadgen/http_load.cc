@@ -168,7 +168,14 @@ class Conn : public std::enable_shared_from_this<Conn> {
   // kUnansweredStatus), not left out of every count.
   void CountUnansweredDue() {
     const Shared& sh = *ts_->shared;
-    if (!sh.open_loop || !in_flight_ || start_ < sh.window_start || start_ >= sh.window_end) return;
+    if (!sh.open_loop) return;
+    // An arrival still waiting for its connection: nothing was sent.
+    if (pending_ && *pending_ >= sh.window_start && *pending_ < sh.window_end) {
+      pending_.reset();
+      ts_->Error("no connection 30 s after the window", kUnansweredStatus, kNoRequest);
+      return;
+    }
+    if (!in_flight_ || start_ < sh.window_start || start_ >= sh.window_end) return;
     in_flight_ = false;
     ts_->Error("no answer 30 s after the window", kUnansweredStatus, request_);
     if (sh.options->on_request_done) {
@@ -189,7 +196,10 @@ class Conn : public std::enable_shared_from_this<Conn> {
     const Time key = sh.open_loop ? start_ : end;
     const bool in_window = key >= sh.window_start && key < sh.window_end;
     const bool ok = res.result() == http::status::ok;
-    if (ok && end >= sh.window_start && end < sh.window_end) ++ts_->answered_in_window;
+    if (ok && end >= sh.window_start && end < sh.window_end) {
+      ++ts_->answered_in_window;
+      ts_->prompt_tokens += PromptTokens(res.body());  // per second of the window, as req/s
+    }
     const double latency_ms = std::chrono::duration<double, std::milli>(end - start_).count();
     if (LoadProgress* p = sh.options->progress) p->OnDone(ok, latency_ms);
     if (sh.options->on_request_done) {
@@ -202,12 +212,13 @@ class Conn : public std::enable_shared_from_this<Conn> {
       }
     } else if (in_window) {
       ts_->Ok(request_);
-      ts_->prompt_tokens += PromptTokens(res.body());
       ts_->latencies_ms.push_back(latency_ms);
     }
     const bool keep = res.keep_alive();
     parser_.reset();
-    reused_ = keep;  // its next request goes on a connection that has idled
+    // Open loop: it idles in the pool until the next arrival (closed loop
+    // sends again at once: no idle time for a server to close it in).
+    reused_ = keep && sh.open_loop;
     if (!keep) {
       // The server closes: open a new connection at once (open loop: it
       // rejoins the idle pool), so a target without keep-alive is not

@@ -111,7 +111,7 @@ struct LoadResult {
   int64_t errors = 0;           // non-200 responses or failed connections
   int64_t dropped = 0;          // open loop: arrivals with no free connection
   int64_t due = 0;              // open loop: arrivals in the window
-  int64_t prompt_tokens = 0;    // sum of usage.prompt_tokens over `completed`
+  int64_t prompt_tokens = 0;    // sum of usage.prompt_tokens over `answered_in_window`
   int connections_used = 0;     // open loop: pool size reached
   double client_cpu_s = 0;      // CPU of the client threads in the window
   std::string first_error;

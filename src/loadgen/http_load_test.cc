@@ -51,7 +51,7 @@ void ExpectConsistent(const LoadResult& r) {
   EXPECT_EQ(r.per_tag[1].errors, r.errors_by_status.at(429));
   EXPECT_EQ(r.per_tag[2].errors, r.errors_by_status.at(500));
   EXPECT_EQ(r.errors, r.errors_by_status.at(429) + r.errors_by_status.at(500));
-  EXPECT_EQ(r.prompt_tokens, 3 * r.completed);
+  EXPECT_EQ(r.prompt_tokens, 3 * r.answered_in_window);
   EXPECT_EQ(static_cast<int64_t>(r.latencies_ms.size()), r.completed);
 }
 
@@ -134,32 +134,29 @@ TEST(HttpLoad, AHostNameReachesAServerOnIpv4Only) {
   ExpectConsistent(*r);
 }
 
-// A kept-alive connection the server closed while it idled (here: every
-// connection, right after its answer) fails its next request before any
-// answer byte; the request goes again once on a new connection and is
-// answered, not counted as a transport error of the server's.
+// Open loop: a kept-alive connection the server closed while it idled in
+// the pool (here: every connection, right after its answer) fails its next
+// request before any answer byte; the request goes again once on a new
+// connection and is answered, not counted as a transport error of the
+// server's. (The closed loop sends again at once, with no idle time, and
+// does not retry.)
 TEST(HttpLoad, ARequestOnAConnectionClosedWhileIdleGoesAgainOnANewOne) {
   FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
     FakeOpenAiServer::Reply reply = FakeOpenAiServer::Embeddings(r.body);
     reply.hang_up = true;
     return reply;
   });
-  for (const double rate : {0.0, 40.0}) {
-    SCOPED_TRACE(rate);
-    LoadOptions o = Options(server.port());
-    o.requests.resize(1);
-    o.request_tags.clear();
-    o.rate_per_s = rate;
-    o.connections = 2;
-    o.duration_s = 1;
-    auto r = RunLoad(o);
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
-    EXPECT_GT(r->completed, 5);
-    EXPECT_EQ(r->errors, 0) << r->first_error;
-    if (rate > 0) {
-      EXPECT_EQ(r->completed, r->due);
-    }
-  }
+  LoadOptions o = Options(server.port());
+  o.requests.resize(1);
+  o.request_tags.clear();
+  o.rate_per_s = 40;
+  o.connections = 2;
+  o.duration_s = 1;
+  auto r = RunLoad(o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_GT(r->completed, 5);
+  EXPECT_EQ(r->errors, 0) << r->first_error;
+  EXPECT_EQ(r->completed, r->due);
 }
 
 // The per-request observers see every request once, with the value their

@@ -794,8 +794,10 @@ bool Worker::GiveBackClaim(const std::string& key) {
 }
 
 void Worker::ReleaseAllClaims() {
-  for (const auto& [key, model] : held_claims_) (void)placement_kv_->Delete(key);
+  // Through GiveBackClaim: a claim whose delete failed may be a peer's now.
+  for (const auto& [key, model] : held_claims_) (void)GiveBackClaim(key);
   held_claims_.clear();
+  claims_to_recheck_.clear();
 }
 
 void Worker::ReleaseSettledClaims() {
