@@ -725,6 +725,11 @@ const std::map<std::string, std::vector<Worker::PeerModel>>& Worker::Peers(bool 
   // a view without a peer would have this worker load what the peer serves.
   auto entries = workers_kv_->Entries();
   if (!entries.ok()) return peers_;
+  // On a GPU peer only TorchScript models live in GPU memory; the others
+  // take its host memory budget (as on this worker).
+  std::set<std::string> host_runtime;
+  for (const ModelConfig& c : catalog_)
+    if (c.runtime != "torchscript") host_runtime.insert(c.name);
   std::map<std::string, std::vector<PeerModel>> peers;
   for (const auto& [key, value] : *entries) {
     if (key == id_) continue;
@@ -735,11 +740,7 @@ const std::map<std::string, std::vector<Worker::PeerModel>>& Worker::Peers(bool 
       const bool gpu_peer = j.value("device", std::string("cpu")) != "cpu";
       for (const json& m : j.value("models", json::array())) {
         const std::string name = m.value("name", "");
-        // On a GPU peer only TorchScript models live in GPU memory; the
-        // others take its host memory budget (as on this worker).
-        const auto config = std::find_if(catalog_.begin(), catalog_.end(),
-                                         [&](const ModelConfig& c) { return c.name == name; });
-        const bool in_host = gpu_peer && config != catalog_.end() && config->runtime != "torchscript";
+        const bool in_host = gpu_peer && host_runtime.count(name) > 0;
         peers[name].push_back({key, m.value("state", ""), in_host ? host_budget : device_budget});
       }
     } catch (const std::exception& e) {
@@ -1109,34 +1110,27 @@ void Worker::DrainFailed(const std::string& model, const Status& error, int max)
   // The error was read before the fetch: a load started since (an
   // operator's retry) will serve this work, which goes back to the queue;
   // work on its last delivery, which would not come back, hears to retry.
-  if (manager_->LoadedOrLoading(model)) {
-    for (Delivery& d : *fetched) {
-      if (static_cast<int64_t>(d.NumDelivered()) < options_.consumer.max_deliver) {
-        (void)d.Nak();
-        continue;
-      }
-      wire::WorkHeaders headers;
-      (void)ParseWorkHeaders(d, &headers);
-      if (!headers.request_id.empty()) {
-        PublishErrorReply(*client_, headers,
-                          Unavailable("model '" + model + "' is loading again after a failed load; retry",
-                                      "model_loading"),
-                          id_);
-      }
-      (void)d.Term();
-    }
-    return;
-  }
+  const bool loading_again = manager_->LoadedOrLoading(model);
   for (Delivery& d : *fetched) {
     if (!d.Header(wire::kHdrLoadHint).empty()) {
       (void)d.Ack();
       continue;
     }
+    if (loading_again && static_cast<int64_t>(d.NumDelivered()) < options_.consumer.max_deliver) {
+      (void)d.Nak();
+      continue;
+    }
     wire::WorkHeaders headers;
     (void)ParseWorkHeaders(d, &headers);  // malformed: its caller still hears, when it can be reached
-    if (!headers.request_id.empty()) PublishErrorReply(*client_, headers, error, id_);
+    if (!headers.request_id.empty()) {
+      PublishErrorReply(*client_, headers,
+                        loading_again ? Unavailable("model '" + model + "' is loading again after a failed load; retry",
+                                                    "model_loading")
+                                      : error,
+                        id_);
+    }
     (void)d.Term();  // terminal: the caller has its answer, never retried
-    drained_->Inc();
+    if (!loading_again) drained_->Inc();
   }
 }
 
