@@ -83,6 +83,13 @@ bool IsChunkToken(std::string_view nuid) {
   });
 }
 
+// A meta's "nuid" when it can name its chunks, else empty (no chunks Shoal
+// reads or purges).
+std::string MetaNuid(const nlohmann::json& meta) {
+  std::string nuid = meta.value("nuid", std::string());
+  return IsChunkToken(nuid) ? nuid : std::string();
+}
+
 }  // namespace
 
 struct NatsObjectStore::Meta {
@@ -235,8 +242,7 @@ Result<NatsObjectStore::Meta> NatsObjectStore::ReadMeta(const std::string& name)
   try {
     m.json = nlohmann::json::parse(got->data());
     m.name = m.json.value("name", std::string());
-    m.nuid = m.json.value("nuid", std::string());
-    if (!IsChunkToken(m.nuid)) m.nuid.clear();  // names no chunks Shoal reads or purges
+    m.nuid = MetaNuid(m.json);
     m.size = m.json.value("size", uint64_t{0});
     m.chunks = m.json.value("chunks", uint64_t{0});
     m.digest = m.json.value("digest", std::string());
@@ -544,8 +550,7 @@ Result<size_t> NatsObjectStore::Sweep(int64_t older_than_ms) {
       continue;  // not ours to judge
     }
     if (!j.is_object()) continue;
-    std::string nuid = j.value("nuid", std::string());
-    if (!IsChunkToken(nuid)) nuid.clear();
+    const std::string nuid = MetaNuid(j);
     const bool deleted = j.value("deleted", false);
     const int64_t mtime_ms = blob_internal::ParseRfc3339Ms(j.value("mtime", std::string())).value_or(0);
     if (mtime_ms >= cutoff_ms) {

@@ -14,6 +14,14 @@
 
 namespace shoal {
 
+// The bounds Shoal holds documents it did not write to: request bodies at
+// the gateway, upstream answers at a worker (runtime openai). JSON's map
+// keys are not values; MessagePack's are (CheckBoundedMsgpack), so a
+// document passed on as MessagePack may hold up to twice as many.
+inline constexpr int kMaxDocumentDepth = 64;
+inline constexpr uint64_t kMaxRequestValues = uint64_t{1} << 22;
+inline constexpr uint64_t kMaxAnswerValues = uint64_t{1} << 25;
+
 struct JsonBounds {
   int max_depth = 64;  // arrays and objects, the root counting as one
   uint64_t max_values = uint64_t{1} << 22;  // scalars, arrays and objects at any depth

@@ -28,6 +28,11 @@ StatusCode ParseStatusCode(std::string_view name) {
   return StatusCode::kInternal;
 }
 
+StatusCode ParseFailureCode(std::string_view name) {
+  const StatusCode c = ParseStatusCode(name);
+  return c == StatusCode::kOk ? StatusCode::kInternal : c;
+}
+
 int HttpStatusFor(StatusCode code) {
   switch (code) {
     case StatusCode::kOk: return 200;

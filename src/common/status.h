@@ -30,6 +30,9 @@ enum class StatusCode {
 std::string_view StatusCodeName(StatusCode code);
 // Inverse of StatusCodeName; kInternal for unknown names.
 StatusCode ParseStatusCode(std::string_view name);
+// The code of an error reported by name: as ParseStatusCode, but never OK
+// (a report of failure whose code reads "ok", or none, is Internal).
+StatusCode ParseFailureCode(std::string_view name);
 int HttpStatusFor(StatusCode code);
 // OpenAI error "type" for the code (invalid_request_error, server_error, ...).
 std::string_view ErrorTypeFor(StatusCode code);

@@ -219,9 +219,8 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
           r.status_json = DumpJson(j.value("status", json::object()));
         } else {
           const json e = j.value("error", json::object());
-          StatusCode code = ParseStatusCode(e.value("kind", ""));
-          if (code == StatusCode::kOk) code = StatusCode::kInternal;  // it said it failed
-          r.status = Status(code, e.value("message", "worker error"), e.value("code", ""));
+          r.status = Status(ParseFailureCode(e.value("kind", "")), e.value("message", "worker error"),
+                            e.value("code", ""));
         }
       } catch (const std::exception& ex) {
         r.status = Internal(std::string("unreadable reply from worker '") + t.worker + "': " + ex.what());

@@ -24,10 +24,10 @@ using nlohmann::json;
 // Decodes one MessagePack result document and puts Shoal's model name in.
 Result<json> ResultDoc(std::string_view doc, const std::string& model) {
   // Anything on NATS can publish to a reply subject; nlohmann's reader
-  // recurses once per level. A worker passes on upstream answers of up to
-  // 2^25 JSON values, map keys not counted; this walk counts them.
-  if (Status bounded =
-          CheckBoundedMsgpack(doc, "the worker's result", JsonBounds{64, uint64_t{1} << 26}, /*binary_allowed=*/true);
+  // recurses once per level. A worker passes on upstream answers within
+  // kMaxAnswerValues, map keys not counted; this walk counts them.
+  if (Status bounded = CheckBoundedMsgpack(doc, "the worker's result",
+                                           JsonBounds{kMaxDocumentDepth, 2 * kMaxAnswerValues}, /*binary_allowed=*/true);
       !bounded.ok()) {
     return Status(StatusCode::kBadGateway, bounded.message(), "upstream_error");
   }

@@ -239,11 +239,8 @@ class Conn : public std::enable_shared_from_this<Conn> {
   bool RetryOnNewConnection() {
     if (!in_flight_ || !reused_ || retried_ || (parser_ && parser_->got_some())) return false;
     retried_ = true;
-    reused_ = false;
     Close();
-    sock_ = tcp::socket(ts_->io);
-    buf_.clear();
-    buf_.reserve(kReadBytes);
+    ResetSocket();
     sock_.async_connect(endpoint_, [self = shared_from_this()](beast::error_code ec) {
       if (ec) return self->Fail("connect: " + ec.message());
       self->sock_.set_option(tcp::no_delay(true), ec);
@@ -281,6 +278,14 @@ class Conn : public std::enable_shared_from_this<Conn> {
     Reconnect(std::chrono::milliseconds(10));
   }
 
+  // A new socket, for a new connection.
+  void ResetSocket() {
+    sock_ = tcp::socket(ts_->io);
+    reused_ = false;
+    buf_.clear();
+    buf_.reserve(kReadBytes);
+  }
+
   void Close() {
     beast::error_code ignored;
     sock_.shutdown(tcp::socket::shutdown_both, ignored);
@@ -294,10 +299,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
     retry_.expires_after(delay);
     retry_.async_wait([self = shared_from_this()](beast::error_code ec) {
       if (ec) return;
-      self->sock_ = tcp::socket(self->ts_->io);
-      self->reused_ = false;
-      self->buf_.clear();
-      self->buf_.reserve(kReadBytes);
+      self->ResetSocket();
       self->Connect();
     });
   }

@@ -16,6 +16,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/child_process.h"
+
 namespace shoal {
 
 Status NatsServerOptions::Validate() const {
@@ -74,11 +76,7 @@ int Spawn(std::vector<char*>& argv, const std::string& log, bool die_with_parent
   if (child == 0) {
     // Only async-signal-safe calls from here on.
     ::setpgid(0, 0);
-    // The signals the parent's threads block (SIGINT, SIGTERM: one thread
-    // waits for them) would stay blocked across exec.
-    sigset_t none;
-    sigemptyset(&none);
-    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    UnblockAllSignalsInChild();
     int e = 0;
     if (die_with_parent) {
       ::prctl(PR_SET_PDEATHSIG, SIGTERM);

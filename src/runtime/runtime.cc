@@ -44,9 +44,7 @@ Status ParseItemError(std::string_view doc) {
       else if (k == "message") message = std::move(v);
       else if (k == "reason") reason = std::move(v);
     }
-    StatusCode c = ParseStatusCode(code);
-    if (c == StatusCode::kOk) c = StatusCode::kInternal;
-    return Status(c, message, reason);
+    return Status(ParseFailureCode(code), message, reason);
   } catch (const std::exception&) {
     return Status::Ok();
   }

@@ -363,9 +363,7 @@ Status DecodeWorkReplyFields(const msgpack::object& root, WorkReply& r) {
         else if (k == "message") { ASSIGN_OR_RETURN(message, AsString(e.val, "error.message")); }
         else if (k == "reason") { ASSIGN_OR_RETURN(reason, AsString(e.val, "error.reason")); }
       }
-      StatusCode sc = ParseStatusCode(code);
-      if (sc == StatusCode::kOk) sc = StatusCode::kInternal;
-      r.status = Status(sc, message, reason);
+      r.status = Status(ParseFailureCode(code), message, reason);
     }
   }
   if (r.status.ok() && static_cast<size_t>(r.rows) * r.dim != r.embeddings.size())

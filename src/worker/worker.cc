@@ -344,9 +344,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   }
   for (const std::string& name : preload) {
     if (std::find(options.pinned.begin(), options.pinned.end(), name) != options.pinned.end()) continue;
-    Status s = w->manager_->Preload(name);
-    if (s.code() == StatusCode::kNotFound)  // a typo in --preload
-      return NotFound("--preload: model '" + name + "' is not in this worker's catalog", "model_not_found");
+    Status s = w->manager_->Preload(name);  // a name not in the catalog was refused by SelectModels
     if (s.reason() == "no_room_for_model") {
       LOG_INFO("worker", "not preloading " << name << ": " << s.message());
     } else if (!s.ok()) {

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/bounded_json.h"
 #include "common/status.h"
 #include "gateway/http.h"
 
@@ -25,11 +26,11 @@ HttpResponse JsonResponse(int status, std::string body);
 // body may hold. A decoded value costs 16 (JSON) to 24 (MessagePack) bytes
 // or more, against one or two in the body: without a bound, a 64 MiB array
 // of zeros took the gateway and worker to 2.4 GB.
-inline constexpr uint64_t kMaxRequestValues = uint64_t{1} << 22;
+inline constexpr uint64_t kMaxRequestValues = shoal::kMaxRequestValues;
 // The deepest nesting of arrays and objects a request body may have: the
 // encoders and decoders that recurse (nlohmann's MessagePack reader and
 // writer, dump) would otherwise run out of stack.
-inline constexpr int kMaxRequestDepth = 64;
+inline constexpr int kMaxRequestDepth = kMaxDocumentDepth;
 // Parses `text` into a JSON object. InvalidArgument "invalid_json" when it
 // is not one, "nesting_too_deep" past kMaxRequestDepth; PayloadTooLarge
 // "too_many_values" past kMaxRequestValues.

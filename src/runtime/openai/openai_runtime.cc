@@ -30,8 +30,7 @@ Status BadUpstream(const std::string& what) {
 // would overflow the executor's stack and end the worker), and a parsed
 // value takes 16 bytes or more against one or two in the text. 2^25 values
 // hold 4,096 embeddings of width 4,096.
-constexpr int kMaxAnswerDepth = 64;
-constexpr uint64_t kMaxAnswerValues = uint64_t{1} << 25;
+constexpr int kMaxAnswerDepth = kMaxDocumentDepth;
 
 // An upstream answer (a body or one stream event) as a JSON object;
 // BadUpstream when it is not one or passes the bounds above. `what` names
@@ -219,10 +218,9 @@ Result<std::vector<std::string>> OpenAiRuntime::Embed(const std::vector<std::str
 Result<std::string> OpenAiRuntime::Generate(const std::string& item,
                                             const std::function<void(std::string)>& partial) {
   // Work published to the queue directly has not been through the
-  // gateway's checks, and nlohmann's reader recurses once per level. The
-  // gateway takes up to 2^22 JSON values, map keys not counted; this walk
-  // counts them, so twice that passes.
-  RETURN_IF_ERROR(CheckBoundedMsgpack(item, "a generate input", JsonBounds{64, uint64_t{1} << 23},
+  // gateway's checks, and nlohmann's reader recurses once per level. This
+  // walk counts map keys, which the gateway's JSON bound does not.
+  RETURN_IF_ERROR(CheckBoundedMsgpack(item, "a generate input", JsonBounds{kMaxDocumentDepth, 2 * kMaxRequestValues},
                                       /*binary_allowed=*/true));
   json req = json::from_msgpack(item, true, false);
   if (req.is_discarded() || !req.is_object())

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <vector>
 
+#include "common/child_process.h"
 #include "common/log.h"
 #include "runtime/process/frame.h"
 
@@ -124,11 +125,7 @@ Result<pid_t> Spawn(const std::vector<std::string>& argv, const std::vector<std:
     // NATS connection, the HTTP listener) leak into it.
     ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    // The signals the parent's threads block (SIGINT, SIGTERM: one thread
-    // waits for them) would stay blocked across exec.
-    sigset_t none;
-    sigemptyset(&none);
-    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    UnblockAllSignalsInChild();
     if (::getppid() != parent) ::_exit(127);
     if (::syscall(SYS_close_range, 3U, ~0U, 0U) != 0) {
       for (int fd = 3; fd < 65536; ++fd) ::close(fd);
