@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Reference BERT WordPiece tokenizer: a standalone port of Hugging Face
 transformers' BertTokenizer (BasicTokenizer + WordpieceTokenizer, with
-never_split empty), needing only the Python standard library.
+never_split empty), needing only the Python standard library. Like
+BertTokenizer.tokenize (PreTrainedTokenizer.tokenize), an uncased tokenizer
+first lower-cases the text one character at a time, before BasicTokenizer:
+so an upper-case sigma always becomes σ, never the final ς that str.lower()
+gives a whole word, and NFC sees lower-case letters.
 
 Shoal's C++ tokenizer (src/tokenize/) must give the same tokens and ids. The
 results depend on the Unicode version of Python's unicodedata; the C++ tables
@@ -178,9 +182,16 @@ class BertTokenizer:
         self.basic = BasicTokenizer(lowercase, tokenize_chinese_chars, strip_accents)
         self.wordpiece = WordpieceTokenizer(vocab, unk_token, max_input_chars_per_word)
 
+    def basic_tokenize(self, text):
+        if self.basic.do_lower_case:
+            # PreTrainedTokenizer.tokenize: re.sub(r"(.+?)", lower) over the
+            # text (no special tokens are matched here: never_split is empty).
+            text = "".join(c.lower() for c in text)
+        return self.basic.tokenize(text)
+
     def tokenize(self, text):
         tokens = []
-        for token in self.basic.tokenize(text):
+        for token in self.basic_tokenize(text):
             tokens.extend(self.wordpiece.tokenize(token))
         return tokens
 
@@ -196,6 +207,7 @@ def _decode_input(case):
 
 
 CASED = {"lowercase": False, "strip_accents": False}
+KEEP_ACCENTS = {"lowercase": True, "strip_accents": False}
 
 CASES = [
     ("punctuation", "Hello, World! (tokens) [x] {y} <z> a.b-c_d/e", None),
@@ -243,6 +255,10 @@ CASES = [
     ("max_chars_option", "abcdef abcdefg", {"max_input_chars_per_word": 6}),
     ("unknown_piece", "xyz\u00fe qq\u0416", None),
     ("invalid_utf8_hex", None, None),
+    # Lower-cased before NFC: h + U+0331 composes to U+1E96, H + U+0331 has no
+    # composite (likewise J/T/W with their marks).
+    ("lower_then_nfc", "H\u0331 J\u030c T\u0308 W\u030a \u00c5", KEEP_ACCENTS),
+    ("greek_keep_accents", "\u038c\u0394\u039f\u03a3 \u0391\u03a3\u0301", KEEP_ACCENTS),
 ]
 
 INVALID_UTF8_HEX = (
@@ -296,6 +312,12 @@ def make_cases():
         if i % 2 == 1:
             case["options"] = CASED
         cases.append(case)
+    # Lower-cased with accents kept: lowering before NFC matters only here.
+    rng = random.Random(20261203)
+    for i in range(40):
+        length = rng.randint(1, 24)
+        text = "".join(rng.choice(FUZZ_POOL) for _ in range(length))
+        cases.append({"name": f"fuzz_keep_accents_{i:03d}", "text": text, "options": KEEP_ACCENTS})
     return cases
 
 
@@ -315,7 +337,7 @@ def write_reference(vocab, out_path):
         tok = tokenizer_for(vocab, case.get("options"))
         text = _decode_input(case)
         tokens = tok.tokenize(text)
-        case["basic"] = tok.basic.tokenize(text)
+        case["basic"] = tok.basic_tokenize(text)
         case["tokens"] = tokens
         case["ids"] = tok.convert_tokens_to_ids(tokens)
         results.append(case)

@@ -8,10 +8,10 @@ the C++ tokenizer and the Python reference agree code point for code point:
   * property ranges: drop (NUL, U+FFFD, category C* except \\t \\n \\r),
     space (BERT whitespace, or str.isspace()), CJK ideograph (BERT's
     `_is_chinese_char` ranges), punctuation (BERT's ASCII ranges + P*), Mn,
-    cased / case-ignorable (as str.lower() uses them for final sigma),
     "has lower mapping", "has canonical decomposition", "needs NFC work",
     plus the canonical combining class;
-  * full lower-case mappings (str.lower(), without final sigma);
+  * full lower-case mappings (str.lower() of one code point, as
+    BertTokenizer lower-cases: one character at a time);
   * full canonical decompositions (NFD of one code point; Hangul excluded,
     it is algorithmic);
   * primary composites for NFC (pairs that recompose).
@@ -31,8 +31,7 @@ SPACE = 1 << 1
 CJK = 1 << 2
 PUNCT = 1 << 3
 MN = 1 << 4
-CASED = 1 << 5
-CASE_IGNORABLE = 1 << 6
+# Bits 5 and 6 are unused.
 HAS_LOWER = 1 << 7
 HAS_DECOMP = 1 << 8
 NFC_CHECK = 1 << 9
@@ -102,15 +101,6 @@ def flags_of(cp, second_elements):
         f |= PUNCT
     if unicodedata.category(ch) == "Mn":
         f |= MN
-    # str.lower() turns U+03A3 into final sigma when a cased letter precedes
-    # it (skipping case-ignorables) and none follows. Probe both properties
-    # through that behaviour, so they are exactly what str.lower() uses.
-    final_alone = (ch + "\u03a3").lower()[-1] == "\u03c2"
-    final_after_a = ("A" + ch + "\u03a3").lower()[-1] == "\u03c2"
-    if final_alone:
-        f |= CASED
-    elif final_after_a:
-        f |= CASE_IGNORABLE
     if ch.lower() != ch:
         f |= HAS_LOWER
     if unicodedata.normalize("NFD", ch) != ch:
@@ -176,7 +166,7 @@ def main():
         fmt_rows([f"{{0x{a:X}, 0x{f:X}, {c}}}" for a, f, c in ranges], 4),
         "};",
         "",
-        "// str.lower() per code point (final sigma is contextual, handled in code).",
+        "// str.lower() per code point.",
         f"constexpr CodePointMapping kLowerMappings[{len(lower_entries)}] = {{",
         fmt_rows([f"{{0x{a:X}, {o}, {n}}}" for a, o, n in lower_entries], 4),
         "};",

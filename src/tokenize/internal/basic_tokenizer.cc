@@ -53,18 +53,20 @@ void BasicTokenizer::FlushWord(bool ascii, Scratch* scratch, PieceSink* sink) co
       }
     }
   } else {
-    // The same order as BasicTokenizer.tokenize: NFC over the text, then per
-    // word lower() and _run_strip_accents().
+    // The same order as BertTokenizer.tokenize: lower() one character at a
+    // time over the text, then BasicTokenizer's NFC and per word lower()
+    // (a no-op by then: NFC of lower-case text is lower-case) and
+    // _run_strip_accents().
+    if (options_.lowercase) {
+      ToLowerFull(word, &scratch->temp);
+      word.swap(scratch->temp);
+    }
     for (char32_t c : word) {
       if (MayNeedNfc(InfoOf(bmp_, c))) {
         ComposeNfc(word, &scratch->temp);
         word.swap(scratch->temp);
         break;
       }
-    }
-    if (options_.lowercase) {
-      ToLowerFull(word, &scratch->temp);
-      word.swap(scratch->temp);
     }
     if (options_.strip_accents) {
       StripAccents(word, &scratch->temp);

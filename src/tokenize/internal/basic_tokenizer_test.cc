@@ -81,6 +81,14 @@ TEST(BasicTokenizer, AGiantWordIsReadInPartsOfBoundedSize) {
   EXPECT_EQ(sink.seen, (std::vector<std::string>{"<" + std::to_string(kPart - 1) + ">", ".", "b"}));
 }
 
+// Lower-cased before NFC, as BertTokenizer does: h + U+0331 composes to
+// U+1E96, while capital H + U+0331 has no composite and would stay two code
+// points if NFC came first. (Stripping accents would hide the order.)
+TEST(BasicTokenizer, LowercasesBeforeNfc) {
+  BasicTokenizer basic(BasicTokenizerOptions{.lowercase = true, .strip_accents = false});
+  EXPECT_EQ(basic.SplitToStrings("H\u0331 J\u030c \u00c5"), (Pieces{"\u1e96", "\u01f0", "\u00e5"}));
+}
+
 TEST(BasicTokenizer, StripsAccentsWithoutLowercasing) {
   BasicTokenizer basic(BasicTokenizerOptions{.lowercase = false, .strip_accents = true});
   EXPECT_EQ(basic.SplitToStrings("Caf\u00e9 \u00c5NGSTR\u00d6M"), (Pieces{"Cafe", "ANGSTROM"}));

@@ -33,8 +33,6 @@ constexpr char32_t kSBase = 0xAC00, kLBase = 0x1100, kVBase = 0x1161,
                    kTBase = 0x11A7;
 constexpr char32_t kLCount = 19, kVCount = 21, kTCount = 28,
                    kNCount = kVCount * kTCount, kSCount = kLCount * kNCount;
-constexpr char32_t kCapitalSigma = 0x3A3, kSmallSigma = 0x3C3,
-                   kFinalSigma = 0x3C2;
 
 CodePointInfo Pack(const PropertyRange& r) {
   return static_cast<CodePointInfo>(r.flags) |
@@ -60,27 +58,6 @@ const CodePointMapping* FindMapping(const CodePointMapping* begin,
       begin, end, cp,
       [](const CodePointMapping& m, char32_t c) { return m.cp < c; });
   return it != end && it->cp == cp ? it : nullptr;
-}
-
-bool IsFinalSigma(const std::u32string& s, size_t i, const CodePointInfo* bmp) {
-  // Python's rule: a cased letter before (skipping case-ignorables), and no
-  // cased letter after (skipping case-ignorables).
-  size_t j = i;
-  CodePointInfo info = 0;
-  bool found = false;
-  while (j > 0) {
-    info = InfoOf(bmp, s[--j]);
-    if (!(info & kCaseIgnorable)) {
-      found = true;
-      break;
-    }
-  }
-  if (!found || !(info & kCased)) return false;
-  for (size_t k = i + 1; k < s.size(); ++k) {
-    info = InfoOf(bmp, s[k]);
-    if (!(info & kCaseIgnorable)) return !(info & kCased);
-  }
-  return true;
 }
 
 // Appends the full canonical decomposition of every code point, then puts
@@ -172,16 +149,13 @@ const char* UnicodeVersion() { return kUnicodeVersion; }
 void ToLowerFull(const std::u32string& in, std::u32string* out) {
   const CodePointInfo* bmp = BmpInfoTable();
   out->clear();
-  for (size_t i = 0; i < in.size(); ++i) {
-    char32_t cp = in[i];
+  for (char32_t cp : in) {
     if (cp < 0x80) {
       out->push_back(cp >= 'A' && cp <= 'Z' ? cp + 32 : cp);
       continue;
     }
     if (!(InfoOf(bmp, cp) & kHasLower)) {
       out->push_back(cp);
-    } else if (cp == kCapitalSigma) {
-      out->push_back(IsFinalSigma(in, i, bmp) ? kFinalSigma : kSmallSigma);
     } else if (const CodePointMapping* m = FindMapping(
                    std::begin(kLowerMappings), std::end(kLowerMappings), cp)) {
       out->append(kLowerPool + m->offset, m->length);

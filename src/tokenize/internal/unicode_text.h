@@ -17,8 +17,7 @@ enum CodePointFlag : uint32_t {
   kCjk = 1u << 2,            // BERT's _is_chinese_char ranges
   kPunct = 1u << 3,          // ASCII symbol ranges or category P*
   kMn = 1u << 4,             // nonspacing mark, dropped by accent stripping
-  kCased = 1u << 5,          // cased and not case-ignorable (final sigma)
-  kCaseIgnorable = 1u << 6,  // skipped when looking for final sigma context
+  // Bits 5 and 6 are unused.
   kHasLower = 1u << 7,       // str.lower() changes it
   kHasDecomposition = 1u << 8,  // NFD changes it
   kNfcCheck = 1u << 9,       // may take part in NFC reordering/composition
@@ -43,8 +42,10 @@ inline uint8_t CombiningClassOf(CodePointInfo info) {
 // The Unicode version the tables were generated from, e.g. "14.0.0".
 const char* UnicodeVersion();
 
-// Python's str.lower() of `in`, appended to `out` (which is cleared first):
-// full mappings (U+0130 becomes two code points) and final sigma in context.
+// Python's str.lower() of each code point of `in` on its own, appended to
+// `out` (which is cleared first): full mappings (U+0130 becomes two code
+// points), no context (U+03A3 always becomes σ, never the final ς). This is
+// how BertTokenizer lower-cases: one character at a time, before NFC.
 void ToLowerFull(const std::u32string& in, std::u32string* out);
 
 // NFD of `in` with every Mn code point removed (BERT's _run_strip_accents).
