@@ -539,6 +539,56 @@ TEST_F(NatsObjectStoreTest, AForeignMetaWithAWildcardForChunksPurgesNothingElse)
   }
 }
 
+// A meta that cannot be read (any client can write one) does not lock its
+// name: a Put replaces it and a Delete removes it.
+TEST_F(NatsObjectStoreTest, AnUnreadableMetaCanBeReplacedAndDeleted) {
+  auto store = Open();
+  ASSERT_TRUE(store);
+  const std::string subject = store->MetaSubject("broken");
+  for (const std::string bad : {"not json", "[1, 2]", R"({"name": "broken", "mtime": 5})"}) {
+    SCOPED_TRACE(bad);
+    ASSERT_EQ(js_Publish(nullptr, client_->js(), subject.c_str(), bad.data(), static_cast<int>(bad.size()), nullptr,
+                         nullptr),
+              NATS_OK);
+    ASSERT_EQ(store->Stat("broken").status().reason(), kBlobCorrupt);
+    const std::string data = RandomBytes(kChunk + 7);
+    auto ref = store->Put(data, "broken");
+    ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+    auto got = store->Get(*ref);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(*got, data);
+
+    ASSERT_EQ(js_Publish(nullptr, client_->js(), subject.c_str(), bad.data(), static_cast<int>(bad.size()), nullptr,
+                         nullptr),
+              NATS_OK);
+    Status deleted = store->Delete("broken");
+    EXPECT_TRUE(deleted.ok()) << deleted.ToString();
+    EXPECT_EQ(store->Stat("broken").status().reason(), kBlobNotFound);
+  }
+}
+
+// Chunks no meta names are a crashed Put's only once their newest chunk is
+// old: a Put still uploading after the cutoff keeps its first chunks.
+TEST_F(NatsObjectStoreTest, SweepJudgesOrphanChunksByTheirNewest) {
+  auto store = Open();
+  ASSERT_TRUE(store);
+  const char* subject = "$O.SHOAL_BLOBS.C.slowwriter";
+  ASSERT_EQ(js_Publish(nullptr, client_->js(), subject, "chunk", 5, nullptr, nullptr), NATS_OK);
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  ASSERT_EQ(js_Publish(nullptr, client_->js(), subject, "chunk", 5, nullptr, nullptr), NATS_OK);
+  // The first chunk is about 600 ms old, the second new.
+  auto swept = store->Sweep(300);
+  ASSERT_TRUE(swept.ok()) << swept.status().ToString();
+  EXPECT_EQ(*swept, 0u);
+  auto counts = GetSubjectCounts(*client_, "OBJ_SHOAL_BLOBS", subject);
+  ASSERT_TRUE(counts.ok());
+  EXPECT_EQ(counts->count(subject) ? counts->at(subject) : 0, 2u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  swept = store->Sweep(300);
+  ASSERT_TRUE(swept.ok()) << swept.status().ToString();
+  EXPECT_EQ(*swept, 1u);
+}
+
 TEST_F(NatsObjectStoreTest, BindsToABucketAnotherClientMade) {
   // Created without rollups: not an object store, refuse it clearly.
   jsStreamConfig cfg;

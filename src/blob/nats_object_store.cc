@@ -14,6 +14,7 @@
 
 #include "blob/internal/codec.h"
 #include "common/clock.h"
+#include "common/log.h"
 #include "queue/nats_client.h"
 
 namespace shoal {
@@ -279,10 +280,11 @@ Status NatsObjectStore::PublishMeta(const Meta& meta) {
   return Status::Ok();
 }
 
-Status NatsObjectStore::PurgeSubject(const std::string& subject) {
+Status NatsObjectStore::PurgeSubject(const std::string& subject, uint64_t below_seq) {
   jsOptions o;
   jsOptions_Init(&o);
   o.Stream.Purge.Subject = subject.c_str();
+  o.Stream.Purge.Sequence = below_seq;
   jsErrCode jerr = static_cast<jsErrCode>(0);
   return FromNats(js_PurgeStream(client_.js(), stream_.c_str(), &o, &jerr), "purge " + subject, jerr);
 }
@@ -291,12 +293,14 @@ Result<BlobRef> NatsObjectStore::PutFrom(const BlobSource& source, const std::st
   const bool generated = name_in.empty();
   const std::string name = generated ? blob_internal::RandomId() : name_in;
   RETURN_IF_ERROR(ValidateBlobName(name));
-  // A named object replaces an older one: its chunks go once the new meta is in.
+  // A named object replaces an older one: its chunks go once the new meta is
+  // in. An unreadable meta is replaced too (its chunks, unknown, are left to
+  // Sweep): refusing would lock the name for good.
   std::optional<Meta> old;
   if (!generated) {
     auto m = ReadMeta(name);
     if (m.ok()) old = std::move(m).value();
-    else if (m.status().code() != StatusCode::kNotFound) return m.status();
+    else if (m.status().code() != StatusCode::kNotFound && m.status().reason() != kBlobCorrupt) return m.status();
   }
 
   // A JetStream context of its own: PublishAsyncComplete waits for this
@@ -399,7 +403,16 @@ Result<BlobRef> NatsObjectStore::PutFrom(const BlobSource& source, const std::st
                      /*pad=*/true)},
       {"deleted", false},
   };
-  if (Status st = PublishMeta(meta); !st.ok()) return fail(st);
+  if (Status st = PublishMeta(meta); !st.ok()) {
+    // Refused by the server: not stored, its chunks go. After a timeout or a
+    // lost connection it may be stored all the same (nats.c sends what it
+    // buffered once it reconnects): stored now, the Put succeeded; else its
+    // chunks stay for Sweep, never purged under a meta that may yet land.
+    if (st.code() != StatusCode::kDeadlineExceeded && st.code() != StatusCode::kUnavailable) return fail(st);
+    auto now = ReadMeta(name);
+    if (!now.ok() || now->nuid != nuid) return st;
+    LOG_INFO("blob", "object meta of " << name << " was stored after all (" << st.ToString() << ")");
+  }
   if (old && !old->nuid.empty() && old->nuid != nuid) {
     // The new object is live; a failed clean-up only leaves chunks for Sweep.
     (void)PurgeSubject(ChunkSubject(old->nuid));
@@ -517,6 +530,9 @@ Result<BlobRef> NatsObjectStore::Stat(const std::string& name) {
 Status NatsObjectStore::Delete(const std::string& name) {
   RETURN_IF_ERROR(ValidateBlobName(name));
   auto read = ReadMeta(name);
+  // An unreadable meta goes as it is; the chunks it names, unknown, are
+  // left to Sweep.
+  if (read.status().reason() == kBlobCorrupt) return PurgeSubject(MetaSubject(name));
   if (!read.ok()) return read.status().code() == StatusCode::kNotFound ? Status::Ok() : read.status();
   Meta meta = std::move(read).value();
   if (!meta.deleted) {
@@ -558,9 +574,10 @@ Result<size_t> NatsObjectStore::Sweep(int64_t older_than_ms) {
       continue;
     }
     // Old: drop the chunks, then the meta (a tombstone serves no one after
-    // the TTL, so none is left).
+    // the TTL, so none is left). Only the meta read here: a Put of the same
+    // name may have stored a new one since.
     if (!nuid.empty()) RETURN_IF_ERROR(PurgeSubject(ChunkSubject(nuid)));
-    RETURN_IF_ERROR(PurgeSubject(subject));
+    RETURN_IF_ERROR(PurgeSubject(subject, got->seq + 1));
     if (!deleted) ++removed;
   }
 
@@ -569,9 +586,11 @@ Result<size_t> NatsObjectStore::Sweep(int64_t older_than_ms) {
   for (const auto& [subject, count] : chunk_subjects) {
     const std::string nuid = subject.substr(prefix.size() + 2);
     if (live_nuids.count(nuid)) continue;
-    auto first_ms = OldestMessageUnixMs(client_, stream_, subject);
-    if (!first_ms.ok()) continue;
-    if (*first_ms >= cutoff_ms) continue;  // maybe a Put in progress
+    // By its newest chunk: a Put that has been uploading for longer than
+    // the cutoff is still in progress.
+    auto last_ms = NewestMessageUnixMs(client_, stream_, subject);
+    if (!last_ms.ok()) continue;
+    if (*last_ms >= cutoff_ms) continue;
     RETURN_IF_ERROR(PurgeSubject(subject));
     ++removed;
   }

@@ -73,7 +73,9 @@ class NatsObjectStore final : public BlobStore {
   NatsObjectStore(NatsClient& client, NatsObjectStoreOptions options);
   Result<Meta> ReadMeta(const std::string& name);
   Status PublishMeta(const Meta& meta);
-  Status PurgeSubject(const std::string& subject);
+  // Purges `subject`; with below_seq, only its messages before that stream
+  // sequence (so one stored since is kept).
+  Status PurgeSubject(const std::string& subject, uint64_t below_seq = 0);
 
   NatsClient& client_;
   NatsObjectStoreOptions options_;

@@ -53,6 +53,9 @@ Status FromNats(int s, const std::string& what, int js_err) {
     case NATS_MAX_PAYLOAD: return Status(StatusCode::kPayloadTooLarge, msg, "message_too_large");
     case NATS_INVALID_ARG: return InvalidArgument(msg);
     case NATS_NO_SERVER:
+    case NATS_NOT_YET_CONNECTED:
+    case NATS_INSUFFICIENT_BUFFER:  // the reconnect buffer is full
+    case NATS_DRAINING:
     case NATS_CONNECTION_CLOSED:
     case NATS_CONNECTION_DISCONNECTED:
     case NATS_NO_RESPONDERS:
@@ -395,12 +398,19 @@ Result<std::map<std::string, uint64_t>> GetSubjectCounts(NatsClient& client, con
   return out;
 }
 
-Result<int64_t> OldestMessageUnixMs(NatsClient& client, const std::string& stream,
-                                    const std::string& subject) {
+namespace {
+
+// Publish time (Unix ms) of the first or the last message on `subject`.
+Result<int64_t> MessageUnixMs(NatsClient& client, const std::string& stream, const std::string& subject,
+                              bool last) {
   jsDirectGetMsgOptions dg;
   jsDirectGetMsgOptions_Init(&dg);
-  dg.Sequence = 1;
-  dg.NextBySubject = subject.c_str();
+  if (last) {
+    dg.LastBySubject = subject.c_str();
+  } else {
+    dg.Sequence = 1;
+    dg.NextBySubject = subject.c_str();
+  }
   natsMsg* msg = nullptr;
   natsStatus s = js_DirectGetMsg(&msg, client.js(), stream.c_str(), nullptr, &dg);
   if (s == NATS_NOT_FOUND) return NotFound("no message on " + subject);
@@ -425,6 +435,16 @@ Result<int64_t> OldestMessageUnixMs(NatsClient& client, const std::string& strea
   tm.tm_sec = 0;
   const int64_t base = static_cast<int64_t>(timegm(&tm));
   return base * 1000 + static_cast<int64_t>(sec * 1000.0);
+}
+
+}  // namespace
+
+Result<int64_t> OldestMessageUnixMs(NatsClient& client, const std::string& stream, const std::string& subject) {
+  return MessageUnixMs(client, stream, subject, /*last=*/false);
+}
+
+Result<int64_t> NewestMessageUnixMs(NatsClient& client, const std::string& stream, const std::string& subject) {
+  return MessageUnixMs(client, stream, subject, /*last=*/true);
 }
 
 // ----- Deliveries ---------------------------------------------------------------

@@ -177,6 +177,8 @@ Result<std::map<std::string, uint64_t>> GetSubjectCounts(NatsClient& client, con
 // (the stream allows it). NotFound when the subject holds none.
 Result<int64_t> OldestMessageUnixMs(NatsClient& client, const std::string& stream,
                                     const std::string& subject);
+// The same for the newest message on `subject`.
+Result<int64_t> NewestMessageUnixMs(NatsClient& client, const std::string& stream, const std::string& subject);
 
 // ----- Pull consumers and deliveries ----------------------------------------
 

@@ -75,6 +75,17 @@ TEST(NatsClient, AServerWithoutJetStreamIsNamedAsSuch) {
   EXPECT_EQ(kv.status().reason(), "jetstream_unavailable") << kv.status().ToString();
 }
 
+// Errors that pass once the connection is back are Unavailable, so callers
+// that retry transient errors retry them.
+TEST(NatsClient, ConnectionStatesAreUnavailable) {
+  for (natsStatus s : {NATS_NOT_YET_CONNECTED, NATS_INSUFFICIENT_BUFFER, NATS_DRAINING, NATS_CONNECTION_CLOSED,
+                       NATS_CONNECTION_DISCONNECTED, NATS_NO_SERVER}) {
+    EXPECT_EQ(FromNats(s, "x").code(), StatusCode::kUnavailable) << natsStatus_GetText(s);
+  }
+  EXPECT_EQ(FromNats(NATS_TIMEOUT, "x").code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(FromNats(NATS_ERR, "x").code(), StatusCode::kInternal);
+}
+
 TEST(NatsClient, PublishableSubjects) {
   for (const char* ok : {"a", "_INBOX.abc123", "shoal.work.tiny-bert", "a.b-c_d.$e", "x.*y.>z"})
     EXPECT_TRUE(IsPublishableSubject(ok)) << ok;
