@@ -474,7 +474,6 @@ uint64_t Delivery::NumDelivered() const { return Metadata().num_delivered; }
 
 int64_t Delivery::PublishedUnixMs() const { return Metadata().published_unix_ms; }
 
-uint64_t Delivery::StreamSeq() const { return natsMsg_GetSequence(msg_.get()); }
 
 Status Delivery::Acknowledge(std::string_view body, const char* what) {
   if (core_) return Status::Ok();
@@ -600,10 +599,25 @@ Status AddDurable(jsCtx* js, const std::string& stream, const std::string& subje
     s = js_UpdateConsumer(&ci, js, stream.c_str(), &cc, nullptr, &jerr);
   }
   if (s != NATS_OK) {
-    // Existing consumer with a config we can't update: bind to it anyway.
+    // Existing consumer with a config we can't update (the server refuses
+    // some changes): bind to it, unless it would hand out other work or
+    // never redeliver.
+    const Status update = FromNats(s, "update consumer " + durable, jerr);
     jsErrCode jerr2 = static_cast<jsErrCode>(0);
     s = js_GetConsumerInfo(&ci, js, stream.c_str(), durable.c_str(), nullptr, &jerr2);
     if (s != NATS_OK) return FromNats(s, "add consumer " + durable, jerr);
+    const jsConsumerConfig* have = ci->Config;
+    const bool usable = have != nullptr && have->FilterSubject != nullptr && subject == have->FilterSubject &&
+                        have->AckPolicy == js_AckExplicit;
+    jsConsumerInfo_Destroy(ci);
+    if (!usable) {
+      return Internal("consumer " + durable + " on stream " + stream +
+                                    " exists with another filter subject or ack policy and cannot be updated (" +
+                                    update.message() + "); delete it to let it be made again",
+                                "consumer_mismatch");
+    }
+    LOG_WARN("nats", "consumer " << durable << " kept as it is: " << update.ToString());
+    return Status::Ok();
   }
   jsConsumerInfo_Destroy(ci);
   return Status::Ok();

@@ -205,7 +205,6 @@ class Delivery {
   std::string_view Header(const char* name) const;
   // Times this message has been delivered (1 on first delivery).
   uint64_t NumDelivered() const;
-  uint64_t StreamSeq() const;
   // When the message was published into the stream (Unix ms); 0 if unknown.
   int64_t PublishedUnixMs() const;
   // Both of the above from one parse of the message's metadata.

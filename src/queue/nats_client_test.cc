@@ -287,6 +287,33 @@ TEST_F(NatsClientReconnect, InterruptWhileDisconnectedKeepsWhatWasQueued) {
 // A durable consumer deleted under a worker (an operator's `nats consumer
 // rm`, a stream reset) is created again by the next pulls, so the model is
 // served again without restarting the worker.
+// A durable made elsewhere with another filter subject is updated (as
+// nats-server 2.9.10 allows) or, where the server refuses, never bound to as
+// it is: that would hand this subject's puller another subject's work.
+TEST_F(NatsClientTest, ADurableWithAnotherFilterIsNotBoundTo) {
+  ASSERT_TRUE(EnsureWorkStream(*client_, {}).ok());
+  jsConsumerConfig cc;
+  jsConsumerConfig_Init(&cc);
+  cc.Durable = "shoal_moved";
+  cc.FilterSubject = "shoal.work.before";
+  cc.AckPolicy = js_AckExplicit;
+  jsConsumerInfo* ci = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  ASSERT_EQ(js_AddConsumer(&ci, client_->js(), "SHOAL_WORK", &cc, nullptr, &jerr), NATS_OK) << jerr;
+  jsConsumerInfo_Destroy(ci);
+  auto pc = PullConsumer::Create(*client_, "SHOAL_WORK", "shoal.work.after", "shoal_moved", ConsumerOptions{});
+  ci = nullptr;
+  ASSERT_EQ(js_GetConsumerInfo(&ci, client_->js(), "SHOAL_WORK", "shoal_moved", nullptr, &jerr), NATS_OK);
+  const std::string filter = ci->Config->FilterSubject != nullptr ? ci->Config->FilterSubject : "";
+  jsConsumerInfo_Destroy(ci);
+  if (pc.ok()) {
+    EXPECT_EQ(filter, "shoal.work.after");  // the server took the update
+  } else {
+    EXPECT_EQ(filter, "shoal.work.before");
+    EXPECT_EQ(pc.status().reason(), "consumer_mismatch") << pc.status().ToString();
+  }
+}
+
 TEST_F(NatsClientTest, ADeletedDurableIsCreatedAgainByThePulls) {
   ASSERT_TRUE(EnsureWorkStream(*client_, {}).ok());
   ConsumerOptions co;
