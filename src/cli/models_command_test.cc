@@ -375,6 +375,24 @@ TEST(RenderModelsTable, FiltersByWorkerAndSaysWhenEmpty) {
   EXPECT_EQ(ui::RenderModelsTable(*models, kNowMs, "host-9"), "(no models on worker host-9)\n");
 }
 
+// Names and states come from the registry, which any NATS client can
+// write: no control character (an ANSI escape, C1 CSI) reaches the terminal.
+TEST(RenderModelsTable, PrintsNoControlCharacters) {
+  auto models = ui::ParseModelList(
+      "{\"data\":[{\"id\":\"m\\u001b[2J\",\"state\":\"loaded\",\"workers\":[{\"worker\":\"w\\u009b1m\","
+      "\"state\":\"loaded\\u0007\",\"error\":\"bad\\u001b]0;title\\u0007\"}]}]}");
+  ASSERT_TRUE(models.ok()) << models.status().ToString();
+  const std::string table = ui::RenderModelsTable(*models, kNowMs);
+  for (char c : table) EXPECT_FALSE(static_cast<unsigned char>(c) < 0x20 && c != '\n') << table;
+  EXPECT_EQ(table.find("\xc2\x9b"), std::string::npos) << table;
+  EXPECT_THAT(table, HasSubstr("m?[2J"));
+  EXPECT_THAT(table, HasSubstr("w?1m"));
+  auto s = ui::SummarizeAction(
+      "{\"results\":[{\"worker\":\"w\\u001b[1m\",\"ok\":false,\"error\":\"x\\u001b[1m\"}]}", "load", "m");
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->lines[0], "load m failed on w?[1m: x?[1m");
+}
+
 TEST(ParseModelList, RejectsAnswersThatAreNotAModelList) {
   for (const char* bad : {"", "<html>oops</html>", "[]", R"({"object":"list"})", R"({"data":[{"object":"model"}]})"}) {
     auto m = ui::ParseModelList(bad);

@@ -128,6 +128,27 @@ TEST(FleetViewParsing, NullFieldsTakeTheirDefaults) {
   EXPECT_FALSE(ParseWorkerHeartbeat(R"({"id":null})", &w));
 }
 
+// Any NATS client can write the registry: a model whose state is missing or
+// unknown is not taken as loaded, and a number that is negative, a float or
+// out of range for its field takes the default instead of wrapping.
+TEST(FleetViewParsing, StatesAndNumbersOutsideTheContractTakeTheirDefaults) {
+  WorkerInfo w;
+  ASSERT_TRUE(ParseWorkerHeartbeat(
+      R"({"id":"w1","memory_used_bytes":1e300,"max_models":4294967296,"memory_budget_bytes":12.5,"models":[)"
+      R"({"name":"none"},{"name":"odd","state":"warm"},{"name":"num","state":1},)"
+      R"({"name":"neg","state":"loaded","backlog":-1},{"name":"ok","state":"loading","backlog":7}]})",
+      &w));
+  EXPECT_EQ(w.memory_used_bytes, 0);
+  EXPECT_EQ(w.max_models, 0);
+  EXPECT_EQ(w.memory_budget_bytes, 0);
+  EXPECT_EQ(w.models.at("none").state, "not_loaded");
+  EXPECT_EQ(w.models.at("odd").state, "not_loaded");
+  EXPECT_EQ(w.models.at("num").state, "not_loaded");
+  EXPECT_EQ(w.models.at("neg").backlog, 0u);
+  EXPECT_EQ(w.models.at("ok").state, "loading");
+  EXPECT_EQ(w.models.at("ok").backlog, 7u);
+}
+
 // A worker that answers every control request with a fixed reply (none
 // when `reply` is empty: a worker busy with a long load), and records the
 // requests it got.
@@ -421,6 +442,29 @@ TEST(FleetViewCatalog, OutlivesALostConnectionToNats) {
   EXPECT_FALSE(snap->nats_connected);
   ASSERT_EQ(snap->models.count("org/m"), 1u);
   EXPECT_EQ(snap->models.at("org/m").dim, 4);
+}
+
+// A registry entry that is not a heartbeat (not JSON, or no id) is no
+// worker: not counted as alive, so /readyz does not answer ready on it.
+TEST(FleetViewRegistry, AnUnreadableEntryIsNotALiveWorker) {
+  shoal::testing::TestNatsServer nats;
+  auto client = Connect(nats.url());
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  auto workers = KvBucket::Open(**client, wire::kWorkersBucket, 60000);
+  ASSERT_TRUE(workers.ok()) << workers.status().ToString();
+  ASSERT_TRUE((*workers)->Put("junk", "not json").ok());
+  ASSERT_TRUE((*workers)->Put("anon", R"({"models":[]})").ok());
+  MetricsRegistry metrics;
+  auto view = FleetView::Create(FleetViewOptions{}, client->get(), &metrics);
+  ASSERT_TRUE(view.ok()) << view.status().ToString();
+  (*view)->Refresh();
+  EXPECT_TRUE((*view)->Snapshot()->workers.empty());
+  EXPECT_TRUE((*view)->Snapshot()->worker_json.empty());
+  EXPECT_NE(metrics.Render().find("shoal_workers_alive 0"), std::string::npos) << metrics.Render();
+  ASSERT_TRUE((*workers)->Put("w1", R"({"id":"w1","models":[]})").ok());
+  (*view)->Refresh();
+  EXPECT_EQ((*view)->Snapshot()->worker_json.size(), 1u);
+  EXPECT_NE(metrics.Render().find("shoal_workers_alive 1"), std::string::npos) << metrics.Render();
 }
 
 // While connected, a registry read that times out keeps the workers of the

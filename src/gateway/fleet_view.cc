@@ -1,6 +1,8 @@
 #include "gateway/fleet_view.h"
 
 #include <algorithm>
+#include <limits>
+#include <type_traits>
 
 #include <nlohmann/json.hpp>
 
@@ -14,16 +16,39 @@ namespace {
 // `j[key]` as a T; `fallback` when it is absent, null or of another type
 // (an entry written by another version of Shoal is read as far as it can
 // be, not dropped whole).
+// A whole number must be written as one and fit T: nlohmann converts a
+// float or an out-of-range integer with a cast (a negative backlog read as
+// 2^64 - 1; a float beyond T's range is undefined behaviour).
 template <typename T>
 T Field(const nlohmann::json& j, const char* key, T fallback) {
   if (!j.is_object()) return fallback;
   const auto it = j.find(key);
   if (it == j.end() || it->is_null()) return fallback;
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    if (!it->is_number_integer()) return fallback;
+    if (it->is_number_unsigned()) {
+      const auto v = it->get<uint64_t>();
+      return v <= static_cast<uint64_t>(std::numeric_limits<T>::max()) ? static_cast<T>(v) : fallback;
+    }
+    const auto v = it->get<int64_t>();
+    if constexpr (std::is_unsigned_v<T>) {
+      return v >= 0 ? static_cast<T>(v) : fallback;
+    } else {
+      return v >= std::numeric_limits<T>::min() && v <= std::numeric_limits<T>::max() ? static_cast<T>(v) : fallback;
+    }
+  }
   try {
     return it->get<T>();
   } catch (const nlohmann::json::exception&) {
     return fallback;
   }
+}
+
+// A model state as workers write it; anything else (absent, another type,
+// an unknown word) is "not_loaded", never taken as "loaded".
+std::string ModelStateField(const nlohmann::json& m) {
+  std::string s = Field<std::string>(m, "state", "");
+  return s == "loaded" || s == "loading" || s == "failed" ? s : "not_loaded";
 }
 
 }  // namespace
@@ -47,7 +72,7 @@ bool ParseWorkerHeartbeat(const std::string& json_text, WorkerInfo* out) {
       const std::string name = Field<std::string>(m, "name", "");
       if (name.empty()) continue;
       WorkerModel wm;
-      wm.state = Field<std::string>(m, "state", "loaded");
+      wm.state = ModelStateField(m);
       wm.pinned = Field<bool>(m, "pinned", false);
       wm.memory_bytes = Field<int64_t>(m, "memory_bytes", 0);
       wm.measured_bytes = Field<int64_t>(m, "measured_bytes", 0);
@@ -124,10 +149,10 @@ void FleetView::Refresh() {
           WorkerInfo info;
           if (ParseWorkerHeartbeat(v, &info)) {
             s->workers.push_back(std::move(info));
+            s->worker_json.push_back(std::move(v));
           } else {
             LOG_WARN("gateway", "unreadable heartbeat " << k);
           }
-          s->worker_json.push_back(std::move(v));
         }
     }
     if (models_kv_) {

@@ -27,11 +27,28 @@ Status BadAnswer(const std::string& what, const std::string& why) {
   return Status(StatusCode::kBadGateway, "unexpected " + what + " from the gateway: " + why, "bad_answer");
 }
 
+// `s` with every control character (C0, DEL, C1) as '?': what reaches the
+// terminal comes from the registry, which any NATS client can write, and an
+// escape sequence in a worker id must not drive the terminal.
+std::string Printable(std::string s) {
+  for (size_t i = 0; i < s.size(); ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c < 0x20 || c == 0x7F) {
+      s[i] = '?';
+    } else if (c == 0xC2 && i + 1 < s.size() && static_cast<unsigned char>(s[i + 1]) >= 0x80 &&
+               static_cast<unsigned char>(s[i + 1]) <= 0x9F) {
+      s.replace(i, 2, "?");
+    }
+  }
+  return s;
+}
+
 // Reads an optional field, tolerating null and a wrong type (the gateway is
-// built in parallel; a cosmetic field must not make the command fail).
+// built in parallel; a cosmetic field must not make the command fail), as
+// printable text.
 std::string Str(const json& j, const char* key) {
   auto it = j.find(key);
-  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+  return it != j.end() && it->is_string() ? Printable(it->get<std::string>()) : std::string();
 }
 int64_t Int(const json& j, const char* key, int64_t fallback) {
   auto it = j.find(key);
@@ -44,7 +61,7 @@ bool Bool(const json& j, const char* key, bool fallback) {
 
 // An error given as {"message":..,"code":..} or as a plain string.
 std::string ErrorText(const json& e) {
-  if (e.is_string()) return e.get<std::string>();
+  if (e.is_string()) return Printable(e.get<std::string>());
   if (!e.is_object()) return e.is_null() ? std::string() : e.dump();
   std::string msg = Str(e, "message");
   std::string code = Str(e, "code");
@@ -62,6 +79,7 @@ std::string PastTense(const std::string& action) {
 
 std::string OneLine(std::string s, size_t max_chars) {
   std::replace_if(s.begin(), s.end(), [](char c) { return c == '\n' || c == '\r' || c == '\t'; }, ' ');
+  s = Printable(std::move(s));
   s.erase(0, std::min(s.size(), s.find_first_not_of(' ')));  // one erase: a long run of blanks is not quadratic
   while (!s.empty() && s.back() == ' ') s.pop_back();
   if (s.size() > max_chars) s = s.substr(0, max_chars) + "...";
@@ -137,7 +155,7 @@ Result<std::vector<ModelRow>> ParseModelList(std::string_view body) {
       return BadAnswer("model list", "an entry without an \"id\": " + OneLine(m.dump(), 200));
     }
     ModelRow row;
-    row.id = m["id"].get<std::string>();
+    row.id = Printable(m["id"].get<std::string>());
     row.state = Str(m, "state");
     if (auto e = m.find("error"); e != m.end()) row.error = OneLine(ErrorText(*e), 300);
     if (auto ws = m.find("workers"); ws != m.end() && ws->is_array()) {
