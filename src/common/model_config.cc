@@ -3,7 +3,11 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
+#include <limits>
 #include <sstream>
+#include <stdexcept>
+#include <type_traits>
 
 #include <nlohmann/json.hpp>
 
@@ -14,9 +18,91 @@ namespace {
 
 using nlohmann::json;
 
+// A config error that names its key; ParseModelConfig reports it.
+struct ConfigError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+std::string Quoted(const std::string& where, const char* key) { return "'" + where + key + "'"; }
+
+// Reads j[key] (`where` prefixes the key in errors: "batching.") into `out`
+// when present and not null. Another type, or a number that is not whole or
+// does not fit `out`, is an error naming the key: nlohmann would convert
+// "256.9" to 256, wrap 4294967552 to 256, and say "type must be number"
+// without saying which.
 template <typename T>
-void Get(const json& j, const char* key, T& out) {
-  if (auto it = j.find(key); it != j.end() && !it->is_null()) out = it->get<T>();
+void Get(const json& j, const std::string& where, const char* key, T& out) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return;
+  const json& v = *it;
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!v.is_boolean()) throw ConfigError(Quoted(where, key) + " must be true or false, not " + v.dump());
+    out = v.get<bool>();
+  } else if constexpr (std::is_integral_v<T>) {
+    const bool fits = v.is_number_unsigned()  ? v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
+                      : v.is_number_integer() ? v.get<int64_t>() >= std::numeric_limits<T>::min() &&
+                                                    v.get<int64_t>() <= std::numeric_limits<T>::max()
+                                              : false;
+    if (!fits) {
+      throw ConfigError(Quoted(where, key) + " must be a whole number in [" +
+                        std::to_string(std::numeric_limits<T>::min()) + ", " +
+                        std::to_string(std::numeric_limits<T>::max()) + "], not " + v.dump());
+    }
+    out = v.get<T>();
+  } else if constexpr (std::is_same_v<T, double>) {
+    if (!v.is_number()) throw ConfigError(Quoted(where, key) + " must be a number, not " + v.dump());
+    out = v.get<double>();
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (!v.is_string()) throw ConfigError(Quoted(where, key) + " must be a string, not " + v.dump());
+    out = v.get<std::string>();
+  } else {
+    static_assert(std::is_same_v<T, std::vector<std::string>>);
+    if (!v.is_array() || !std::all_of(v.begin(), v.end(), [](const json& e) { return e.is_string(); }))
+      throw ConfigError(Quoted(where, key) + " must be an array of strings, not " + v.dump());
+    out = v.get<std::vector<std::string>>();
+  }
+}
+
+// j[key] when it is an object, nullptr when absent or null; another type is
+// an error (a block that is not an object was silently ignored).
+const json* Block(const json& j, const std::string& where, const char* key) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return nullptr;
+  if (!it->is_object()) throw ConfigError(Quoted(where, key) + " must be an object, not " + it->dump());
+  return &*it;
+}
+
+size_t EditDistance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// Keys of `j` outside `known` are an error, so a typo ("max_seq_length")
+// does not fall back to a default unnoticed; the nearest known key is
+// suggested.
+void RejectUnknownKeys(const json& j, const std::string& where, std::initializer_list<const char*> known) {
+  for (const auto& [key, value] : j.items()) {
+    if (std::any_of(known.begin(), known.end(), [&](const char* k) { return key == k; })) continue;
+    std::string message = "unknown key '" + where + key + "'";
+    const char* nearest = nullptr;
+    size_t best = 4;  // suggest only close ones
+    for (const char* k : known) {
+      const size_t d = EditDistance(key, k);
+      if (d < best) best = d, nearest = k;
+    }
+    if (nearest != nullptr) message += " (did you mean '" + where + nearest + "'?)";
+    throw ConfigError(message);
+  }
 }
 
 }  // namespace
@@ -49,21 +135,28 @@ Status ModelConfig::Validate() const {
     if (process.start_timeout_ms < 1 || process.request_timeout_ms < 1 || process.health_interval_ms < 10 ||
         process.max_restart_backoff_ms < 1)
       return InvalidArgument("model " + name + ": process timeouts must be positive (health_interval_ms >= 10)");
-    if (process.max_frame_bytes < 1024) return InvalidArgument("model " + name + ": process.max_frame_bytes must be >= 1024");
+    constexpr int64_t kDayMs = 24 * 3600 * 1000;
+    if (process.start_timeout_ms > kDayMs || process.request_timeout_ms > kDayMs ||
+        process.health_interval_ms > kDayMs || process.max_restart_backoff_ms > kDayMs)
+      return InvalidArgument("model " + name + ": process timeouts must be at most a day (86400000 ms)");
+    if (process.max_frame_bytes < 1024 || process.max_frame_bytes > (int64_t{1} << 31))
+      return InvalidArgument("model " + name + ": process.max_frame_bytes must be in [1024, 2147483648]");
     if (process.max_failed_starts < 0)
       return InvalidArgument("model " + name + ": process.max_failed_starts must be >= 0");
   }
   if (max_seq_len < 3 || max_seq_len > 8192)
     return InvalidArgument("model " + name + ": max_seq_len must be in [3, 8192]");
-  if (dim < 0) return InvalidArgument("model " + name + ": dim must be >= 0");
+  if (dim < 0 || dim > kMaxDim) return InvalidArgument("model " + name + ": dim must be in [0, 1048576]");
   if (pooling != "mean" && pooling != "cls")
     return InvalidArgument("model " + name + ": pooling must be 'mean' or 'cls'");
   if (tokenizer.type != "wordpiece")
     return InvalidArgument("model " + name + ": unsupported tokenizer '" + tokenizer.type + "'");
-  if (batching.max_batch_size < 1) return InvalidArgument("model " + name + ": max_batch_size must be >= 1");
+  if (batching.max_batch_size < 1 || batching.max_batch_size > kMaxBatchSize)
+    return InvalidArgument("model " + name + ": max_batch_size must be in [1, 65536]");
   if (batching.max_batch_tokens < max_seq_len)
     return InvalidArgument("model " + name + ": max_batch_tokens must be >= max_seq_len");
-  if (batching.max_wait_us < 0) return InvalidArgument("model " + name + ": max_wait_us must be >= 0");
+  if (batching.max_wait_us < 0 || batching.max_wait_us > kMaxWaitUs)
+    return InvalidArgument("model " + name + ": max_wait_us must be in [0, 60000000] (a minute)");
   if (intra_op_threads < 0) return InvalidArgument("model " + name + ": intra_op_threads must be >= 0");
   return Status::Ok();
 }
@@ -74,50 +167,63 @@ Result<ModelConfig> ParseModelConfig(const std::string& json_text, const std::st
   try {
     json j = json::parse(json_text);
     if (!j.is_object()) return InvalidArgument("model config must be a JSON object");
-    Get(j, "name", c.name);
-    Get(j, "task", c.task);
-    Get(j, "runtime", c.runtime);
-    Get(j, "model_file", c.model_file);
-    Get(j, "max_seq_len", c.max_seq_len);
-    Get(j, "dim", c.dim);
-    Get(j, "pooling", c.pooling);
-    Get(j, "normalize", c.normalize);
-    Get(j, "intra_op_threads", c.intra_op_threads);
-    Get(j, "activation", c.activation);
-    Get(j, "labels", c.labels);
+    Get(j, "", "name", c.name);
+    Get(j, "", "task", c.task);
+    Get(j, "", "runtime", c.runtime);
+    // A "process" runtime gets the whole file and may read keys of its own.
+    if (c.runtime != "process") {
+      RejectUnknownKeys(j, "", {"name", "task", "runtime", "model_file", "max_seq_len", "dim", "pooling", "normalize",
+                                "intra_op_threads", "activation", "labels", "tokenizer", "batching", "process", "sim",
+                                "ocr", "openai"});
+    }
+    Get(j, "", "model_file", c.model_file);
+    Get(j, "", "max_seq_len", c.max_seq_len);
+    Get(j, "", "dim", c.dim);
+    Get(j, "", "pooling", c.pooling);
+    Get(j, "", "normalize", c.normalize);
+    Get(j, "", "intra_op_threads", c.intra_op_threads);
+    Get(j, "", "activation", c.activation);
+    Get(j, "", "labels", c.labels);
     if (c.task == "classify" && c.dim == 0) c.dim = static_cast<int>(c.labels.size());
-    if (auto t = j.find("tokenizer"); t != j.end() && t->is_object()) {
-      Get(*t, "type", c.tokenizer.type);
-      Get(*t, "vocab_file", c.tokenizer.vocab_file);
-      Get(*t, "lowercase", c.tokenizer.lowercase);
+    if (const json* t = Block(j, "", "tokenizer")) {
+      RejectUnknownKeys(*t, "tokenizer.", {"type", "vocab_file", "lowercase", "strip_accents", "tokenize_chinese_chars"});
+      Get(*t, "tokenizer.", "type", c.tokenizer.type);
+      Get(*t, "tokenizer.", "vocab_file", c.tokenizer.vocab_file);
+      Get(*t, "tokenizer.", "lowercase", c.tokenizer.lowercase);
       c.tokenizer.strip_accents = c.tokenizer.lowercase;  // BERT's default
-      Get(*t, "strip_accents", c.tokenizer.strip_accents);
-      Get(*t, "tokenize_chinese_chars", c.tokenizer.tokenize_chinese_chars);
+      Get(*t, "tokenizer.", "strip_accents", c.tokenizer.strip_accents);
+      Get(*t, "tokenizer.", "tokenize_chinese_chars", c.tokenizer.tokenize_chinese_chars);
     }
-    if (auto p = j.find("process"); p != j.end() && p->is_object()) {
-      Get(*p, "command", c.process.command);
-      if (auto e = p->find("env"); e != p->end() && e->is_object())
-        for (const auto& [k, v] : e->items()) c.process.env.emplace_back(k, v.get<std::string>());
-      Get(*p, "cwd", c.process.cwd);
-      Get(*p, "start_timeout_ms", c.process.start_timeout_ms);
-      Get(*p, "request_timeout_ms", c.process.request_timeout_ms);
-      Get(*p, "max_frame_bytes", c.process.max_frame_bytes);
-      Get(*p, "health_interval_ms", c.process.health_interval_ms);
-      Get(*p, "max_restart_backoff_ms", c.process.max_restart_backoff_ms);
-      Get(*p, "max_failed_starts", c.process.max_failed_starts);
+    if (const json* p = Block(j, "", "process")) {  // its runtime's own keys pass through
+      Get(*p, "process.", "command", c.process.command);
+      if (const json* e = Block(*p, "process.", "env")) {
+        for (const auto& [k, v] : e->items()) {
+          if (!v.is_string()) throw ConfigError("'process.env." + k + "' must be a string, not " + v.dump());
+          c.process.env.emplace_back(k, v.get<std::string>());
+        }
+      }
+      Get(*p, "process.", "cwd", c.process.cwd);
+      Get(*p, "process.", "start_timeout_ms", c.process.start_timeout_ms);
+      Get(*p, "process.", "request_timeout_ms", c.process.request_timeout_ms);
+      Get(*p, "process.", "max_frame_bytes", c.process.max_frame_bytes);
+      Get(*p, "process.", "health_interval_ms", c.process.health_interval_ms);
+      Get(*p, "process.", "max_restart_backoff_ms", c.process.max_restart_backoff_ms);
+      Get(*p, "process.", "max_failed_starts", c.process.max_failed_starts);
     }
-    if (auto p = j.find("sim"); p != j.end() && p->is_object()) {
-      Get(*p, "fixed_us", c.sim.fixed_us);
-      Get(*p, "per_padded_token_us", c.sim.per_padded_token_us);
-      Get(*p, "max_batch_rows", c.sim.max_batch_rows);
-      Get(*p, "memory_bytes", c.sim.memory_bytes);
-      Get(*p, "load_ms", c.sim.load_ms);
+    if (const json* p = Block(j, "", "sim")) {
+      RejectUnknownKeys(*p, "sim.", {"fixed_us", "per_padded_token_us", "max_batch_rows", "memory_bytes", "load_ms"});
+      Get(*p, "sim.", "fixed_us", c.sim.fixed_us);
+      Get(*p, "sim.", "per_padded_token_us", c.sim.per_padded_token_us);
+      Get(*p, "sim.", "max_batch_rows", c.sim.max_batch_rows);
+      Get(*p, "sim.", "memory_bytes", c.sim.memory_bytes);
+      Get(*p, "sim.", "load_ms", c.sim.load_ms);
     }
     c.config_json = j.dump();
-    if (auto b = j.find("batching"); b != j.end() && b->is_object()) {
-      Get(*b, "max_batch_tokens", c.batching.max_batch_tokens);
-      Get(*b, "max_batch_size", c.batching.max_batch_size);
-      Get(*b, "max_wait_us", c.batching.max_wait_us);
+    if (const json* b = Block(j, "", "batching")) {
+      RejectUnknownKeys(*b, "batching.", {"max_batch_tokens", "max_batch_size", "max_wait_us"});
+      Get(*b, "batching.", "max_batch_tokens", c.batching.max_batch_tokens);
+      Get(*b, "batching.", "max_batch_size", c.batching.max_batch_size);
+      Get(*b, "batching.", "max_wait_us", c.batching.max_wait_us);
     }
   } catch (const std::exception& e) {
     return InvalidArgument(std::string("model config: ") + e.what());
@@ -151,16 +257,26 @@ Result<std::vector<ModelConfig>> LoadModelRepository(const std::string& repo_dir
   if (!std::filesystem::is_directory(repo_dir, ec))
     return NotFound("model repository " + repo_dir + " is not a directory");
   std::vector<std::string> dirs;
-  for (const auto& entry : std::filesystem::directory_iterator(repo_dir, ec)) {
-    if (entry.is_directory() && std::filesystem::exists(entry.path() / "shoal.json"))
+  std::filesystem::directory_iterator it(repo_dir, ec);
+  if (ec) return Unavailable("cannot read model repository " + repo_dir + ": " + ec.message());
+  // Error-code forms throughout: an entry that cannot be examined (a
+  // lost+found of another user, a symlink loop) is not a model, and must not
+  // throw out of here.
+  for (; it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    std::error_code entry_ec;
+    const auto& entry = *it;
+    if (!entry.is_directory(entry_ec) || entry_ec) continue;
+    if (std::filesystem::is_regular_file(entry.path() / "shoal.json", entry_ec) && !entry_ec)
       dirs.push_back(entry.path().string());
   }
+  if (ec) return Unavailable("cannot read model repository " + repo_dir + ": " + ec.message());
   std::sort(dirs.begin(), dirs.end());
   std::vector<ModelConfig> out;
   for (const auto& d : dirs) {
     ASSIGN_OR_RETURN(auto c, LoadModelConfig(d));
     for (const auto& o : out)
-      if (o.name == c.name) return InvalidArgument("duplicate model name '" + c.name + "' in " + repo_dir);
+      if (o.name == c.name)
+        return InvalidArgument("duplicate model name '" + c.name + "' in " + o.dir + " and " + c.dir);
     out.push_back(std::move(c));
   }
   return out;

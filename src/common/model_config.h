@@ -58,6 +58,12 @@ struct SimConfig {
 };
 
 struct ModelConfig {
+  // Upper bounds Validate() enforces: beyond them a value is a mistake that
+  // would exhaust memory (dim, rows per batch) or overflow a clock (waits).
+  static constexpr int kMaxDim = 1 << 20;
+  static constexpr int kMaxBatchSize = 65536;
+  static constexpr int64_t kMaxWaitUs = 60'000'000;
+
   std::string name;                 // public model id, e.g. "minilm-l6"
   // What the model computes. From tokenized text, one row of floats per
   // input: "embed" (a vector), "score" (a pair -> one relevance score;

@@ -41,6 +41,60 @@ TEST(ModelConfig, RejectsBadValues) {
             StatusCode::kInvalidArgument);
 }
 
+// A value of the wrong type or range is an error that names its key; a
+// number is never cut or wrapped to fit (4294967552 read as an int was 256).
+TEST(ModelConfig, AWrongValueNamesItsKey) {
+  const auto error = [](const std::string& doc) { return ParseModelConfig(doc, "/d").status().message(); };
+  EXPECT_NE(error(R"({"name":"m","max_seq_len":"256"})").find("'max_seq_len' must be a whole number"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"name":"m","max_seq_len":256.9})").find("'max_seq_len'"), std::string::npos);
+  EXPECT_NE(error(R"({"name":"m","max_seq_len":4294967552})").find("'max_seq_len'"), std::string::npos);
+  EXPECT_NE(error(R"({"name":"m","dim":1e300})").find("'dim'"), std::string::npos);
+  EXPECT_NE(error(R"({"name":"m","normalize":1})").find("'normalize' must be true or false"), std::string::npos);
+  EXPECT_NE(error(R"({"name":"m","labels":["a",2]})").find("'labels' must be an array of strings"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"name":"m","batching":{"max_wait_us":-0.5}})").find("'batching.max_wait_us'"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"name":"m","batching":[]})").find("'batching' must be an object"), std::string::npos);
+  EXPECT_NE(error(R"({"name":"m","tokenizer":"wordpiece"})").find("'tokenizer' must be an object"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"name":"m","runtime":"process","process":{"command":["x"],"env":{"A":1}}})")
+                .find("'process.env.A' must be a string"),
+            std::string::npos);
+}
+
+// A misspelled key is an error with the nearest known key, not a default
+// taken unnoticed; a "process" runtime's own keys pass through to it.
+TEST(ModelConfig, UnknownKeysAreErrorsExceptForAProcessRuntime) {
+  const auto error = [](const std::string& doc) { return ParseModelConfig(doc, "/d").status().message(); };
+  EXPECT_NE(error(R"({"name":"m","max_seq_length":512})")
+                .find("unknown key 'max_seq_length' (did you mean 'max_seq_len'?)"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"name":"m","max_batch_size":8})").find("unknown key 'max_batch_size'"), std::string::npos);
+  EXPECT_NE(error(R"({"name":"m","batching":{"max_wait_ms":8}})")
+                .find("unknown key 'batching.max_wait_ms' (did you mean 'batching.max_wait_us'?)"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"name":"m","tokenizer":{"do_lower_case":true}})").find("unknown key 'tokenizer.do_lower_case'"),
+            std::string::npos);
+  auto process = ParseModelConfig(
+      R"({"name":"m","runtime":"process","weights":"w.bin","process":{"command":["x"],"module":"m.py"}})", "/d");
+  EXPECT_TRUE(process.ok()) << process.status().ToString();
+}
+
+// Beyond these a value is a mistake that exhausts memory or overflows a
+// clock: a runtime timeout of "forever" timed every batch out at once.
+TEST(ModelConfig, BoundsSizesAndTimes) {
+  const auto code = [](const std::string& doc) { return ParseModelConfig(doc, "/d").status().code(); };
+  EXPECT_EQ(code(R"({"name":"m","runtime":"null","dim":2000000000})"), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(R"({"name":"m","runtime":"null","dim":1048576})"), StatusCode::kOk);
+  EXPECT_EQ(code(R"({"name":"m","batching":{"max_batch_size":100000}})"), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(R"({"name":"m","batching":{"max_wait_us":9000000000000000}})"), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(R"({"name":"m","runtime":"process","process":{"command":["x"],"request_timeout_ms":9223372036854775807}})"),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(R"({"name":"m","runtime":"process","process":{"command":["x"],"request_timeout_ms":86400000}})"),
+            StatusCode::kOk);
+}
+
 TEST(ModelConfig, ProcessRuntimeGivesUpAfterMaxFailedStarts) {
   auto c = ParseModelConfig(R"({"name":"m","runtime":"process","dim":4,"process":{"command":["run"]}})", "/d");
   ASSERT_TRUE(c.ok()) << c.status().ToString();
@@ -101,6 +155,26 @@ TEST(ModelConfig, LoadsARepositoryAndRejectsDuplicates) {
   std::ofstream(root / "b" / "shoal.json") << R"({"name":"alpha","runtime":"null"})";
   EXPECT_EQ(LoadModelRepository(root.string()).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(LoadModelRepository((root / "missing").string()).status().code(), StatusCode::kNotFound);
+  std::filesystem::remove_all(root);
+}
+
+// Entries that cannot be examined are not models, and reading past them
+// never throws: a symlink loop, a directory without search permission (a
+// lost+found), a shoal.json that is a directory.
+TEST(ModelConfig, ARepositorySkipsEntriesItCannotExamine) {
+  auto root = std::filesystem::temp_directory_path() / ("shoal_repo_odd_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root / "a");
+  std::ofstream(root / "a" / "shoal.json") << R"({"name":"alpha","runtime":"null"})";
+  std::filesystem::create_directory_symlink(root / "loop", root / "loop");
+  std::filesystem::create_directories(root / "locked");
+  std::filesystem::create_directories(root / "dir-json" / "shoal.json");
+  std::filesystem::permissions(root / "locked", std::filesystem::perms::none);
+  auto repo = LoadModelRepository(root.string());
+  std::filesystem::permissions(root / "locked", std::filesystem::perms::owner_all);
+  ASSERT_TRUE(repo.ok()) << repo.status().ToString();
+  ASSERT_EQ(repo->size(), 1u);
+  EXPECT_EQ((*repo)[0].name, "alpha");
   std::filesystem::remove_all(root);
 }
 

@@ -11,6 +11,19 @@
 namespace shoal {
 namespace {
 
+// A runtime reports failures as a Status. One that throws instead (an
+// allocation its input made too large, a bug) fails that pass with
+// runtime_error, like any other failed pass, rather than ending the worker
+// and, through redelivery, the next worker that pulls the same work.
+template <typename F>
+auto RunGuarded(F&& run) -> decltype(run()) {
+  try {
+    return run();
+  } catch (const std::exception& e) {
+    return Internal(std::string("the runtime failed: ") + e.what(), "runtime_error");
+  }
+}
+
 // Work handed back because the runtime was unavailable comes back after this.
 constexpr int64_t kRedeliverDelayMs = 250;
 // How long a message run on its own waits for an out-of-process runtime to
@@ -787,7 +800,7 @@ void ModelServer::RunLive(std::vector<std::unique_ptr<PendingWork>> live) {
     }
     if (d_.slots_are_cores && d_.runtime->TakesThreadCount()) tb.threads = turn_width_;
     const int64_t t0 = d_.clock->NowMonoUs();
-    auto out = d_.runtime->Run(tb);
+    auto out = RunGuarded([&] { return d_.runtime->Run(tb); });
     const int64_t run_us = d_.clock->NowMonoUs() - t0;
     if (out.ok()) {
       batch_run_us_ += run_us * turn_width_;
@@ -930,7 +943,7 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
     const std::vector<int64_t> pass_deadlines(deadlines.begin() + static_cast<std::ptrdiff_t>(begin),
                                               deadlines.begin() + static_cast<std::ptrdiff_t>(end));
     const int64_t t0 = d_.clock->NowMonoUs();
-    auto out = d_.runtime->RunItemsBefore(pass, pass_deadlines, pass_partial);
+    auto out = RunGuarded([&] { return d_.runtime->RunItemsBefore(pass, pass_deadlines, pass_partial); });
     const int64_t run_us = d_.clock->NowMonoUs() - t0;
     if (out.ok()) {
       // Inputs that failed on their own (an undecodable image, a deadline

@@ -50,6 +50,9 @@ int UsableCpus() {
 Status WorkerOptions::Validate() const {
   if (model_repository.empty()) return InvalidArgument("worker: model repository is required");
   if (intra_op_threads < 0) return InvalidArgument("worker: intra_op_threads must be >= 0");
+  if (max_batch_tokens < 0) return InvalidArgument("worker: max_batch_tokens must be >= 0 (0: each model's own)");
+  if (max_batch_size < 0) return InvalidArgument("worker: max_batch_size must be >= 0 (0: each model's own)");
+  if (max_wait_us < -1) return InvalidArgument("worker: max_wait_us must be >= 0, or -1 for each model's own");
   if (fetch_poll_ms < 1) return InvalidArgument("worker: fetch_poll_ms must be >= 1");
   if (heartbeat_interval_ms < 100) return InvalidArgument("worker: heartbeat_interval_ms must be >= 100");
   if (heartbeat_ttl_ms <= heartbeat_interval_ms)
@@ -253,13 +256,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   ASSIGN_OR_RETURN(std::vector<ModelConfig> selected, SelectModels(options));
   const int cpus = UsableCpus();
   for (ModelConfig& config : selected) {
-    if (!options.runtime_override.empty()) config.runtime = options.runtime_override;
     if (config.runtime == "torchscript") config.device = w->options_.device;
-    if (options.intra_op_threads > 0) config.intra_op_threads = options.intra_op_threads;
-    if (options.max_batch_tokens > 0) config.batching.max_batch_tokens = options.max_batch_tokens;
-    if (options.max_batch_size > 0) config.batching.max_batch_size = options.max_batch_size;
-    if (options.max_wait_us >= 0) config.batching.max_wait_us = options.max_wait_us;
-    RETURN_IF_ERROR(config.Validate());
     if (config.intra_op_threads == 0)
       config.intra_op_threads = cpus;
     Backlog& b = w->backlog_[config.name];
@@ -383,6 +380,28 @@ Result<std::vector<ModelConfig>> Worker::SelectModels(const WorkerOptions& optio
   }
   if (options.models.empty()) selected = configs;
   if (selected.empty()) return NotFound("no models in repository " + options.model_repository);
+  // The worker's flags over each model's shoal.json, checked again: a flag
+  // can make a valid config invalid (--max-batch-tokens below max_seq_len).
+  // --runtime replaces the runtime of text models only; OCR and generate
+  // models keep theirs (null and sim compute vectors from tokens).
+  std::string flags;
+  const auto flag = [&flags](const std::string& name, const std::string& value) { flags += " " + name + " " + value; };
+  if (!options.runtime_override.empty()) flag("--runtime", options.runtime_override);
+  if (options.intra_op_threads > 0) flag("--threads", std::to_string(options.intra_op_threads));
+  if (options.max_batch_tokens > 0) flag("--max-batch-tokens", std::to_string(options.max_batch_tokens));
+  if (options.max_batch_size > 0) flag("--max-batch-size", std::to_string(options.max_batch_size));
+  if (options.max_wait_us >= 0) flag("--max-wait-us", std::to_string(options.max_wait_us));
+  for (ModelConfig& config : selected) {
+    if (!options.runtime_override.empty() && !config.ItemTask()) config.runtime = options.runtime_override;
+    if (options.intra_op_threads > 0) config.intra_op_threads = options.intra_op_threads;
+    if (options.max_batch_tokens > 0) config.batching.max_batch_tokens = options.max_batch_tokens;
+    if (options.max_batch_size > 0) config.batching.max_batch_size = options.max_batch_size;
+    if (options.max_wait_us >= 0) config.batching.max_wait_us = options.max_wait_us;
+    if (Status s = config.Validate(); !s.ok()) {
+      if (flags.empty()) return s;
+      return Status(s.code(), s.message() + " (with this worker's flags:" + flags + ")", s.reason());
+    }
+  }
   const auto served = [&](const std::string& name) {
     return std::any_of(selected.begin(), selected.end(), [&](const ModelConfig& c) { return c.name == name; });
   };

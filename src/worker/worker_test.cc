@@ -4,6 +4,8 @@
 
 #include <signal.h>
 #include <sys/wait.h>
+
+#include <new>
 #include <unistd.h>
 
 #include <nats/nats.h>
@@ -28,8 +30,9 @@ namespace {
 using shoal::testing::ModelsDir;
 using shoal::testing::TestNatsServer;
 
-// Wraps the real runtime; fails any batch that contains token id 999, refuses
-// one that contains 996 as bad input, goes
+// Wraps the real runtime; fails any batch that contains token id 999, throws
+// std::bad_alloc on one that contains 995, refuses one that contains 996 as
+// bad input, goes
 // away for 300 ms (as a crashed out-of-process runtime does while it
 // restarts) on one that contains 997, and takes 3.5 s over one that
 // contains 998.
@@ -41,6 +44,7 @@ class FailingRuntime : public shoal::testing::ForwardingRuntime {
     if (!Available()) return Unavailable("restarting");
     for (int64_t id : b.input_ids) {
       if (id == 999) return Internal("injected failure");
+      if (id == 995) throw std::bad_alloc();
       if (id == 996) return InvalidArgument("injected refusal of the input", "token_type_out_of_range");
       if (id == 997) {
         down_until_us_ = SystemClock::Get()->NowMonoUs() + 300'000;
@@ -189,6 +193,20 @@ TEST_F(WorkerTest, RuntimeFailureIsATerminalErrorNotARetryLoop) {
   EXPECT_EQ(runs_.load() - before, 1);
   EXPECT_EQ(GetStreamState(*client_, "SHOAL_WORK")->msgs, 0u);
   // The worker still serves.
+  EXPECT_TRUE(Embed({"still alive"}).ok());
+}
+
+// A runtime that throws (an allocation its input made too large) fails
+// that request with runtime_error; the worker lives on and serves.
+TEST_F(WorkerTest, ARuntimeThatThrowsFailsTheRequestNotTheWorker) {
+  EmbedJob job;
+  job.model = "tiny-bert";
+  job.token_ids = {{995}};
+  job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 10000;
+  auto r = Submit(job);
+  EXPECT_EQ(r.status().code(), StatusCode::kInternal) << r.status().ToString();
+  EXPECT_EQ(r.status().reason(), "runtime_error");
+  EXPECT_NE(r.status().message().find("bad_alloc"), std::string::npos) << r.status().message();
   EXPECT_TRUE(Embed({"still alive"}).ok());
 }
 
@@ -512,6 +530,36 @@ TEST_F(WorkerTest, ALoadOutlastsNatsNotAnsweringForAWhile) {
 }
 
 // A typo in --preload fails the start, as one in --models or --pin does.
+// --runtime replaces the runtime of text models only: the demo repository,
+// OCR models included, runs under --runtime sim (which needs a dim that OCR
+// models do not have), and the OCR models keep Tesseract.
+TEST(WorkerSelectModels, TheRuntimeFlagLeavesOcrAndGenerateModelsTheirOwn) {
+  WorkerOptions wo;
+  wo.model_repository = ModelsDir();
+  wo.runtime_override = "sim";
+  auto models = Worker::SelectModels(wo);
+  ASSERT_TRUE(models.ok()) << models.status().ToString();
+  bool saw_ocr = false;
+  for (const ModelConfig& c : *models) {
+    SCOPED_TRACE(c.name);
+    if (c.ItemTask()) {
+      EXPECT_NE(c.runtime, "sim");
+      saw_ocr |= c.task == "ocr";
+    } else {
+      EXPECT_EQ(c.runtime, "sim");
+    }
+  }
+  EXPECT_TRUE(saw_ocr) << "the demo repository has OCR models";
+  // A flag that makes a model's config invalid says it was the flag.
+  wo.runtime_override.clear();
+  wo.models = {"tiny-bert"};
+  wo.max_batch_tokens = 100;
+  auto bad = Worker::SelectModels(wo);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("with this worker's flags: --max-batch-tokens 100"), std::string::npos)
+      << bad.status().message();
+}
+
 TEST_F(WorkerTest, AnUnknownModelToPreloadFailsTheStart) {
   WorkerOptions wo;
   wo.model_repository = ModelsDir();

@@ -578,7 +578,14 @@ TEST(E2eServeShutdown, BadOptionExitsBeforeStartingNatsServer) {
                                    {{"--models", "bogus"}, "model_not_found", "model 'bogus' is not in repository"},
                                    {{"--models-dir", "/nonexistent-shoal-models"}, "not_found", "/nonexistent-shoal-models"},
                                    {{"--blob-store", "file://relative/dir"}, "invalid_argument", "file:///absolute/dir"},
-                                   {{"--blob-store", "s3://bucket"}, "invalid_argument", "unknown blob store scheme"}};
+                                   {{"--blob-store", "s3://bucket"}, "invalid_argument", "unknown blob store scheme"},
+                                   // Flags that make a model's config invalid.
+                                   {{"--max-batch-tokens", "100"},
+                                    "invalid_argument",
+                                    "max_batch_tokens must be >= max_seq_len (with this worker's flags: "
+                                    "--max-batch-tokens 100)"},
+                                   {{"--runtime", "bogus"}, "invalid_argument", "unknown runtime 'bogus'"},
+                                   {{"--max-batch-size", "-3"}, "invalid_argument", "max_batch_size must be >= 0"}};
   // Runs shoal serve with `bad`; expects it to exit `want` naming `named`,
   // without having started a nats-server.
   auto expect_exit = [](const std::vector<std::string>& bad, int want, const std::string& code,
