@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdio>
 
+#include "common/utf8.h"
+
 namespace shoal {
 namespace {
 
@@ -13,12 +15,20 @@ void AtomicAdd(std::atomic<double>& a, double v) {
   }
 }
 
+// A label value as the text format wants it: escaped, and valid UTF-8 (a
+// value from outside, such as a runtime's error code, may not be; one bad
+// byte makes a Prometheus scrape of the whole page fail).
 std::string Escape(const std::string& v) {
   std::string out;
-  for (char c : v) {
-    if (c == '\\' || c == '"') out.push_back('\\');
-    if (c == '\n') { out += "\\n"; continue; }
-    out.push_back(c);
+  size_t pos = 0;
+  while (pos < v.size()) {
+    const char32_t cp = DecodeUtf8(v, &pos);
+    if (cp == '\\' || cp == '"') out.push_back('\\');
+    if (cp == '\n') {
+      out += "\\n";
+      continue;
+    }
+    AppendUtf8(cp, &out);
   }
   return out;
 }

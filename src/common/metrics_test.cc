@@ -22,6 +22,16 @@ TEST(Metrics, RendersPrometheusText) {
   EXPECT_NE(text.find("shoal_latency_seconds_count{route=\"x\"} 3"), std::string::npos);
 }
 
+// Label values from outside (a runtime's error code) are escaped and made
+// valid UTF-8: one bad byte would fail the scrape of the whole page.
+TEST(Metrics, LabelValuesAreEscapedAndValidUtf8) {
+  MetricsRegistry reg;
+  reg.GetCounter("c_total", "h", {{"code", "a\"b\\c\nd\xff\xc3" "e\xc3\xa9"}})->Inc();
+  const std::string text = reg.Render();
+  EXPECT_NE(text.find("c_total{code=\"a\\\"b\\\\c\\nd\xef\xbf\xbd\xef\xbf\xbd" "e\xc3\xa9\"} 1"), std::string::npos)
+      << text;
+}
+
 TEST(Metrics, SameNameAndLabelsGiveTheSameSeries) {
   MetricsRegistry reg;
   auto* a = reg.GetCounter("c", "h", {{"k", "v"}});

@@ -429,12 +429,17 @@ TEST(FleetViewCatalog, OutlivesALostConnectionToNats) {
   auto kv = KvBucket::Open(**client, wire::kModelsBucket, 0);
   ASSERT_TRUE(kv.ok()) << kv.status().ToString();
   ASSERT_TRUE((*kv)->Put(wire::ModelKvKey("org/m"), R"({"name":"org/m","task":"embed","dim":4})").ok());
+  ASSERT_TRUE(EnsureWorkStream(**client, {}).ok());
+  const std::string subject = wire::WorkSubject("org/m");
+  for (int i = 0; i < 2; ++i)
+    ASSERT_EQ(js_Publish(nullptr, (*client)->js(), subject.c_str(), "x", 1, nullptr, nullptr), NATS_OK);
   MetricsRegistry metrics;
   auto view = FleetView::Create(FleetViewOptions{}, client->get(), &metrics);
   ASSERT_TRUE(view.ok()) << view.status().ToString();
   (*view)->Refresh();
   ASSERT_EQ((*view)->Snapshot()->models.count("org/m"), 1u);
   EXPECT_TRUE((*view)->Snapshot()->nats_connected);
+  EXPECT_EQ((*view)->Snapshot()->queue_depth, 2u);
   nats.process().Stop();
   ASSERT_TRUE(shoal::testing::Eventually([&] { return !(*client)->IsConnected(); }));
   (*view)->Refresh();
@@ -442,6 +447,8 @@ TEST(FleetViewCatalog, OutlivesALostConnectionToNats) {
   EXPECT_FALSE(snap->nats_connected);
   ASSERT_EQ(snap->models.count("org/m"), 1u);
   EXPECT_EQ(snap->models.at("org/m").dim, 4);
+  // The queue is not known to have drained: its depth stays the last read.
+  EXPECT_EQ(snap->queue_depth, 2u);
 }
 
 // A registry entry that is not a heartbeat (not JSON, or no id) is no

@@ -128,6 +128,9 @@ void FleetView::Refresh() {
   bool catalog_read = false;
   bool workers_read = false;
   s->nats_connected = client_->IsConnected();
+  // Unread (disconnected, a JetStream timeout), the depth stays the last one
+  // read: a drop to 0 would look like a drained queue in an outage.
+  s->queue_depth = last->queue_depth;
   if (s->nats_connected) {
     auto st = GetStreamState(*client_, options_.stream);
     s->stream_ok = st.ok();
