@@ -109,6 +109,20 @@ void RejectUnknownKeys(const json& j, const std::string& where, std::initializer
 
 Status ModelConfig::Validate() const {
   if (name.empty()) return InvalidArgument("model config: name is empty");
+  // A model's queue consumer is "shoal_" + the name with every byte other
+  // than a letter, digit, '_' or '-' written as three (wire::ModelToToken);
+  // JetStream keeps consumer names, and their directories, to 255 bytes.
+  size_t token_bytes = 0;
+  for (unsigned char c : name) {
+    if (c < 0x20 || c == 0x7F) return InvalidArgument("model config: the name has a control character");
+    const bool kept = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
+    token_bytes += kept ? 1 : 3;
+  }
+  if (token_bytes > kMaxNameTokenBytes) {
+    return InvalidArgument("model " + name + ": the name is too long: its queue form takes " +
+                           std::to_string(token_bytes) + " bytes, at most " + std::to_string(kMaxNameTokenBytes) +
+                           " (letters, digits, '_' and '-' take one byte, any other byte three)");
+  }
   if (task != "embed" && task != "score" && task != "classify" && task != "ocr" && task != "generate")
     return InvalidArgument("model " + name + ": unsupported task '" + task +
                            "' (embed, score, classify, ocr or generate)");

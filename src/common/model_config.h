@@ -63,6 +63,8 @@ struct ModelConfig {
   static constexpr int kMaxDim = 1 << 20;
   static constexpr int kMaxBatchSize = 65536;
   static constexpr int64_t kMaxWaitUs = 60'000'000;
+  // Of the name as NATS sees it (see Validate): 255 less "shoal_".
+  static constexpr size_t kMaxNameTokenBytes = 249;
 
   std::string name;                 // public model id, e.g. "minilm-l6"
   // What the model computes. From tokenized text, one row of floats per

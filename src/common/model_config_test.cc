@@ -95,6 +95,24 @@ TEST(ModelConfig, BoundsSizesAndTimes) {
             StatusCode::kOk);
 }
 
+// A name fits a JetStream consumer name (255 bytes with "shoal_"), where
+// bytes other than letters, digits, '_' and '-' take three; no control
+// characters.
+TEST(ModelConfig, BoundsTheName) {
+  const auto code = [](const std::string& name) {
+    return ParseModelConfig(R"({"runtime":"null","name":")" + name + "\"}", "/d").status().code();
+  };
+  EXPECT_EQ(code(std::string(249, 'a')), StatusCode::kOk);
+  EXPECT_EQ(code(std::string(250, 'a')), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code("org/" + std::string(245, 'a')), StatusCode::kInvalidArgument);  // '/' takes three
+  EXPECT_EQ(code("org/" + std::string(243, 'a')), StatusCode::kOk);
+  std::string cjk;
+  for (int i = 0; i < 28; ++i) cjk += "\u4e2d";  // 3 UTF-8 bytes, 9 in the queue form
+  EXPECT_EQ(code(cjk), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code("bell\\u0007name"), StatusCode::kInvalidArgument);  // JSON's escape for BEL
+  EXPECT_EQ(code("caf\\u00e9"), StatusCode::kOk);
+}
+
 TEST(ModelConfig, ProcessRuntimeGivesUpAfterMaxFailedStarts) {
   auto c = ParseModelConfig(R"({"name":"m","runtime":"process","dim":4,"process":{"command":["run"]}})", "/d");
   ASSERT_TRUE(c.ok()) << c.status().ToString();
