@@ -814,6 +814,21 @@ Result<std::unique_ptr<KvBucket>> KvBucket::Open(NatsClient& client, const std::
   auto b = std::unique_ptr<KvBucket>(new KvBucket());
   b->kv_.reset(kv);
   b->timeout_ms_ = client.options().js_api_timeout_ms;
+  kvStatus* status = nullptr;
+  s = kvStore_Status(&status, kv);
+  if (s != NATS_OK) return FromNats(s, "kv bucket " + bucket + " status");
+  b->ttl_ms_ = kvStatus_TTL(status) / 1000000;
+  kvStatus_Destroy(status);
+  if (ttl_ms > 0 && b->ttl_ms_ == 0) {
+    return Internal("kv bucket " + bucket + " keeps entries forever, but its entries must expire after " +
+                        std::to_string(ttl_ms) + " ms; delete the bucket (nats kv del " + bucket +
+                        ") to let it be made again",
+                    "kv_bucket_mismatch");
+  }
+  if (ttl_ms != b->ttl_ms_) {
+    LOG_WARN("nats", "kv bucket " << bucket << " keeps entries for " << b->ttl_ms_ << " ms, not the " << ttl_ms
+                                  << " ms asked for: its creator chose that");
+  }
   return b;
 }
 

@@ -324,11 +324,17 @@ class PullConsumer {
 class KvBucket {
  public:
   // Binds to the bucket, creating it when missing. ttl_ms 0: keep forever.
+  // An existing bucket keeps the TTL its creator gave it (see ttl_ms()),
+  // except that one keeping entries forever is refused when ttl_ms > 0:
+  // entries meant to expire (a dead worker's heartbeat, a claim) never
+  // would.
   static Result<std::unique_ptr<KvBucket>> Open(NatsClient& client, const std::string& bucket,
                                                 int64_t ttl_ms);
   // Binds to an existing bucket only (its creator chose its TTL); NotFound
   // when it does not exist yet.
   static Result<std::unique_ptr<KvBucket>> Bind(NatsClient& client, const std::string& bucket);
+  // How long the bucket keeps an entry; 0: forever.
+  int64_t ttl_ms() const { return ttl_ms_; }
   Status Put(const std::string& key, std::string_view value);
   // Writes `key` only if it holds no value now: true when this call created
   // it, false when it already existed (someone else holds it).
@@ -352,6 +358,7 @@ class KvBucket {
   KvBucket() = default;
   KvStorePtr kv_;
   int64_t timeout_ms_ = 5000;  // Keys(): the client's js_api_timeout_ms
+  int64_t ttl_ms_ = 0;
 };
 
 }  // namespace shoal

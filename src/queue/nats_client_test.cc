@@ -367,6 +367,22 @@ TEST_F(NatsClientTest, KvCreateOnlyOnceUntilDeletedOrExpired) {
   EXPECT_TRUE(*(*kv)->Create("m", "w3"));
 }
 
+// An existing bucket keeps its creator's TTL; one that keeps entries
+// forever is refused where entries must expire.
+TEST_F(NatsClientTest, KvOpenKeepsTheCreatorsTtlAndRefusesNoneWhereEntriesMustExpire) {
+  auto made = KvBucket::Open(*client_, "TTL_A", 5000);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  EXPECT_EQ((*made)->ttl_ms(), 5000);
+  auto again = KvBucket::Open(*client_, "TTL_A", 8000);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ((*again)->ttl_ms(), 5000);
+  ASSERT_TRUE(KvBucket::Open(*client_, "TTL_FOREVER", 0).ok());
+  auto refused = KvBucket::Open(*client_, "TTL_FOREVER", 5000);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().reason(), "kv_bucket_mismatch") << refused.status().ToString();
+  EXPECT_TRUE(KvBucket::Open(*client_, "TTL_FOREVER", 0).ok());
+}
+
 TEST_F(NatsClientTest, KvUpdateOnlyOnTheRevisionRead) {
   auto kv = KvBucket::Open(*client_, "SHOAL_TEST_UPDATE", 0);
   ASSERT_TRUE(kv.ok()) << kv.status().ToString();

@@ -243,6 +243,14 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
 
   RETURN_IF_ERROR(EnsureWorkStream(*client, options.stream));
   ASSIGN_OR_RETURN(w->workers_kv_, KvBucket::Open(*client, wire::kWorkersBucket, options.heartbeat_ttl_ms));
+  if (w->workers_kv_->ttl_ms() <= options.heartbeat_interval_ms) {
+    return InvalidArgument("the registry bucket " + std::string(wire::kWorkersBucket) + " keeps an entry for " +
+                           std::to_string(w->workers_kv_->ttl_ms()) + " ms, no longer than this worker's " +
+                           std::to_string(options.heartbeat_interval_ms) +
+                           " ms between heartbeats: it would vanish from the registry between them. Use a "
+                           "--heartbeat-ms below that, or delete the bucket to let it be made again",
+                       "kv_bucket_mismatch");
+  }
   RETURN_IF_ERROR(w->ReserveId());
   if (!options.blob.store_url.empty()) {
     BlobOffloadOptions bo = options.blob;

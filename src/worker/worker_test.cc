@@ -560,6 +560,22 @@ TEST(WorkerSelectModels, TheRuntimeFlagLeavesOcrAndGenerateModelsTheirOwn) {
       << bad.status().message();
 }
 
+// The registry bucket keeps the TTL of the worker that made it (6 s here):
+// a worker that heartbeats less often would vanish between heartbeats, so
+// it does not start.
+TEST_F(WorkerTest, AHeartbeatSlowerThanTheRegistryTtlFailsTheStart) {
+  WorkerOptions wo;
+  wo.model_repository = ModelsDir();
+  wo.models = {"tiny-bert"};
+  wo.worker_id = "slow-heart";
+  wo.heartbeat_interval_ms = 7000;
+  wo.heartbeat_ttl_ms = 20000;
+  auto w = Worker::Create(wo, client_.get(), &metrics_);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().reason(), "kv_bucket_mismatch") << w.status().ToString();
+  EXPECT_NE(w.status().message().find("6000 ms"), std::string::npos) << w.status().message();
+}
+
 TEST_F(WorkerTest, AnUnknownModelToPreloadFailsTheStart) {
   WorkerOptions wo;
   wo.model_repository = ModelsDir();
