@@ -574,17 +574,17 @@ TEST_F(NatsObjectStoreTest, SweepJudgesOrphanChunksByTheirNewest) {
   ASSERT_TRUE(store);
   const char* subject = "$O.SHOAL_BLOBS.C.slowwriter";
   ASSERT_EQ(js_Publish(nullptr, client_->js(), subject, "chunk", 5, nullptr, nullptr), NATS_OK);
-  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
   ASSERT_EQ(js_Publish(nullptr, client_->js(), subject, "chunk", 5, nullptr, nullptr), NATS_OK);
-  // The first chunk is about 600 ms old, the second new.
-  auto swept = store->Sweep(300);
+  // The first chunk is about 2 s old, the second new (a second of slack).
+  auto swept = store->Sweep(1000);
   ASSERT_TRUE(swept.ok()) << swept.status().ToString();
   EXPECT_EQ(*swept, 0u);
   auto counts = GetSubjectCounts(*client_, "OBJ_SHOAL_BLOBS", subject);
   ASSERT_TRUE(counts.ok());
   EXPECT_EQ(counts->count(subject) ? counts->at(subject) : 0, 2u);
-  std::this_thread::sleep_for(std::chrono::milliseconds(400));
-  swept = store->Sweep(300);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  swept = store->Sweep(1000);
   ASSERT_TRUE(swept.ok()) << swept.status().ToString();
   EXPECT_EQ(*swept, 1u);
 }

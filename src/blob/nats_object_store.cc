@@ -530,9 +530,12 @@ Result<BlobRef> NatsObjectStore::Stat(const std::string& name) {
 Status NatsObjectStore::Delete(const std::string& name) {
   RETURN_IF_ERROR(ValidateBlobName(name));
   auto read = ReadMeta(name);
-  // An unreadable meta goes as it is; the chunks it names, unknown, are
-  // left to Sweep.
-  if (read.status().reason() == kBlobCorrupt) return PurgeSubject(MetaSubject(name));
+  // An unreadable meta goes as it is (the one read: not one a Put stored
+  // since); the chunks it names, unknown, are left to Sweep.
+  if (read.status().reason() == kBlobCorrupt) {
+    ASSIGN_OR_RETURN(StoredMsg got, GetMsg(MetaSubject(name), 0, /*next=*/false));
+    return PurgeSubject(MetaSubject(name), got.seq + 1);
+  }
   if (!read.ok()) return read.status().code() == StatusCode::kNotFound ? Status::Ok() : read.status();
   Meta meta = std::move(read).value();
   if (!meta.deleted) {

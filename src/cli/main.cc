@@ -160,7 +160,7 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
   Opt(app, "--models-dir", w.options.model_repository, "SHOAL_MODELS_DIR", "Model repository directory");
   Opt(app, "--models", w.models_csv, "SHOAL_MODELS", "Comma-separated model names to serve (default: all)");
   Opt(app, "--threads", w.options.intra_op_threads, "SHOAL_THREADS", "Intra-op threads per forward pass (0: model config / all cores)");
-  Opt(app, "--runtime", w.options.runtime_override, "SHOAL_RUNTIME", "Override every model's runtime (null: no model, overhead only)");
+  Opt(app, "--runtime", w.options.runtime_override, "SHOAL_RUNTIME", "Override the runtime of every embed, score and classify model (null: no model, overhead only; sim: simulated)");
   Opt(app, "--max-batch-tokens", w.options.max_batch_tokens, "SHOAL_MAX_BATCH_TOKENS", "Padded tokens per forward pass, every model (0: model config)");
   Opt(app, "--max-batch-size", w.options.max_batch_size, "SHOAL_MAX_BATCH_SIZE", "Rows per forward pass, every model (0: model config)");
   Opt(app, "--max-wait-us", w.options.max_wait_us, "SHOAL_MAX_WAIT_US", "Longest wait to fill a batch, every model (-1: model config)");

@@ -391,6 +391,12 @@ TEST(RenderModelsTable, PrintsNoControlCharacters) {
       "{\"results\":[{\"worker\":\"w\\u001b[1m\",\"ok\":false,\"error\":\"x\\u001b[1m\"}]}", "load", "m");
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   EXPECT_EQ(s->lines[0], "load m failed on w?[1m: x?[1m");
+  // An answer that is not JSON is quoted without its control bytes, and a
+  // bare C1 byte (CSI to a terminal not in UTF-8 mode) is not passed on.
+  auto bad = ui::ParseModelList("not json \x1b[2J \x9b" "1m");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().message().find('\x1b'), std::string::npos) << bad.status().message();
+  EXPECT_EQ(bad.status().message().find('\x9b'), std::string::npos) << bad.status().message();
 }
 
 TEST(ParseModelList, RejectsAnswersThatAreNotAModelList) {

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/device.h"
+#include "common/json_text.h"
 
 namespace shoal {
 namespace {
@@ -39,16 +40,13 @@ void Get(const json& j, const std::string& where, const char* key, T& out) {
     if (!v.is_boolean()) throw ConfigError(Quoted(where, key) + " must be true or false, not " + v.dump());
     out = v.get<bool>();
   } else if constexpr (std::is_integral_v<T>) {
-    const bool fits = v.is_number_unsigned()  ? v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
-                      : v.is_number_integer() ? v.get<int64_t>() >= std::numeric_limits<T>::min() &&
-                                                    v.get<int64_t>() <= std::numeric_limits<T>::max()
-                                              : false;
-    if (!fits) {
+    const std::optional<T> n = IntegerAs<T>(v);
+    if (!n) {
       throw ConfigError(Quoted(where, key) + " must be a whole number in [" +
                         std::to_string(std::numeric_limits<T>::min()) + ", " +
                         std::to_string(std::numeric_limits<T>::max()) + "], not " + v.dump());
     }
-    out = v.get<T>();
+    out = *n;
   } else if constexpr (std::is_same_v<T, double>) {
     if (!v.is_number()) throw ConfigError(Quoted(where, key) + " must be a number, not " + v.dump());
     out = v.get<double>();

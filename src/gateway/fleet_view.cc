@@ -1,12 +1,12 @@
 #include "gateway/fleet_view.h"
 
 #include <algorithm>
-#include <limits>
 #include <type_traits>
 
 #include <nlohmann/json.hpp>
 
 #include "common/clock.h"
+#include "common/json_text.h"
 #include "common/log.h"
 #include "wire/work_message.h"
 
@@ -25,17 +25,7 @@ T Field(const nlohmann::json& j, const char* key, T fallback) {
   const auto it = j.find(key);
   if (it == j.end() || it->is_null()) return fallback;
   if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
-    if (!it->is_number_integer()) return fallback;
-    if (it->is_number_unsigned()) {
-      const auto v = it->get<uint64_t>();
-      return v <= static_cast<uint64_t>(std::numeric_limits<T>::max()) ? static_cast<T>(v) : fallback;
-    }
-    const auto v = it->get<int64_t>();
-    if constexpr (std::is_unsigned_v<T>) {
-      return v >= 0 ? static_cast<T>(v) : fallback;
-    } else {
-      return v >= std::numeric_limits<T>::min() && v <= std::numeric_limits<T>::max() ? static_cast<T>(v) : fallback;
-    }
+    return IntegerAs<T>(*it).value_or(fallback);
   }
   try {
     return it->get<T>();

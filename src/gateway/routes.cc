@@ -78,10 +78,9 @@ Status InputsFromJson(const json& input, int max_inputs, EmbedJob* job) {
       if (!t.is_number_integer()) return InvalidArgument("token arrays must hold integers", "invalid_input");
       // Unsigned values past INT64_MAX (JSON, or a MessagePack uint64) must
       // not wrap into range.
-      const bool in_range = t.is_number_unsigned() ? t.get<uint64_t>() <= INT32_MAX
-                                                   : t.get<int64_t>() >= 0 && t.get<int64_t>() <= INT32_MAX;
-      if (!in_range) return InvalidArgument("token id " + t.dump() + " is out of range", "invalid_token_id");
-      row->push_back(static_cast<int32_t>(t.get<int64_t>()));
+      const std::optional<int32_t> id = IntegerAs<int32_t>(t);
+      if (!id || *id < 0) return InvalidArgument("token id " + t.dump() + " is out of range", "invalid_token_id");
+      row->push_back(*id);
     }
     return Status::Ok();
   };

@@ -811,14 +811,7 @@ Result<std::unique_ptr<KvBucket>> KvBucket::Open(NatsClient& client, const std::
     }
   }
   if (s != NATS_OK) return FromNats(s, "kv bucket " + bucket, s == NATS_NO_RESPONDERS ? kJetStreamNotEnabled : 0);
-  auto b = std::unique_ptr<KvBucket>(new KvBucket());
-  b->kv_.reset(kv);
-  b->timeout_ms_ = client.options().js_api_timeout_ms;
-  kvStatus* status = nullptr;
-  s = kvStore_Status(&status, kv);
-  if (s != NATS_OK) return FromNats(s, "kv bucket " + bucket + " status");
-  b->ttl_ms_ = kvStatus_TTL(status) / 1000000;
-  kvStatus_Destroy(status);
+  ASSIGN_OR_RETURN(auto b, Wrap(client, kv, bucket));
   if (ttl_ms > 0 && b->ttl_ms_ == 0) {
     return Internal("kv bucket " + bucket + " keeps entries forever, but its entries must expire after " +
                         std::to_string(ttl_ms) + " ms; delete the bucket (nats kv del " + bucket +
@@ -837,9 +830,18 @@ Result<std::unique_ptr<KvBucket>> KvBucket::Bind(NatsClient& client, const std::
   natsStatus s = js_KeyValue(&kv, client.js(), bucket.c_str());
   if (s == NATS_NOT_FOUND) return NotFound("kv bucket " + bucket + " does not exist yet");
   if (s != NATS_OK) return FromNats(s, "kv bucket " + bucket, s == NATS_NO_RESPONDERS ? kJetStreamNotEnabled : 0);
+  return Wrap(client, kv, bucket);
+}
+
+Result<std::unique_ptr<KvBucket>> KvBucket::Wrap(NatsClient& client, kvStore* kv, const std::string& bucket) {
   auto b = std::unique_ptr<KvBucket>(new KvBucket());
   b->kv_.reset(kv);
   b->timeout_ms_ = client.options().js_api_timeout_ms;
+  kvStatus* status = nullptr;
+  const natsStatus s = kvStore_Status(&status, kv);
+  if (s != NATS_OK) return FromNats(s, "kv bucket " + bucket + " status");
+  b->ttl_ms_ = kvStatus_TTL(status) / 1000000;
+  kvStatus_Destroy(status);
   return b;
 }
 

@@ -356,6 +356,9 @@ class KvBucket {
 
  private:
   KvBucket() = default;
+  // Takes `kv` (owned from here on) and reads its TTL.
+  static Result<std::unique_ptr<KvBucket>> Wrap(NatsClient& client, kvStore* kv, const std::string& bucket);
+
   KvStorePtr kv_;
   int64_t timeout_ms_ = 5000;  // Keys(): the client's js_api_timeout_ms
   int64_t ttl_ms_ = 0;

@@ -21,6 +21,8 @@ auto RunGuarded(F&& run) -> decltype(run()) {
     return run();
   } catch (const std::exception& e) {
     return Internal(std::string("the runtime failed: ") + e.what(), "runtime_error");
+  } catch (...) {
+    return Internal("the runtime failed with an exception that is not a std::exception", "runtime_error");
   }
 }
 

@@ -54,7 +54,7 @@ struct WorkerOptions {
   std::string model_repository;      // directory of model directories
   std::vector<std::string> models;   // the catalog: names to serve; empty: all in the repository
   int intra_op_threads = 0;          // 0: model config, else hardware threads
-  std::string runtime_override;      // non-empty: use this runtime for every model ("null")
+  std::string runtime_override;      // non-empty: this runtime for every embed/score/classify model ("null")
   // Batching overrides for every model; 0 / -1: keep each model's config.
   int64_t max_batch_tokens = 0;
   int max_batch_size = 0;

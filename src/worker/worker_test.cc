@@ -529,7 +529,6 @@ TEST_F(WorkerTest, ALoadOutlastsNatsNotAnsweringForAWhile) {
   (*w)->Stop();
 }
 
-// A typo in --preload fails the start, as one in --models or --pin does.
 // --runtime replaces the runtime of text models only: the demo repository,
 // OCR models included, runs under --runtime sim (which needs a dim that OCR
 // models do not have), and the OCR models keep Tesseract.
@@ -576,6 +575,7 @@ TEST_F(WorkerTest, AHeartbeatSlowerThanTheRegistryTtlFailsTheStart) {
   EXPECT_NE(w.status().message().find("6000 ms"), std::string::npos) << w.status().message();
 }
 
+// A typo in --preload fails the start, as one in --models or --pin does.
 TEST_F(WorkerTest, AnUnknownModelToPreloadFailsTheStart) {
   WorkerOptions wo;
   wo.model_repository = ModelsDir();

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/bounded_json.h"
+#include "common/utf8.h"
 
 namespace shoal::cli::internal {
 
@@ -27,20 +28,21 @@ Status BadAnswer(const std::string& what, const std::string& why) {
   return Status(StatusCode::kBadGateway, "unexpected " + what + " from the gateway: " + why, "bad_answer");
 }
 
-// `s` with every control character (C0, DEL, C1) as '?': what reaches the
-// terminal comes from the registry, which any NATS client can write, and an
-// escape sequence in a worker id must not drive the terminal.
-std::string Printable(std::string s) {
-  for (size_t i = 0; i < s.size(); ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c < 0x20 || c == 0x7F) {
-      s[i] = '?';
-    } else if (c == 0xC2 && i + 1 < s.size() && static_cast<unsigned char>(s[i + 1]) >= 0x80 &&
-               static_cast<unsigned char>(s[i + 1]) <= 0x9F) {
-      s.replace(i, 2, "?");
-    }
+// `s` with every control character (C0, DEL, C1) as '?' and every byte
+// that is not UTF-8 as U+FFFD: what reaches the terminal comes from the
+// registry, which any NATS client can write, and an escape sequence in a
+// worker id must not drive the terminal (a bare 0x9B is CSI to a terminal
+// not in UTF-8 mode).
+std::string Printable(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  size_t pos = 0;
+  while (pos < s.size()) {
+    const char32_t cp = DecodeUtf8(s, &pos);
+    const bool control = cp < 0x20 || (cp >= 0x7F && cp <= 0x9F);
+    AppendUtf8(control ? U'?' : cp, &out);
   }
-  return s;
+  return out;
 }
 
 // Reads an optional field, tolerating null and a wrong type (the gateway is
@@ -79,7 +81,7 @@ std::string PastTense(const std::string& action) {
 
 std::string OneLine(std::string s, size_t max_chars) {
   std::replace_if(s.begin(), s.end(), [](char c) { return c == '\n' || c == '\r' || c == '\t'; }, ' ');
-  s = Printable(std::move(s));
+  s = Printable(s);
   s.erase(0, std::min(s.size(), s.find_first_not_of(' ')));  // one erase: a long run of blanks is not quadratic
   while (!s.empty() && s.back() == ' ') s.pop_back();
   if (s.size() > max_chars) s = s.substr(0, max_chars) + "...";
