@@ -330,7 +330,7 @@ Status DecodeWorkReplyFields(const msgpack::object& root, WorkReply& r) {
       RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::BIN, "embeddings"));
       if (kv.val.via.bin.size % sizeof(float) != 0) return InvalidArgument("wire: embeddings size not a multiple of 4");
       r.embeddings.resize(kv.val.via.bin.size / sizeof(float));
-      std::memcpy(r.embeddings.data(), kv.val.via.bin.ptr, kv.val.via.bin.size);
+      if (!r.embeddings.empty()) std::memcpy(r.embeddings.data(), kv.val.via.bin.ptr, kv.val.via.bin.size);
     } else if (key == "tokens") {
       RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::ARRAY, "tokens"));
       for (uint32_t j = 0; j < kv.val.via.array.size; ++j) {
