@@ -836,6 +836,8 @@ Result<std::unique_ptr<KvBucket>> KvBucket::Bind(NatsClient& client, const std::
 Result<std::unique_ptr<KvBucket>> KvBucket::Wrap(NatsClient& client, kvStore* kv, const std::string& bucket) {
   auto b = std::unique_ptr<KvBucket>(new KvBucket());
   b->kv_.reset(kv);
+  b->js_ = client.js();
+  b->bucket_ = bucket;
   b->timeout_ms_ = client.options().js_api_timeout_ms;
   kvStatus* status = nullptr;
   const natsStatus s = kvStore_Status(&status, kv);
@@ -896,6 +898,30 @@ Result<bool> KvBucket::Update(const std::string& key, std::string_view value, ui
 
 Status KvBucket::Delete(const std::string& key) {
   return FromNats(kvStore_Delete(kv_.get(), key.c_str()), "kv delete " + key);
+}
+
+Result<bool> KvBucket::DeleteAtRevision(const std::string& key, uint64_t revision) {
+  // What kvStore_Delete publishes (a "DEL" marker on the key's subject),
+  // with the stream's check that the subject's last message is `revision`.
+  const std::string subject = "$KV." + bucket_ + "." + key;
+  natsMsg* raw = nullptr;
+  natsStatus s = natsMsg_Create(&raw, subject.c_str(), nullptr, nullptr, 0);
+  if (s != NATS_OK) return FromNats(s, "kv delete " + key);
+  NatsMsgPtr msg(raw);
+  natsMsgHeader_Set(raw, "KV-Operation", "DEL");
+  jsPubOptions po;
+  jsPubOptions_Init(&po);
+  po.ExpectLastSubjectSeq = revision;
+  po.MaxWait = timeout_ms_;
+  jsPubAck* ack = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  s = js_PublishMsg(&ack, js_, raw, &po, &jerr);
+  if (s == NATS_OK) {
+    jsPubAck_Destroy(ack);
+    return true;
+  }
+  if (jerr == JSStreamWrongLastSequenceErr || WrongLastSequence(s)) return false;
+  return FromNats(s, "kv delete " + key, jerr);
 }
 
 Result<std::vector<std::pair<std::string, std::string>>> KvBucket::Entries() {

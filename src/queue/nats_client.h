@@ -347,6 +347,11 @@ class KvBucket {
   // written, false when someone wrote (or deleted) it since.
   Result<bool> Update(const std::string& key, std::string_view value, uint64_t revision);
   Status Delete(const std::string& key);
+  // Deletes `key` only if its latest revision is still `revision`: true
+  // when deleted, false when someone wrote (or deleted) it since. Unlike
+  // Delete, one that times out and reaches the server later (nats.c sends
+  // what it buffered once reconnected) cannot remove a value written since.
+  Result<bool> DeleteAtRevision(const std::string& key, uint64_t revision);
   // All live keys (may be empty).
   Result<std::vector<std::string>> Keys();
   // Every live key with its value, in key order. A key that expires while
@@ -360,6 +365,8 @@ class KvBucket {
   static Result<std::unique_ptr<KvBucket>> Wrap(NatsClient& client, kvStore* kv, const std::string& bucket);
 
   KvStorePtr kv_;
+  jsCtx* js_ = nullptr;  // the client's
+  std::string bucket_;
   int64_t timeout_ms_ = 5000;  // Keys(): the client's js_api_timeout_ms
   int64_t ttl_ms_ = 0;
 };

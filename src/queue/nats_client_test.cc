@@ -376,6 +376,30 @@ TEST_F(NatsClientTest, KvCreateOnlyOnceUntilDeletedOrExpired) {
   EXPECT_TRUE(*(*kv)->Create("m", "w3"));
 }
 
+// A delete at a revision removes that revision only: one sent after a peer
+// wrote the key (a claim that expired and was taken) leaves the peer's
+// value, and the key can be created again after a delete.
+TEST_F(NatsClientTest, KvDeleteAtRevisionRemovesOnlyThatRevision) {
+  auto kv = KvBucket::Open(*client_, "SHOAL_TEST_DEL_REV", 60000);
+  ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+  ASSERT_TRUE(*(*kv)->Create("m.0", "w1"));
+  auto mine = (*kv)->GetRevision("m.0");
+  ASSERT_TRUE(mine.ok());
+  ASSERT_TRUE((*kv)->Delete("m.0").ok());
+  ASSERT_TRUE(*(*kv)->Create("m.0", "w2"));  // a peer's claim now
+  auto late = (*kv)->DeleteAtRevision("m.0", mine->second);
+  ASSERT_TRUE(late.ok()) << late.status().ToString();
+  EXPECT_FALSE(*late);
+  EXPECT_EQ(*(*kv)->Get("m.0"), "w2");
+  auto theirs = (*kv)->GetRevision("m.0");
+  ASSERT_TRUE(theirs.ok());
+  auto deleted = (*kv)->DeleteAtRevision("m.0", theirs->second);
+  ASSERT_TRUE(deleted.ok()) << deleted.status().ToString();
+  EXPECT_TRUE(*deleted);
+  EXPECT_EQ((*kv)->Get("m.0").status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(*(*kv)->Create("m.0", "w3"));  // a delete marker leaves the key free
+}
+
 // An existing bucket keeps its creator's TTL; one that keeps entries
 // forever is refused where entries must expire.
 TEST_F(NatsClientTest, KvOpenKeepsTheCreatorsTtlAndRefusesNoneWhereEntriesMustExpire) {

@@ -296,6 +296,35 @@ TEST_F(FleetTest, AClaimFromAnEarlierRoundIsGivenBackAfterTheLoad) {
       << "the claim was left for its TTL";
 }
 
+// A claim taken over by a peer while this worker loaded (as after its own
+// expired) is the peer's: giving back this worker's claim leaves it, since
+// a claim is deleted only at the revision the worker read as its own.
+TEST_F(FleetTest, GivingBackAClaimLeavesOneAPeerTookMeanwhile) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(repo_.path()) / "slow";
+  fs::create_directories(dir);
+  fs::create_symlink(fs::path(shoal::testing::ModelsDir()) / "tiny-bert" / "vocab.txt", dir / "vocab.txt");
+  std::ofstream(dir / "shoal.json")
+      << R"({"name":"slow","runtime":"sim","dim":8,"sim":{"load_ms":1500,"fixed_us":100,"per_padded_token_us":0}})";
+  Member m = Start(Options());
+  ASSERT_NE(m.worker, nullptr);
+  auto claims = KvBucket::Bind(*client_, wire::kPlacementBucket);
+  ASSERT_TRUE(claims.ok()) << claims.status().ToString();
+  const std::string key = wire::ModelKvKey("slow") + ".0";
+  auto pending = EmbedAsync("slow", "cold");
+  ASSERT_TRUE(Eventually([&] {
+    auto holder = (*claims)->Get(key);
+    return holder.ok() && *holder == m.worker->id();
+  }, 5s)) << "the worker did not claim the cold model";
+  ASSERT_TRUE((*claims)->Put(key, "peer-x").ok());  // the load takes 1.5 s
+  auto r = pending.get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::this_thread::sleep_for(500ms);  // demand polls (50 ms) after the load settled
+  auto holder = (*claims)->Get(key);
+  ASSERT_TRUE(holder.ok()) << "the peer's claim was deleted: " << holder.status().ToString();
+  EXPECT_EQ(*holder, "peer-x");
+}
+
 // A model larger than one worker's whole budget but not a peer's: that
 // worker leaves the work to the peer, even one slow to claim it (its first
 // backlog read comes 5 s after its start, long past this worker's grace

@@ -801,29 +801,20 @@ bool Worker::Claim(const std::string& model, int replica) {
 }
 
 bool Worker::GiveBackClaim(const std::string& key) {
-  // After a failed delete (a timeout) the claim may have expired since and
-  // been taken by a peer: that claim is the peer's to give back.
-  if (claims_to_recheck_.count(key) > 0) {
-    auto holder = placement_kv_->Get(key);
-    if (!holder.ok() && holder.status().code() != StatusCode::kNotFound) return false;  // unreachable still
-    if (!holder.ok() || *holder != id_) {
-      claims_to_recheck_.erase(key);
-      return true;
-    }
-  }
-  if (placement_kv_->Delete(key).ok()) {
-    claims_to_recheck_.erase(key);
-    return true;
-  }
-  claims_to_recheck_.insert(key);
-  return false;
+  // Deleted only at the revision read as ours. A claim may have expired
+  // and been taken by a peer since (after a delete that timed out, say),
+  // and a delete that timed out may still reach the server later (nats.c
+  // sends what it buffered once reconnected): neither removes a peer's.
+  auto held = placement_kv_->GetRevision(key);
+  if (!held.ok()) return held.status().code() == StatusCode::kNotFound;  // gone: given back; else try again
+  if (held->first != id_) return true;                                   // a peer's now
+  auto deleted = placement_kv_->DeleteAtRevision(key, held->second);
+  return deleted.ok();  // deleted, or written since (by a peer): given back either way
 }
 
 void Worker::ReleaseAllClaims() {
-  // Through GiveBackClaim: a claim whose delete failed may be a peer's now.
   for (const auto& [key, model] : held_claims_) (void)GiveBackClaim(key);
   held_claims_.clear();
-  claims_to_recheck_.clear();
 }
 
 void Worker::ReleaseSettledClaims() {

@@ -28,7 +28,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -325,7 +324,6 @@ class Worker {
   std::map<std::string, int64_t> gave_up_unix_ms_;
   std::map<std::string, std::vector<PeerModel>> peers_;
   std::map<std::string, std::string> held_claims_;  // claim key -> model
-  std::set<std::string> claims_to_recheck_;         // keys whose delete failed: whose are they now?
   int64_t peers_read_mono_us_ = 0;
   int64_t oldest_read_mono_us_ = 0;
 
