@@ -572,7 +572,8 @@ TEST_F(NatsObjectStoreTest, AnUnreadableMetaCanBeReplacedAndDeleted) {
 TEST_F(NatsObjectStoreTest, SweepJudgesOrphanChunksByTheirNewest) {
   auto store = Open();
   ASSERT_TRUE(store);
-  const char* subject = "$O.SHOAL_BLOBS.C.slowwriter";
+  const std::string chunks = store->ChunkSubject("slowwriter");
+  const char* subject = chunks.c_str();
   ASSERT_EQ(js_Publish(nullptr, client_->js(), subject, "chunk", 5, nullptr, nullptr), NATS_OK);
   std::this_thread::sleep_for(std::chrono::milliseconds(2000));
   ASSERT_EQ(js_Publish(nullptr, client_->js(), subject, "chunk", 5, nullptr, nullptr), NATS_OK);

@@ -233,12 +233,13 @@ Result<NatsObjectStore::StoredMsg> NatsObjectStore::GetMsgFromLeader(const std::
   return out;
 }
 
-Result<NatsObjectStore::Meta> NatsObjectStore::ReadMeta(const std::string& name) {
+Result<NatsObjectStore::Meta> NatsObjectStore::ReadMeta(const std::string& name, uint64_t* seq) {
   auto got = GetMsg(MetaSubject(name), 0, /*next=*/false);
   if (got.status().code() == StatusCode::kNotFound) {
     return NotFound("blob " + name + " does not exist in bucket " + options_.bucket, kBlobNotFound);
   }
   if (!got.ok()) return got.status();
+  if (seq != nullptr) *seq = got->seq;
   Meta m;
   try {
     m.json = nlohmann::json::parse(got->data());
@@ -529,13 +530,11 @@ Result<BlobRef> NatsObjectStore::Stat(const std::string& name) {
 
 Status NatsObjectStore::Delete(const std::string& name) {
   RETURN_IF_ERROR(ValidateBlobName(name));
-  auto read = ReadMeta(name);
+  uint64_t seq = 0;
+  auto read = ReadMeta(name, &seq);
   // An unreadable meta goes as it is (the one read: not one a Put stored
   // since); the chunks it names, unknown, are left to Sweep.
-  if (read.status().reason() == kBlobCorrupt) {
-    ASSIGN_OR_RETURN(StoredMsg got, GetMsg(MetaSubject(name), 0, /*next=*/false));
-    return PurgeSubject(MetaSubject(name), got.seq + 1);
-  }
+  if (read.status().reason() == kBlobCorrupt) return PurgeSubject(MetaSubject(name), seq + 1);
   if (!read.ok()) return read.status().code() == StatusCode::kNotFound ? Status::Ok() : read.status();
   Meta meta = std::move(read).value();
   if (!meta.deleted) {

@@ -71,7 +71,9 @@ class NatsObjectStore final : public BlobStore {
                             const std::function<Status(std::string_view)>& consume,
                             const std::function<Status(uint64_t present)>& missing);
   NatsObjectStore(NatsClient& client, NatsObjectStoreOptions options);
-  Result<Meta> ReadMeta(const std::string& name);
+  // The name's last meta. `seq`, when given, gets its stream sequence
+  // whenever one was read, readable or not.
+  Result<Meta> ReadMeta(const std::string& name, uint64_t* seq = nullptr);
   Status PublishMeta(const Meta& meta);
   // Purges `subject`; with below_seq, only its messages before that stream
   // sequence (so one stored since is kept).

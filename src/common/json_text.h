@@ -1,8 +1,9 @@
-// JSON text that Shoal writes. nlohmann's plain dump() throws on a string
-// that is not UTF-8, and Shoal's JSON often quotes bytes it did not choose
-// (a client's text, a parser's excerpt, a runtime's error message): on a
-// NATS callback or an I/O thread that throw ended the process. DumpJson
-// writes U+FFFD for each such byte instead.
+// JSON that Shoal writes and reads, made safe. DumpJson: nlohmann's plain
+// dump() throws on a string that is not UTF-8, and Shoal's JSON often
+// quotes bytes it did not choose (a client's text, a parser's excerpt, a
+// runtime's error message): on a NATS callback or an I/O thread that throw
+// ended the process. DumpJson writes U+FFFD for each such byte instead.
+// IntegerAs: a JSON number as an integer type, never cut or wrapped.
 #pragma once
 
 #include <cstdint>

@@ -13,6 +13,7 @@
 
 #include "common/device.h"
 #include "common/json_text.h"
+#include "common/utf8.h"
 
 namespace shoal {
 namespace {
@@ -110,9 +111,11 @@ Status ModelConfig::Validate() const {
   // A model's queue consumer is "shoal_" + the name with every byte other
   // than a letter, digit, '_' or '-' written as three (wire::ModelToToken);
   // JetStream keeps consumer names, and their directories, to 255 bytes.
+  for (size_t pos = 0; pos < name.size();) {
+    if (IsControl(DecodeUtf8(name, &pos))) return InvalidArgument("model config: the name has a control character");
+  }
   size_t token_bytes = 0;
   for (unsigned char c : name) {
-    if (c < 0x20 || c == 0x7F) return InvalidArgument("model config: the name has a control character");
     const bool kept = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
     token_bytes += kept ? 1 : 3;
   }

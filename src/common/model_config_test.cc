@@ -110,6 +110,7 @@ TEST(ModelConfig, BoundsTheName) {
   for (int i = 0; i < 28; ++i) cjk += "\u4e2d";  // 3 UTF-8 bytes, 9 in the queue form
   EXPECT_EQ(code(cjk), StatusCode::kInvalidArgument);
   EXPECT_EQ(code("bell\\u0007name"), StatusCode::kInvalidArgument);  // JSON's escape for BEL
+  EXPECT_EQ(code("next\\u0085line"), StatusCode::kInvalidArgument);  // C1
   EXPECT_EQ(code("caf\\u00e9"), StatusCode::kOk);
 }
 

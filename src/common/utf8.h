@@ -12,6 +12,9 @@ namespace shoal {
 
 inline constexpr char32_t kReplacementChar = 0xFFFD;
 
+// C0, DEL and C1: characters a terminal may act on rather than show.
+inline constexpr bool IsControl(char32_t cp) { return cp < 0x20 || (cp >= 0x7F && cp <= 0x9F); }
+
 // Decodes the code point starting at text[*pos] and advances *pos past it
 // (by one byte for an invalid sequence). Requires *pos < text.size().
 inline char32_t DecodeUtf8(std::string_view text, size_t* pos) {

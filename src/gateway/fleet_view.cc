@@ -13,12 +13,10 @@
 namespace shoal {
 namespace {
 
-// `j[key]` as a T; `fallback` when it is absent, null or of another type
-// (an entry written by another version of Shoal is read as far as it can
-// be, not dropped whole).
-// A whole number must be written as one and fit T: nlohmann converts a
-// float or an out-of-range integer with a cast (a negative backlog read as
-// 2^64 - 1; a float beyond T's range is undefined behaviour).
+// `j[key]` as a T; `fallback` when it is absent, null, of another type or,
+// for a whole number, not one or out of T's range (an entry written by
+// another version of Shoal is read as far as it can be, not dropped whole;
+// a negative backlog is not read as 2^64 - 1).
 template <typename T>
 T Field(const nlohmann::json& j, const char* key, T fallback) {
   if (!j.is_object()) return fallback;
@@ -26,11 +24,12 @@ T Field(const nlohmann::json& j, const char* key, T fallback) {
   if (it == j.end() || it->is_null()) return fallback;
   if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
     return IntegerAs<T>(*it).value_or(fallback);
-  }
-  try {
-    return it->get<T>();
-  } catch (const nlohmann::json::exception&) {
-    return fallback;
+  } else {
+    try {
+      return it->get<T>();
+    } catch (const nlohmann::json::exception&) {
+      return fallback;
+    }
   }
 }
 

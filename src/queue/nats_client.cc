@@ -474,7 +474,6 @@ uint64_t Delivery::NumDelivered() const { return Metadata().num_delivered; }
 
 int64_t Delivery::PublishedUnixMs() const { return Metadata().published_unix_ms; }
 
-
 Status Delivery::Acknowledge(std::string_view body, const char* what) {
   if (core_) return Status::Ok();
   const char* reply = natsMsg_GetReply(msg_.get());

@@ -20,9 +20,9 @@ auto RunGuarded(F&& run) -> decltype(run()) {
   try {
     return run();
   } catch (const std::exception& e) {
-    return Internal(std::string("the runtime failed: ") + e.what(), "runtime_error");
+    return Internal(std::string("exception: ") + e.what(), "runtime_error");
   } catch (...) {
-    return Internal("the runtime failed with an exception that is not a std::exception", "runtime_error");
+    return Internal("an exception that is not a std::exception", "runtime_error");
   }
 }
 

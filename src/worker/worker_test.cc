@@ -532,7 +532,7 @@ TEST_F(WorkerTest, ALoadOutlastsNatsNotAnsweringForAWhile) {
 // --runtime replaces the runtime of text models only: the demo repository,
 // OCR models included, runs under --runtime sim (which needs a dim that OCR
 // models do not have), and the OCR models keep Tesseract.
-TEST(WorkerSelectModels, TheRuntimeFlagLeavesOcrAndGenerateModelsTheirOwn) {
+TEST(WorkerSelectModels, FlagsApplyToTextModelsAndAreNamedWhenTheyBreakOne) {
   WorkerOptions wo;
   wo.model_repository = ModelsDir();
   wo.runtime_override = "sim";

@@ -28,7 +28,8 @@ Status BadAnswer(const std::string& what, const std::string& why) {
   return Status(StatusCode::kBadGateway, "unexpected " + what + " from the gateway: " + why, "bad_answer");
 }
 
-// `s` with every control character (C0, DEL, C1) as '?' and every byte
+// `s` with tabs and line breaks as spaces, every other control character
+// (C0, DEL, C1) as '?' and every byte
 // that is not UTF-8 as U+FFFD: what reaches the terminal comes from the
 // registry, which any NATS client can write, and an escape sequence in a
 // worker id must not drive the terminal (a bare 0x9B is CSI to a terminal
@@ -39,8 +40,11 @@ std::string Printable(const std::string& s) {
   size_t pos = 0;
   while (pos < s.size()) {
     const char32_t cp = DecodeUtf8(s, &pos);
-    const bool control = cp < 0x20 || (cp >= 0x7F && cp <= 0x9F);
-    AppendUtf8(control ? U'?' : cp, &out);
+    if (cp == '\n' || cp == '\r' || cp == '\t') {
+      out.push_back(' ');
+    } else {
+      AppendUtf8(IsControl(cp) ? U'?' : cp, &out);
+    }
   }
   return out;
 }
@@ -80,7 +84,6 @@ std::string PastTense(const std::string& action) {
 }
 
 std::string OneLine(std::string s, size_t max_chars) {
-  std::replace_if(s.begin(), s.end(), [](char c) { return c == '\n' || c == '\r' || c == '\t'; }, ' ');
   s = Printable(s);
   s.erase(0, std::min(s.size(), s.find_first_not_of(' ')));  // one erase: a long run of blanks is not quadratic
   while (!s.empty() && s.back() == ' ') s.pop_back();

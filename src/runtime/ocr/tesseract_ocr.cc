@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "common/clock.h"
+#include "common/json_text.h"
 
 namespace shoal {
 namespace {
@@ -368,10 +369,10 @@ Result<OcrOptions> ParseOcrOptions(std::string_view shoal_json, const std::strin
           o.languages = value.get<std::string>();
         } else if (key == "tessdata_dir" && value.is_string()) {
           o.tessdata_dir = value.get<std::string>();
-        } else if (key == "psm" && value.is_number_integer()) {
-          o.psm = value.get<int>();
-        } else if (key == "dpi" && value.is_number_integer()) {
-          o.dpi = value.get<int>();
+        } else if (key == "psm" && IntegerAs<int>(value)) {
+          o.psm = *IntegerAs<int>(value);
+        } else if (key == "dpi" && IntegerAs<int>(value)) {
+          o.dpi = *IntegerAs<int>(value);
         } else if (key == "max_pixels" && value.is_number_integer()) {
           o.max_pixels = value.get<int64_t>();
         } else if (key == "parallel" && value.is_boolean()) {

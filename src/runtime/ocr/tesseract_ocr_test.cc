@@ -512,6 +512,8 @@ TEST(ParseOcrOptions, ReadsEveryField) {
 TEST(ParseOcrOptions, RejectsTyposAndWrongTypes) {
   for (const char* doc : {R"({"ocr":{"language":"eng"}})", R"({"ocr":{"psm":"3"}})",
                           R"({"ocr":[]})", R"({"ocr":{"psm":1}})", R"({"ocr":{"languages":""}})",
+                          // 2^32 + 3 is not psm 3, 2^32 + 300 not 300 dpi
+                          R"({"ocr":{"psm":4294967299}})", R"({"ocr":{"dpi":4294967596}})",
                           "not json", "[]"}) {
     auto o = ParseOcrOptions(doc, "/m");
     ASSERT_FALSE(o.ok()) << doc;
