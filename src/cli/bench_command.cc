@@ -83,11 +83,13 @@ std::optional<double> Number(const std::string& s) {
 // cannot offer it anyway).
 constexpr double kMaxRate = 1e6;
 
+bool IsRate(std::optional<double> v) { return v && *v > 0 && *v <= kMaxRate; }
+
 Result<std::vector<double>> Rates(const std::string& list, const std::string& flag) {
   std::vector<double> out;
   for (const auto& item : SplitList(list, ',')) {
     auto v = Number(item);
-    if (!v || *v <= 0 || *v > kMaxRate)
+    if (!IsRate(v))
       return InvalidArgument(flag + ": '" + item + "' is not a rate in (0, 1000000] requests/s");
     out.push_back(*v);
   }
@@ -112,8 +114,7 @@ Result<std::vector<Phase>> ParsePhases(const BenchCommandFlags& f) {
         "--sweep '" + f.sweep + "': use START:STOP:STEPS, rates in (0, 1000000], STEPS in [1, 1000] (e.g. 50:500:10)";
     if (parts.size() != 3) return InvalidArgument(usage);
     auto a = Number(parts[0]), b = Number(parts[1]), n = Number(parts[2]);
-    if (!a || !b || !n || *a <= 0 || *b <= 0 || *a > kMaxRate || *b > kMaxRate || *n < 1 || *n != std::floor(*n) ||
-        *n > 1000) {
+    if (!IsRate(a) || !IsRate(b) || !n || *n < 1 || *n != std::floor(*n) || *n > 1000) {
       return InvalidArgument(usage);
     }
     const int steps = static_cast<int>(*n);

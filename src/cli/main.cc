@@ -272,12 +272,12 @@ Status ApplyWorkerFlags(WorkerFlags& w) {
 // starts (nats-server, model loads: minutes, or a load that hangs), one ends
 // the process at once, exit status 128 + the signal: nothing is served yet,
 // and the nats-server and runtime processes it started die with it
-// (PDEATHSIG). Once serving (WaitForSignal), the first one starts the
+// (PDEATHSIG). Once serving (MarkServing), the first one starts the
 // orderly stop; a second one while stopping ends the process at once.
 std::mutex g_signal_mu;
 std::condition_variable g_signal_cv;
 int g_signal = 0;        // guarded by g_signal_mu: the one that asked to stop (0: none yet)
-bool g_serving = false;  // guarded by g_signal_mu: WaitForSignal() has been called
+bool g_serving = false;  // guarded by g_signal_mu: MarkServing() has been called
 
 sigset_t ShutdownSignals() {
   sigset_t set;
@@ -331,7 +331,6 @@ void MarkServing() {
 // Blocks until a signal (or a failed device) asks the command to stop.
 int WaitForSignal() {
   std::unique_lock<std::mutex> lock(g_signal_mu);
-  g_serving = true;
   g_signal_cv.wait(lock, [] { return g_signal != 0; });
   return g_signal;
 }

@@ -23,9 +23,13 @@ inline constexpr uint64_t kMaxRequestValues = uint64_t{1} << 22;
 inline constexpr uint64_t kMaxAnswerValues = uint64_t{1} << 25;
 
 struct JsonBounds {
-  int max_depth = 64;  // arrays and objects, the root counting as one
-  uint64_t max_values = uint64_t{1} << 22;  // scalars, arrays and objects at any depth
+  int max_depth = kMaxDocumentDepth;         // arrays and objects, the root counting as one
+  uint64_t max_values = kMaxRequestValues;  // scalars, arrays and objects at any depth
 };
+
+// The bounds for the MessagePack form of a JSON document held to
+// `json_values`: MessagePack counts map keys as values, so twice as many.
+constexpr JsonBounds MsgpackBoundsFor(uint64_t json_values) { return {kMaxDocumentDepth, 2 * json_values}; }
 
 // Parses `text` into *out. Errors name `what` ("request body"):
 // InvalidArgument "invalid_json" for text that is not JSON, InvalidArgument

@@ -115,10 +115,7 @@ Status ModelConfig::Validate() const {
     if (IsControl(DecodeUtf8(name, &pos))) return InvalidArgument("model config: the name has a control character");
   }
   size_t token_bytes = 0;
-  for (unsigned char c : name) {
-    const bool kept = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
-    token_bytes += kept ? 1 : 3;
-  }
+  for (unsigned char c : name) token_bytes += KeptInModelToken(c) ? 1 : 3;
   if (token_bytes > kMaxNameTokenBytes) {
     return InvalidArgument("model " + name + ": the name is too long: its queue form takes " +
                            std::to_string(token_bytes) + " bytes, at most " + std::to_string(kMaxNameTokenBytes) +

@@ -107,6 +107,13 @@ struct ModelConfig {
   std::string VocabPath() const { return dir + "/" + tokenizer.vocab_file; }
 };
 
+// Whether a model name's byte `c` stands as it is in the name's NATS form
+// (wire::ModelToToken, the queue subject and consumer name); any other byte
+// is written as three ('~' and two hex digits).
+inline bool KeptInModelToken(unsigned char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
+}
+
 // Parses a shoal.json document; `dir` is recorded as the model directory.
 Result<ModelConfig> ParseModelConfig(const std::string& json_text,
                                      const std::string& dir);

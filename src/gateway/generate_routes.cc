@@ -27,7 +27,7 @@ Result<json> ResultDoc(std::string_view doc, const std::string& model) {
   // recurses once per level. A worker passes on upstream answers within
   // kMaxAnswerValues, map keys not counted; this walk counts them.
   if (Status bounded = CheckBoundedMsgpack(doc, "the worker's result",
-                                           JsonBounds{kMaxDocumentDepth, 2 * kMaxAnswerValues}, /*binary_allowed=*/true);
+                                           MsgpackBoundsFor(kMaxAnswerValues), /*binary_allowed=*/true);
       !bounded.ok()) {
     return Status(StatusCode::kBadGateway, bounded.message(), "upstream_error");
   }

@@ -5,6 +5,8 @@
 
 #include <msgpack.hpp>
 
+#include "common/model_config.h"
+
 namespace shoal::wire {
 namespace {
 
@@ -436,7 +438,7 @@ std::string ModelToToken(std::string_view model) {
   std::string out;
   out.reserve(model.size());
   for (unsigned char c : model) {
-    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-') {
+    if (KeptInModelToken(c)) {
       out.push_back(static_cast<char>(c));
     } else {
       out.push_back('~');

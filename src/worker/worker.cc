@@ -276,6 +276,8 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
                                     {{"model", config.name}});
   }
   w->catalog_ = selected;
+  for (const ModelConfig& c : selected)
+    if (c.runtime != "torchscript") w->host_memory_models_.insert(c.name);
   w->claims_won_ = metrics->GetCounter("shoal_worker_placement_claims_total",
                                        "Placement claims for cold models, by result.", {{"result", "won"}});
   w->claims_lost_ = metrics->GetCounter("shoal_worker_placement_claims_total",
@@ -322,28 +324,16 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   w->manager_raw_ = w->manager_.get();
   // Peers see a load as soon as it starts, one begun after waiting for
   // room (an operator's) too, and leave the model to this worker.
-  w->manager_->SetOnLoadStart([self](const std::string&) {
-    {
-      std::lock_guard<std::mutex> lock(self->hb_mu_);
-      self->hb_now_ = true;
-    }
-    self->hb_cv_.notify_all();
-  });
-  w->manager_->SetOnChange([self] {
-    {
-      std::lock_guard<std::mutex> lock(self->hb_mu_);
-      self->hb_now_ = true;
-      self->demand_now_ = true;  // a load finished: the next cold model may start at once
-    }
-    self->hb_cv_.notify_all();
-  });
+  w->manager_->SetOnLoadStart([self](const std::string&) { self->WakeHeartbeat(/*demand=*/false); });
+  // A load finished: the next cold model may start at once.
+  w->manager_->SetOnChange([self] { self->WakeHeartbeat(/*demand=*/true); });
 
   for (const ModelConfig& c : w->catalog_) {
     RETURN_IF_ERROR(w->models_kv_->Put(wire::ModelKvKey(c.name), ModelConfigToJson(c)));
   }
   RETURN_IF_ERROR(w->manager_->Start());
   std::vector<std::string> preload = options.preload;
-  if (preload.size() == 1 && preload.front() == "all") {
+  if (options.PreloadsAll()) {
     preload.clear();
     for (const ModelConfig& c : w->catalog_) preload.push_back(c.name);
   }
@@ -415,7 +405,7 @@ Result<std::vector<ModelConfig>> Worker::SelectModels(const WorkerOptions& optio
   };
   for (const std::string& name : options.pinned)
     if (!served(name)) return NotFound("--pin: model '" + name + "' is not in this worker's catalog", "model_not_found");
-  const bool all = options.preload.size() == 1 && options.preload.front() == "all";
+  const bool all = options.PreloadsAll();
   for (const std::string& name : options.preload)
     if (!all && !served(name))
       return NotFound("--preload: model '" + name + "' is not in this worker's catalog", "model_not_found");
@@ -752,9 +742,6 @@ const std::map<std::string, std::vector<Worker::PeerModel>>& Worker::Peers(bool 
   if (!entries.ok()) return peers_;
   // On a GPU peer only TorchScript models live in GPU memory; the others
   // take its host memory budget (as on this worker).
-  std::set<std::string> host_runtime;
-  for (const ModelConfig& c : catalog_)
-    if (c.runtime != "torchscript") host_runtime.insert(c.name);
   std::map<std::string, std::vector<PeerModel>> peers;
   for (const auto& [key, value] : *entries) {
     if (key == id_) continue;
@@ -765,7 +752,7 @@ const std::map<std::string, std::vector<Worker::PeerModel>>& Worker::Peers(bool 
       const bool gpu_peer = j.value("device", std::string("cpu")) != "cpu";
       for (const json& m : j.value("models", json::array())) {
         const std::string name = m.value("name", "");
-        const bool in_host = gpu_peer && host_runtime.count(name) > 0;
+        const bool in_host = gpu_peer && host_memory_models_.count(name) > 0;
         peers[name].push_back({key, m.value("state", ""), in_host ? host_budget : device_budget});
       }
     } catch (const std::exception& e) {
@@ -798,6 +785,15 @@ bool Worker::Claim(const std::string& model, int replica) {
   claims_won_->Inc();
   held_claims_[key] = model;
   return true;
+}
+
+void Worker::WakeHeartbeat(bool demand) {
+  {
+    std::lock_guard<std::mutex> lock(hb_mu_);
+    hb_now_ = true;
+    if (demand) demand_now_ = true;
+  }
+  hb_cv_.notify_all();
 }
 
 bool Worker::GiveBackClaim(const std::string& key) {
@@ -1127,6 +1123,9 @@ void Worker::DrainFailed(const std::string& model, const Status& error, int max)
   // operator's retry) will serve this work, which goes back to the queue;
   // work on its last delivery, which would not come back, hears to retry.
   const bool loading_again = manager_->LoadedOrLoading(model);
+  const Status answer =
+      loading_again ? Unavailable("model '" + model + "' is loading again after a failed load; retry", "model_loading")
+                    : error;
   for (Delivery& d : *fetched) {
     if (!d.Header(wire::kHdrLoadHint).empty()) {
       (void)d.Ack();
@@ -1139,11 +1138,7 @@ void Worker::DrainFailed(const std::string& model, const Status& error, int max)
     wire::WorkHeaders headers;
     (void)ParseWorkHeaders(d, &headers);  // malformed: its caller still hears, when it can be reached
     if (!headers.request_id.empty()) {
-      PublishErrorReply(*client_, headers,
-                        loading_again ? Unavailable("model '" + model + "' is loading again after a failed load; retry",
-                                                    "model_loading")
-                                      : error,
-                        id_);
+      PublishErrorReply(*client_, headers, answer, id_);
     }
     (void)d.Term();  // terminal: the caller has its answer, never retried
     if (!loading_again) drained_->Inc();

@@ -28,6 +28,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -75,6 +76,8 @@ struct WorkerOptions {
   // Loaded at start, in order, while they fit without evicting; evictable.
   // {"all"}: every catalog model (the default); empty: none.
   std::vector<std::string> preload = {"all"};
+  // Whether `preload` is {"all"}: every model of the catalog.
+  bool PreloadsAll() const { return preload.size() == 1 && preload.front() == "all"; }
   // Forward passes at once on this device, each on the model's threads.
   // 0 (auto): one slot per core; a TorchScript pass runs on every core when
   // it has the device to itself and on one core beside other models' passes.
@@ -244,10 +247,13 @@ class Worker {
   // result: a claim must outlive only the window in which the registry does
   // not show the load yet (else a dead claimant would block failover).
   void ReleaseSettledClaims();
-  // Deletes this worker's placement claim `key`: true once it is gone or no
-  // longer this worker's (checked first when an earlier delete failed),
-  // false when it could not be deleted (tried again later).
+  // Deletes this worker's placement claim `key`, at the revision read as
+  // its own: true once it is gone or no longer this worker's, false when
+  // it could not be read or deleted (tried again later).
   bool GiveBackClaim(const std::string& key);
+  // Has the heartbeat thread publish now (and, with `demand`, the demand
+  // loop look at cold models now).
+  void WakeHeartbeat(bool demand);
   // Claims of loads this worker will not finish: frees them for the others.
   // Demand thread, or after it has ended.
   void ReleaseAllClaims();
@@ -281,6 +287,9 @@ class Worker {
   MetricsRegistry* metrics_ = nullptr;
   const Clock* clock_ = nullptr;
   std::vector<ModelConfig> catalog_;
+  // Catalog models that keep their memory on the host on a GPU worker (all
+  // but TorchScript ones): a GPU peer holds them in its host budget.
+  std::set<std::string> host_memory_models_;
   std::unique_ptr<KvBucket> workers_kv_;
   std::unique_ptr<KvBucket> models_kv_;
   std::unique_ptr<KvBucket> placement_kv_;

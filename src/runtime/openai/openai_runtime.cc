@@ -25,21 +25,21 @@ Status BadUpstream(const std::string& what) {
   return Status(StatusCode::kBadGateway, "upstream answered " + what, "upstream_error");
 }
 
-// The most a parsed upstream answer may nest and hold. nlohmann's
+// A parsed upstream answer nests at most kMaxDocumentDepth and holds at
+// most kMaxAnswerValues. nlohmann's
 // MessagePack writer recurses once per level (an answer nested 50,000 deep
 // would overflow the executor's stack and end the worker), and a parsed
 // value takes 16 bytes or more against one or two in the text. 2^25 values
 // hold 4,096 embeddings of width 4,096.
-constexpr int kMaxAnswerDepth = kMaxDocumentDepth;
 
 // An upstream answer (a body or one stream event) as a JSON object;
 // BadUpstream when it is not one or passes the bounds above. `what` names
 // it in the message ("/embeddings", "a stream event").
 Result<json> ParseAnswer(std::string_view text, const std::string& what) {
   json doc;
-  const Status st = ParseBoundedJson(text, "the answer", {kMaxAnswerDepth, kMaxAnswerValues}, &doc);
+  const Status st = ParseBoundedJson(text, "the answer", {kMaxDocumentDepth, kMaxAnswerValues}, &doc);
   if (st.reason() == "nesting_too_deep" || st.reason() == "too_many_values")
-    return BadUpstream(what + " nested deeper than " + std::to_string(kMaxAnswerDepth) + " levels or holding more than " +
+    return BadUpstream(what + " nested deeper than " + std::to_string(kMaxDocumentDepth) + " levels or holding more than " +
                        std::to_string(kMaxAnswerValues) + " values");
   if (!st.ok() || !doc.is_object()) return BadUpstream(what + " that is not a JSON object");
   return doc;
@@ -220,7 +220,7 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item,
   // Work published to the queue directly has not been through the
   // gateway's checks, and nlohmann's reader recurses once per level. This
   // walk counts map keys, which the gateway's JSON bound does not.
-  RETURN_IF_ERROR(CheckBoundedMsgpack(item, "a generate input", JsonBounds{kMaxDocumentDepth, 2 * kMaxRequestValues},
+  RETURN_IF_ERROR(CheckBoundedMsgpack(item, "a generate input", MsgpackBoundsFor(kMaxRequestValues),
                                       /*binary_allowed=*/true));
   json req = json::from_msgpack(item, true, false);
   if (req.is_discarded() || !req.is_object())
