@@ -302,18 +302,36 @@ Router::Router(const RouterOptions& options, WorkSubmitter* submitter, FleetSnap
       clock_(clock ? clock : SystemClock::Get()) {
   for (const char* route : {"/v1/embeddings", "/v1/encode", "/v1/rerank", "/v1/score", "/v1/classify",
                             "/v1/ocr", "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
-                            "/v1/workers"})
-    latency_[route] = metrics_->GetHistogram("shoal_http_request_seconds", "HTTP request latency by route.",
-                                             {{"route", route}}, LatencyBuckets());
+                            "/v1/workers"}) {
+    auto m = std::make_unique<RouteMetrics>();
+    m->route = route;
+    m->latency = metrics_->GetHistogram("shoal_http_request_seconds", "HTTP request latency by route.",
+                                        {{"route", route}}, LatencyBuckets());
+    route_metrics_[route] = std::move(m);
+  }
+}
+
+Counter* Router::RouteMetrics::Requests(MetricsRegistry& metrics, int status) {
+  auto make = [&] {
+    return metrics.GetCounter("shoal_http_requests_total", "HTTP requests by route and status.",
+                              {{"route", route}, {"code", std::to_string(status)}});
+  };
+  if (status < 100 || status >= 600) return make();
+  std::atomic<Counter*>& slot = by_status[static_cast<size_t>(status - 100)];
+  Counter* c = slot.load(std::memory_order_acquire);
+  if (c == nullptr) {
+    c = make();  // the registry returns the same counter to every caller
+    slot.store(c, std::memory_order_release);
+  }
+  return c;
 }
 
 HttpResponder Router::Instrument(const std::string& route, HttpResponder respond) {
   const int64_t start = clock_->NowMonoUs();
-  Histogram* latency = latency_.at(route);
-  return [this, route, start, latency, respond = std::move(respond)](HttpResponse r) {
-    latency->Observe(static_cast<double>(clock_->NowMonoUs() - start) / 1e6);
-    metrics_->GetCounter("shoal_http_requests_total", "HTTP requests by route and status.",
-                         {{"route", route}, {"code", std::to_string(r.status)}})->Inc();
+  RouteMetrics* m = route_metrics_.at(route).get();
+  return [this, start, m, respond = std::move(respond)](HttpResponse r) {
+    m->latency->Observe(static_cast<double>(clock_->NowMonoUs() - start) / 1e6);
+    m->Requests(*metrics_, r.status)->Inc();
     if (r.status >= 400) {
       metrics_->GetCounter("shoal_http_errors_total", "HTTP error responses by error code.",
                            {{"code", r.error_code.empty() ? "unknown" : r.error_code}})->Inc();

@@ -6,6 +6,8 @@
 // is JSON {error:{message,type,code}} with the matching HTTP status.
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -86,7 +88,15 @@ class Router {
   FleetSnapshotFn fleet_;
   MetricsRegistry* metrics_;
   const Clock* clock_;
-  std::map<std::string, Histogram*> latency_;  // by route, made once
+  // A route's metrics, looked up once: the latency histogram, and its
+  // request counters by status code, each made on first use.
+  struct RouteMetrics {
+    std::string route;
+    Histogram* latency = nullptr;
+    std::array<std::atomic<Counter*>, 500> by_status{};  // index: status - 100
+    Counter* Requests(MetricsRegistry& metrics, int status);
+  };
+  std::map<std::string, std::unique_ptr<RouteMetrics>> route_metrics_;  // by route, made once
 };
 
 // The OpenAI-shaped error body and status for `status`; adds Retry-After on
