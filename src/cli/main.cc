@@ -617,6 +617,7 @@ int main(int argc, char** argv) {
     wk.options.blob = *wk_blob_opts;
     ApplyStream(wk_stream, &wk.options.stream);
     std::vector<std::unique_ptr<NatsClient>> clients;
+    std::vector<std::unique_ptr<MetricsRegistry>> worker_metrics;  // one labelled view per simulated worker
     std::vector<std::unique_ptr<Worker>> workers;
     std::string base_id = wk.options.worker_id;
     if (sim_workers > 1 && base_id.empty()) base_id = "sim-" + std::to_string(::getpid());
@@ -625,8 +626,13 @@ int main(int argc, char** argv) {
       if (!client.ok()) return Fail(client.status());
       WorkerOptions o = wk.options;
       o.on_device_fault = StopAfterDeviceFault;
-      if (sim_workers > 1) o.worker_id = base_id + "-" + std::to_string(k);
-      auto w = Worker::Create(o, client->get(), &metrics);
+      MetricsRegistry* m = &metrics;
+      if (sim_workers > 1) {
+        o.worker_id = base_id + "-" + std::to_string(k);
+        worker_metrics.push_back(std::make_unique<MetricsRegistry>(&metrics, Labels{{"worker", o.worker_id}}));
+        m = worker_metrics.back().get();
+      }
+      auto w = Worker::Create(o, client->get(), m);
       if (!w.ok()) return Fail(w.status());
       clients.push_back(std::move(client).value());
       workers.push_back(std::move(w).value());

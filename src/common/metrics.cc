@@ -84,6 +84,15 @@ std::vector<double> SizeBuckets() {
   return b;
 }
 
+MetricsRegistry::MetricsRegistry(MetricsRegistry* parent, Labels const_labels)
+    : parent_(parent), const_labels_(std::move(const_labels)) {}
+
+Labels MetricsRegistry::WithConstLabels(const Labels& labels) const {
+  Labels all = const_labels_;
+  all.insert(all.end(), labels.begin(), labels.end());
+  return all;
+}
+
 MetricsRegistry::Family& MetricsRegistry::FamilyFor(const std::string& name, const char* type,
                                                     const std::string& help) {
   auto& f = families_[name];
@@ -96,6 +105,7 @@ MetricsRegistry::Family& MetricsRegistry::FamilyFor(const std::string& name, con
 
 Counter* MetricsRegistry::GetCounter(const std::string& name, const std::string& help,
                                      const Labels& labels) {
+  if (parent_ != nullptr) return parent_->GetCounter(name, help, WithConstLabels(labels));
   std::lock_guard<std::mutex> lock(mu_);
   auto& slot = FamilyFor(name, "counter", help).counters[RenderLabels(labels)];
   if (!slot) slot = std::make_unique<Counter>();
@@ -104,6 +114,7 @@ Counter* MetricsRegistry::GetCounter(const std::string& name, const std::string&
 
 Gauge* MetricsRegistry::GetGauge(const std::string& name, const std::string& help,
                                  const Labels& labels) {
+  if (parent_ != nullptr) return parent_->GetGauge(name, help, WithConstLabels(labels));
   std::lock_guard<std::mutex> lock(mu_);
   auto& slot = FamilyFor(name, "gauge", help).gauges[RenderLabels(labels)];
   if (!slot) slot = std::make_unique<Gauge>();
@@ -112,6 +123,7 @@ Gauge* MetricsRegistry::GetGauge(const std::string& name, const std::string& hel
 
 Histogram* MetricsRegistry::GetHistogram(const std::string& name, const std::string& help,
                                          const Labels& labels, std::vector<double> bounds) {
+  if (parent_ != nullptr) return parent_->GetHistogram(name, help, WithConstLabels(labels), std::move(bounds));
   std::lock_guard<std::mutex> lock(mu_);
   auto& slot = FamilyFor(name, "histogram", help).histograms[RenderLabels(labels)];
   if (!slot) slot = std::make_unique<Histogram>(std::move(bounds));
@@ -119,11 +131,13 @@ Histogram* MetricsRegistry::GetHistogram(const std::string& name, const std::str
 }
 
 void MetricsRegistry::AddRefresher(std::function<void()> fn) {
+  if (parent_ != nullptr) return parent_->AddRefresher(std::move(fn));
   std::lock_guard<std::mutex> lock(mu_);
   refreshers_.push_back(std::move(fn));
 }
 
 std::string MetricsRegistry::Render() const {
+  if (parent_ != nullptr) return parent_->Render();
   std::vector<std::function<void()>> refreshers;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -60,6 +60,14 @@ std::vector<double> SizeBuckets();
 
 class MetricsRegistry {
  public:
+  MetricsRegistry() = default;
+  // A view of `parent` that adds `const_labels` before the labels of every
+  // metric it hands out, and renders the parent's page: several workers in
+  // one process (`shoal worker --sim-workers`) each get their own series.
+  MetricsRegistry(MetricsRegistry* parent, Labels const_labels);
+  MetricsRegistry(const MetricsRegistry&) = delete;
+  MetricsRegistry& operator=(const MetricsRegistry&) = delete;
+
   Counter* GetCounter(const std::string& name, const std::string& help, const Labels& labels = {});
   Gauge* GetGauge(const std::string& name, const std::string& help, const Labels& labels = {});
   Histogram* GetHistogram(const std::string& name, const std::string& help, const Labels& labels,
@@ -79,6 +87,10 @@ class MetricsRegistry {
     std::map<std::string, std::unique_ptr<Histogram>> histograms;
   };
   Family& FamilyFor(const std::string& name, const char* type, const std::string& help);
+  Labels WithConstLabels(const Labels& labels) const;
+
+  MetricsRegistry* parent_ = nullptr;
+  Labels const_labels_;
 
   mutable std::mutex mu_;  // guards families_, refreshers_
   std::map<std::string, Family> families_;

@@ -48,5 +48,24 @@ TEST(Metrics, RefreshersRunBeforeRender) {
   EXPECT_NE(reg.Render().find("g 42"), std::string::npos);
 }
 
+// Workers sharing a process (`--sim-workers`) each count in their own
+// series of the one page the process serves.
+TEST(Metrics, ViewsWithConstantLabelsKeepTheirOwnSeriesOnTheParentsPage) {
+  MetricsRegistry reg;
+  MetricsRegistry w0(&reg, {{"worker", "w-0"}});
+  MetricsRegistry w1(&reg, {{"worker", "w-1"}});
+  w0.GetGauge("g", "h", {{"model", "m"}})->Set(1);
+  w1.GetGauge("g", "h", {{"model", "m"}})->Set(2);
+  EXPECT_NE(w0.GetGauge("g", "h", {{"model", "m"}}), w1.GetGauge("g", "h", {{"model", "m"}}));
+  w1.GetHistogram("l", "h", {}, {1})->Observe(0.5);
+  w1.AddRefresher([&reg] { reg.GetCounter("refreshed_total", "h")->Inc(); });
+  const std::string text = w0.Render();
+  EXPECT_NE(text.find("g{worker=\"w-0\",model=\"m\"} 1"), std::string::npos) << text;
+  EXPECT_NE(text.find("g{worker=\"w-1\",model=\"m\"} 2"), std::string::npos) << text;
+  EXPECT_NE(text.find("l_count{worker=\"w-1\"} 1"), std::string::npos) << text;
+  EXPECT_NE(text.find("refreshed_total 1"), std::string::npos) << text;
+  EXPECT_EQ(text.find("# TYPE g gauge"), text.rfind("# TYPE g gauge")) << "one family, not one per view";
+}
+
 }  // namespace
 }  // namespace shoal

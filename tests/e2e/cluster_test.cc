@@ -467,5 +467,25 @@ TEST(E2eCluster, OmpWaitPolicyFlagReachesTheWorkerProcess) {
   EXPECT_EQ(EmbedOrThrow(gateway.port, kModel, {"after re-exec"}).rows.size(), 1u);
 }
 
+// `--sim-workers 2`: two workers in one process, one /metrics page; each
+// worker's series carry its id, so one's gauges do not overwrite the
+// other's.
+TEST(E2eCluster, SimulatedWorkersInOneProcessKeepTheirOwnMetrics) {
+  shoal::testing::TestNatsServer nats;
+  auto metrics_port = PickFreePort();
+  ASSERT_TRUE(metrics_port.ok());
+  Shoal workers = StartWorker(nats.url(), {"--sim-workers", "2", "--worker-id", "e2esim", "--runtime", "sim",
+                                           "--metrics-port", std::to_string(*metrics_port)});
+  Shoal gateway = StartGateway(nats.url());
+  ASSERT_EQ(WaitForReadyz(gateway.port, 200, 30s), 200);
+  EXPECT_EQ(EmbedOrThrow(gateway.port, kModel, {"one", "two"}).rows.size(), 2u);
+  const std::string text = HttpGet(*metrics_port, "/metrics").body;
+  EXPECT_NE(text.find("shoal_worker_models_loaded{worker=\"e2esim-0\"}"), std::string::npos) << text;
+  EXPECT_NE(text.find("shoal_worker_models_loaded{worker=\"e2esim-1\"}"), std::string::npos) << text;
+  EXPECT_EQ(text.find("\nshoal_worker_models_loaded "), std::string::npos) << "an unlabelled series: " << text;
+  EXPECT_GE(MetricValue(text, "shoal_worker_batches_total"), 1) << text;
+  EXPECT_EQ(text.find("\nshoal_worker_batches_total{model"), std::string::npos) << "a series without its worker: " << text;
+}
+
 }  // namespace
 }  // namespace shoal::e2e
