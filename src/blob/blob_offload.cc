@@ -51,7 +51,14 @@ void BlobOffload::Loop() {
       task = std::move(tasks_.front());
       tasks_.pop_front();
     }
-    task();
+    // A task answers its request through its callback; one that throws
+    // (out of memory holding a large payload) leaves that request to its
+    // deadline rather than ending the process.
+    try {
+      task();
+    } catch (const std::exception& e) {
+      LOG_ERROR("blob", "blob store task failed: " << e.what());
+    }
   }
 }
 
@@ -61,8 +68,12 @@ void BlobOffload::SweepLoop() {
     sweep_cv_.wait_for(lock, std::chrono::milliseconds(options_.sweep_interval_ms), [&] { return stop_; });
     if (stop_) return;
     lock.unlock();
-    auto n = SweepNow();
-    if (!n.ok()) LOG_WARN("blob", "sweep failed: " << n.status().ToString());
+    try {
+      auto n = SweepNow();
+      if (!n.ok()) LOG_WARN("blob", "sweep failed: " << n.status().ToString());
+    } catch (const std::exception& e) {
+      LOG_ERROR("blob", "sweep failed: " << e.what());
+    }
     lock.lock();
   }
 }

@@ -567,6 +567,30 @@ TEST_F(NatsObjectStoreTest, AnUnreadableMetaCanBeReplacedAndDeleted) {
   }
 }
 
+// Metas any client may write with fields of the wrong type are skipped by
+// the sweep (it used to throw out of the sweeper thread and end the
+// process); the objects around them are still swept.
+TEST_F(NatsObjectStoreTest, SweepSkipsMetasWithFieldsOfTheWrongType) {
+  auto store = Open();
+  ASSERT_TRUE(store);
+  auto old = store->Put(RandomBytes(100), "old-one");
+  ASSERT_TRUE(old.ok()) << old.status().ToString();
+  int k = 0;
+  for (const std::string bad : {R"({"name": "x", "mtime": 5})", R"({"deleted": "no"})", R"({"nuid": 1})", "[1, 2]",
+                                "7", "not json"}) {
+    const std::string subject = store->MetaSubject("bad-" + std::to_string(k++));
+    ASSERT_EQ(js_Publish(nullptr, client_->js(), subject.c_str(), bad.data(), static_cast<int>(bad.size()), nullptr,
+                         nullptr),
+              NATS_OK);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto swept = store->Sweep(0);
+  ASSERT_TRUE(swept.ok()) << swept.status().ToString();
+  EXPECT_EQ(*swept, 1u) << "the one old object";
+  EXPECT_EQ(store->Stat("old-one").status().reason(), kBlobNotFound);
+  EXPECT_EQ(store->Stat("bad-0").status().reason(), kBlobCorrupt) << "left to an operator";
+}
+
 // Chunks no meta names are a crashed Put's only once their newest chunk is
 // old: a Put still uploading after the cutoff keeps its first chunks.
 TEST_F(NatsObjectStoreTest, SweepJudgesOrphanChunksByTheirNewest) {
@@ -637,6 +661,22 @@ TEST(LocalDirBlobStore, SweepsLeftoverTempFilesAndIgnoresForeignFiles) {
   EXPECT_EQ(*removed, 1u);
   EXPECT_FALSE(std::filesystem::exists(dir.path() + "/.tmp.crashed.abc"));
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/README txt"));
+}
+
+// An id that references could not carry (ParseBlobRef takes at most 255
+// characters) is refused when the store is made, not at every read.
+TEST(LocalDirBlobStore, IdsReferencesCannotCarryAreRefused) {
+  testing::TempDir dir;
+  LocalDirBlobStoreOptions o;
+  o.dir = dir.path();
+  o.id = std::string(255, 'a');
+  auto store = LocalDirBlobStore::Create(o);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto ref = (*store)->Put("x");
+  ASSERT_TRUE(ref.ok());
+  EXPECT_TRUE(ParseBlobRef(ref->ToString()).ok());
+  o.id = std::string(256, 'a');
+  EXPECT_EQ(LocalDirBlobStore::Create(o).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

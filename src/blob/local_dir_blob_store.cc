@@ -56,6 +56,8 @@ Status LocalDirBlobStoreOptions::Validate() const {
     }
   }
   if (id.empty()) return InvalidArgument("local blob store id is empty");
+  // A blob reference holds at most 255 (ParseBlobRef).
+  if (id.size() > 255) return InvalidArgument("local blob store id is longer than 255 characters");
   return Status::Ok();
 }
 
@@ -79,6 +81,8 @@ Result<BlobRef> LocalDirBlobStore::PutFrom(const BlobSource& source, const std::
   // Not named after the blob: a name of 255 characters (the most a name
   // may have) plus the prefix would be over the file system's NAME_MAX.
   const std::string temp_path = options_.dir + "/" + kTempPrefix + blob_internal::RandomId();
+  blob_internal::Sha256 sha;  // before the file: neither may throw once it exists
+  std::string buf(kIoBytes, '\0');
   Fd f;
   f.fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0640);
   if (f.fd < 0) return Errno("create " + temp_path);
@@ -86,8 +90,6 @@ Result<BlobRef> LocalDirBlobStore::PutFrom(const BlobSource& source, const std::
     ::unlink(temp_path.c_str());
     return s;
   };
-  blob_internal::Sha256 sha;
-  std::string buf(kIoBytes, '\0');
   uint64_t size = 0;
   for (;;) {
     auto n = source(buf.data(), buf.size());

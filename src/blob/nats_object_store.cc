@@ -561,16 +561,17 @@ Result<size_t> NatsObjectStore::Sweep(int64_t older_than_ms) {
     auto got = GetMsg(subject, 0, /*next=*/false);
     if (got.status().code() == StatusCode::kNotFound) continue;  // gone meanwhile
     if (!got.ok()) return got.status();
-    nlohmann::json j;
+    std::string nuid;
+    bool deleted = false;
+    int64_t mtime_ms = 0;
     try {
-      j = nlohmann::json::parse(got->data());
+      const nlohmann::json j = nlohmann::json::parse(got->data());
+      nuid = MetaNuid(j);
+      deleted = j.value("deleted", false);
+      mtime_ms = blob_internal::ParseRfc3339Ms(j.value("mtime", std::string())).value_or(0);
     } catch (const std::exception&) {
-      continue;  // not ours to judge
+      continue;  // not JSON, or fields of the wrong type (any client can write one): not ours to judge
     }
-    if (!j.is_object()) continue;
-    const std::string nuid = MetaNuid(j);
-    const bool deleted = j.value("deleted", false);
-    const int64_t mtime_ms = blob_internal::ParseRfc3339Ms(j.value("mtime", std::string())).value_or(0);
     if (mtime_ms >= cutoff_ms) {
       if (!deleted && !nuid.empty()) live_nuids.insert(nuid);
       continue;
