@@ -114,7 +114,11 @@ class Server:
         ids_t = torch.frombuffer(bytearray(ids), dtype=torch.int32).view(rows, seq_len).long()
         mask_t = torch.frombuffer(bytearray(mask), dtype=torch.uint8).view(rows, seq_len).long()
         with torch.inference_mode():
-            out = self.model.embed(ids_t, mask_t).to(torch.float32).contiguous()
+            out = self.model.embed(ids_t, mask_t)
+        if tuple(out.shape) != (rows, self.model.dim):
+            return error("bad_output", f"embed returned shape {tuple(out.shape)}, expected ({rows}, {self.model.dim})")
+        # A model on a GPU answers with a device tensor: copy it to the host.
+        out = out.detach().to("cpu", torch.float32).contiguous()
         return {"ok": True, "rows": rows, "embeddings": out.numpy().tobytes()}
 
     def unload(self, req):

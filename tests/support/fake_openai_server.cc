@@ -83,6 +83,10 @@ class FakeOpenAiServer::Impl {
       Reply reply = handler_(r);
       const bool keep = req.keep_alive() && !reply.close;
       if (reply.delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(reply.delay_ms));
+      if (!reply.interim.empty()) {
+        boost::asio::write(sock, boost::asio::buffer(reply.interim), ec);
+        if (ec) return;
+      }
       if (!reply.events.empty()) {
         if (!WriteEvents(sock, reply, req.version(), keep) || !keep) {
           sock.shutdown(boost::asio::ip::tcp::socket::shutdown_send, ec);

@@ -29,6 +29,9 @@ class FakeOpenAiServer {
     bool hang_up = false;  // answer as keep-alive, then close anyway (a stale pooled connection)
     std::string content_type = "application/json";
     int64_t delay_ms = 0;  // wait this long before answering
+    // Written as is before the answer: interim answers such as
+    // "HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n".
+    std::string interim{};
     // Non-empty: answer text/event-stream, chunked, one "data: <event>"
     // per element written (and flushed) `event_delay_ms` apart; `body` is
     // then ignored.

@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -14,6 +17,7 @@
 
 #include "common/bounded_json.h"
 #include "common/json_text.h"
+#include "common/log.h"
 #include "runtime/openai/sse_parser.h"
 
 namespace shoal {
@@ -156,7 +160,12 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItems(const std::vector<std::
   const size_t n_threads = std::min(items.size(), static_cast<size_t>(openai_.max_connections));
   std::vector<std::thread> threads;
   threads.reserve(n_threads);
-  for (size_t t = 0; t < n_threads; ++t) threads.emplace_back(work);
+  try {
+    for (size_t t = 0; t < n_threads; ++t) threads.emplace_back(work);
+  } catch (const std::system_error& e) {  // out of threads: the ones started (or this one) do it all
+    LOG_WARN("openai", "could not start a request thread (" << e.what() << "); " << threads.size() << " run");
+    if (threads.empty()) work();
+  }
   {
     std::unique_lock<std::mutex> lock(mu);
     for (;;) {
@@ -204,7 +213,12 @@ Result<std::vector<std::string>> OpenAiRuntime::Embed(const std::vector<std::str
     row.reserve(emb->size());
     for (const json& v : *emb) {
       if (!v.is_number()) return BadUpstream("an embedding that is not an array of numbers");
-      row.push_back(v.get<float>());
+      const double d = v.get<double>();
+      // Narrowing a double beyond float's range is undefined (and would be
+      // an infinity the JSON answer writes as 0).
+      if (!std::isfinite(d) || std::fabs(d) > std::numeric_limits<float>::max())
+        return BadUpstream("an embedding with a component outside float range");
+      row.push_back(static_cast<float>(d));
     }
     if (dim_ != 0 && static_cast<int>(row.size()) != dim_)
       return BadUpstream("embeddings of width " + std::to_string(row.size()) + ", the model config says " +

@@ -148,6 +148,32 @@ TEST(OpenAiRuntime, ReconnectsWhenTheUpstreamClosedTheConnection) {
   }
 }
 
+// Interim answers (103 Early Hints, 100 Continue) before the real one are
+// skipped. Taken as the answer, each request on the pooled connection got
+// the previous request's vectors.
+TEST(OpenAiRuntime, InterimAnswersAreSkippedAndEachRequestGetsItsOwnAnswer) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
+    const std::string input = json::parse(r.body)["input"][0];
+    const double k = std::stod(input);
+    FakeOpenAiServer::Reply reply;
+    reply.body = json({{"object", "list"},
+                       {"data", json::array({{{"object", "embedding"}, {"index", 0}, {"embedding", {k, 1.0}}}})},
+                       {"usage", {{"prompt_tokens", 1}, {"total_tokens", 1}}}})
+                     .dump();
+    reply.interim = "HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
+                    "HTTP/1.1 100 Continue\r\n\r\n";
+    return reply;
+  });
+  auto rt = Loaded(Config("embed", server.url() + "/v1"));
+  for (int k = 1; k <= 4; ++k) {
+    auto out = rt->RunItems({std::to_string(k)}, {});
+    ASSERT_TRUE(out.ok()) << out.status().ToString();
+    ASSERT_EQ(out->size(), 1u);
+    EXPECT_EQ(Row((*out)[0]), (std::vector<float>{static_cast<float>(k), 1.0f})) << "request " << k;
+  }
+  EXPECT_EQ(rt->client()->connections_opened(), 1);
+}
+
 TEST(OpenAiRuntime, ForwardsCompletionsWithTheUpstreamModelName) {
   FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
     json req = json::parse(r.body);
@@ -389,6 +415,21 @@ TEST(OpenAiRuntime, MalformedEmbeddingsAreBadGateway) {
   auto rt = Loaded(Config("embed", server.url() + "/v1"));
   EXPECT_EQ(rt->RunItems({"x"}, {}).status().code(), StatusCode::kBadGateway);
   EXPECT_EQ(rt->RunItems({"x", "y"}, {}).status().code(), StatusCode::kBadGateway);
+}
+
+// A component beyond float's range would have become an infinity, written
+// as 0 in the JSON answer; it is the upstream's error instead.
+TEST(OpenAiRuntime, ComponentsOutsideFloatRangeAreBadGateway) {
+  for (const std::string v : {"1e39", "-3.5e38"}) {
+    SCOPED_TRACE(v);
+    FakeOpenAiServer server([v](const FakeOpenAiServer::Request&) {
+      return FakeOpenAiServer::Reply{200, R"({"data":[{"index":0,"embedding":[0.5, )" + v + "]}]}"};
+    });
+    auto rt = Loaded(Config("embed", server.url() + "/v1"));
+    const Status st = rt->RunItems({"x"}, {}).status();
+    EXPECT_EQ(st.code(), StatusCode::kBadGateway) << st.ToString();
+    EXPECT_NE(st.message().find("outside float range"), std::string::npos) << st.ToString();
+  }
 }
 
 }  // namespace

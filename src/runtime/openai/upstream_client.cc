@@ -245,13 +245,27 @@ Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& 
     *retryable = pooled && !IsTimeout(ec);
     return fail(ec, "cannot send the request");
   }
-  http::response_parser<http::string_body> parser;
-  parser.body_limit(options_.max_response_bytes);
-  ec = RunOp(c.ioc, [&](auto handler) { http::async_read_header(c.stream, c.buffer, parser, std::move(handler)); });
-  if (ec) {
-    *retryable = pooled && IsStale(ec);
-    return fail(ec, "no answer");
+  // Interim answers (100 Continue, 103 Early Hints) come before the real
+  // one: each is read whole and skipped. Taken as the answer, the real one
+  // would stay in the socket and answer the next request on this
+  // connection.
+  std::optional<http::response_parser<http::string_body>> parsed;
+  for (int interim = 0;; ++interim) {
+    parsed.emplace();
+    parsed->body_limit(options_.max_response_bytes);
+    ec = RunOp(c.ioc, [&](auto handler) { http::async_read_header(c.stream, c.buffer, *parsed, std::move(handler)); });
+    if (ec) {
+      *retryable = pooled && interim == 0 && IsStale(ec);
+      return fail(ec, "no answer");
+    }
+    const unsigned status = parsed->get().result_int();
+    if (status < 100 || status >= 200 || status == 101) break;
+    if (interim == kMaxInterimAnswers)
+      return Status(StatusCode::kBadGateway, where + " sent more than " + std::to_string(kMaxInterimAnswers) +
+                                                 " interim (1xx) answers",
+                    "upstream_error");
   }
+  http::response_parser<http::string_body>& parser = *parsed;
   UpstreamReply reply;
   reply.status = static_cast<int>(parser.get().result_int());
   reply.content_type = std::string(parser.get()[http::field::content_type]);
@@ -279,7 +293,8 @@ Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& 
     if (ec) return fail(ec, "the answer broke off");
     reply.body = std::move(parser.get().body());
   }
-  *reusable = parser.get().keep_alive();
+  // Only a connection with nothing left over may serve the next request.
+  *reusable = parser.get().keep_alive() && parser.is_done() && c.buffer.size() == 0 && reply.status != 101;
   return reply;
 }
 

@@ -65,6 +65,7 @@ class UpstreamClient {
                              const UpstreamDataFn& on_data = {});
 
   static constexpr int64_t kDrainAfterEndMs = 500;
+  static constexpr int kMaxInterimAnswers = 8;  // 1xx answers skipped before the real one
 
   // Connections opened so far (for tests of connection reuse).
   int64_t connections_opened() const;
