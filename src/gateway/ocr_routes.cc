@@ -10,6 +10,7 @@
 #include <msgpack.hpp>
 #include <nlohmann/json.hpp>
 
+#include "common/bounded_json.h"
 #include "gateway/internal/http_json.h"
 #include "gateway/routes.h"
 
@@ -259,6 +260,13 @@ Result<HttpResponse> RenderOcr(const std::string& model, const std::vector<std::
   std::vector<msgpack::object_handle> handles;
   handles.reserve(docs.size());
   for (size_t i = 0; i < docs.size(); ++i) {
+    // Anything on NATS can publish to a reply subject, and the rendering
+    // below recurses once per level.
+    if (Status bounded = CheckBoundedMsgpack(docs[i], "the worker's OCR result for image " + std::to_string(i),
+                                             MsgpackBoundsFor(kMaxAnswerValues), /*binary_allowed=*/true);
+        !bounded.ok()) {
+      return Internal(bounded.message());
+    }
     try {
       handles.push_back(msgpack::unpack(docs[i].data(), docs[i].size()));
     } catch (const std::exception& e) {

@@ -25,6 +25,10 @@ class FakeItems : public WorkSubmitter {
     ++calls;
     if (!error.ok()) return done(error);
     ItemResult r;
+    if (!raw_result.empty()) {
+      r.items.assign(job.items.size(), raw_result);
+      return done(std::move(r));
+    }
     for (const std::string& item : job.items) {
       msgpack::sbuffer buf;
       msgpack::packer<msgpack::sbuffer> pk(buf);
@@ -51,6 +55,7 @@ class FakeItems : public WorkSubmitter {
   ItemJob last;
   int calls = 0;
   Status error;
+  std::string raw_result;  // non-empty: every item's result document, as is
 };
 
 class OcrRoutesTest : public ::testing::Test {
@@ -232,6 +237,23 @@ TEST_F(OcrRoutesTest, WorkerErrorsKeepTheirStatus) {
   r = Call("/v1/ocr/ocr", kPng, "image/png");
   EXPECT_EQ(r.status, 502);
   EXPECT_EQ(Code(r), "blob_not_found");
+}
+
+// A result document nested deeper than any OCR result (anything on NATS
+// can publish to the gateway's reply subject) is refused before it is
+// rendered: the rendering recurses once per level.
+TEST_F(OcrRoutesTest, ResultsNestedTooDeepAreRefusedNotRendered) {
+  submitter_.raw_result = "\x81\xa4text"s;  // {"text": [[[...1]]]}
+  for (int i = 0; i < 1000; ++i) submitter_.raw_result += '\x91';
+  submitter_.raw_result += '\x01';
+  for (const std::string accept : {"", "application/msgpack"}) {
+    SCOPED_TRACE(accept);
+    auto r = Call("/v1/ocr/ocr", kPng, "image/png", accept);
+    EXPECT_EQ(r.status, 500);
+    const json body = accept.empty() ? json::parse(r.body) : json::from_msgpack(r.body);
+    EXPECT_EQ(body["error"]["code"], "internal_error");
+    EXPECT_NE(body["error"]["message"].get<std::string>().find("deep"), std::string::npos) << body.dump();
+  }
 }
 
 // An OCR model takes images, not tokens: /v1/models gives it no width and

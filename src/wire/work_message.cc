@@ -62,9 +62,18 @@ Result<int64_t> AsInt(const msgpack::object& o, const char* what) {
 // otherwise be held three times while decoded: message, zone, item.)
 bool ReferenceInPlace(msgpack::type::object_type, std::size_t, void*) { return true; }
 
+// Messages come from anyone who can publish on the subjects: msgpack-c
+// reserves what an array or map header claims before reading a single
+// element, so no header may claim more elements than the message has bytes
+// (each takes one at least), and nesting stays within what Shoal writes
+// (three levels) with room to spare.
+constexpr size_t kMaxWireDepth = 16;
+
 Result<msgpack::object_handle> Unpack(std::string_view data) {
+  const size_t n = data.size();
+  const msgpack::unpack_limit limit(n, n / 2, n, n, n, kMaxWireDepth);
   try {
-    return msgpack::unpack(data.data(), data.size(), ReferenceInPlace);
+    return msgpack::unpack(data.data(), data.size(), ReferenceInPlace, nullptr, limit);
   } catch (const std::exception& e) {
     return InvalidArgument(std::string("wire: malformed MessagePack: ") + e.what());
   }
@@ -311,6 +320,13 @@ std::string EncodeWorkReply(const WorkReply& r) {
 
 namespace {
 
+// A count or index of a reply: 0 ..= INT32_MAX.
+Result<int> AsCount(const msgpack::object& o, const char* what) {
+  ASSIGN_OR_RETURN(int64_t v, AsInt(o, what));
+  if (v < 0 || v > INT32_MAX) return InvalidArgument(std::string("wire: field '") + what + "' is out of range");
+  return static_cast<int>(v);
+}
+
 Status DecodeWorkReplyFields(const msgpack::object& root, WorkReply& r) {
   for (uint32_t i = 0; i < root.via.map.size; ++i) {
     const auto& kv = root.via.map.ptr[i];
@@ -318,16 +334,13 @@ Status DecodeWorkReplyFields(const msgpack::object& root, WorkReply& r) {
     if (key == "id") {
       ASSIGN_OR_RETURN(r.request_id, AsString(kv.val, "id"));
     } else if (key == "chunk") {
-      ASSIGN_OR_RETURN(int64_t c, AsInt(kv.val, "chunk"));
-      r.chunk_index = static_cast<int>(c);
+      ASSIGN_OR_RETURN(r.chunk_index, AsCount(kv.val, "chunk"));
     } else if (key == "worker") {
       ASSIGN_OR_RETURN(r.worker_id, AsString(kv.val, "worker"));
     } else if (key == "rows") {
-      ASSIGN_OR_RETURN(int64_t v, AsInt(kv.val, "rows"));
-      r.rows = static_cast<int>(v);
+      ASSIGN_OR_RETURN(r.rows, AsCount(kv.val, "rows"));
     } else if (key == "dim") {
-      ASSIGN_OR_RETURN(int64_t v, AsInt(kv.val, "dim"));
-      r.dim = static_cast<int>(v);
+      ASSIGN_OR_RETURN(r.dim, AsCount(kv.val, "dim"));
     } else if (key == "embeddings") {
       RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::BIN, "embeddings"));
       if (kv.val.via.bin.size % sizeof(float) != 0) return InvalidArgument("wire: embeddings size not a multiple of 4");
@@ -336,19 +349,17 @@ Status DecodeWorkReplyFields(const msgpack::object& root, WorkReply& r) {
     } else if (key == "tokens") {
       RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::ARRAY, "tokens"));
       for (uint32_t j = 0; j < kv.val.via.array.size; ++j) {
-        ASSIGN_OR_RETURN(int64_t t, AsInt(kv.val.via.array.ptr[j], "tokens[]"));
-        r.token_counts.push_back(static_cast<int32_t>(t));
+        ASSIGN_OR_RETURN(int t, AsCount(kv.val.via.array.ptr[j], "tokens[]"));
+        r.token_counts.push_back(t);
       }
     } else if (key == "truncated") {
       if (kv.val.type == msgpack::type::BOOLEAN) r.truncated_any = kv.val.via.boolean;
     } else if (key == "partial") {
       if (kv.val.type == msgpack::type::BOOLEAN) r.partial = kv.val.via.boolean;
     } else if (key == "seq") {
-      ASSIGN_OR_RETURN(int64_t v, AsInt(kv.val, "seq"));
-      r.seq = static_cast<int>(v);
+      ASSIGN_OR_RETURN(r.seq, AsCount(kv.val, "seq"));
     } else if (key == "item") {
-      ASSIGN_OR_RETURN(int64_t v, AsInt(kv.val, "item"));
-      r.item = static_cast<int>(v);
+      ASSIGN_OR_RETURN(r.item, AsCount(kv.val, "item"));
     } else if (key == "items") {
       RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::ARRAY, "items"));
       for (uint32_t j = 0; j < kv.val.via.array.size; ++j) {
@@ -415,7 +426,7 @@ Result<std::vector<float>> DecodeFloatRow(std::string_view doc) {
   if (o.type == msgpack::type::BIN) {
     if (o.via.bin.size % sizeof(float) != 0) return InvalidArgument("wire: float32 row size not a multiple of 4");
     row.resize(o.via.bin.size / sizeof(float));
-    std::memcpy(row.data(), o.via.bin.ptr, o.via.bin.size);
+    if (!row.empty()) std::memcpy(row.data(), o.via.bin.ptr, o.via.bin.size);
     return row;
   }
   if (o.type != msgpack::type::ARRAY) return InvalidArgument("wire: a row must be float32 bin or an array of numbers");

@@ -155,6 +155,27 @@ TEST(FloatRow, DecodesBinAndArrays) {
   EXPECT_FALSE(DecodeFloatRow("\x91\xa1x").ok());            // a string in the row
   EXPECT_FALSE(DecodeFloatRow(std::string("\xc4\x03xyz", 5)).ok());  // 3 bytes
   EXPECT_FALSE(DecodeFloatRow("\xa1x").ok());                // not a row at all
+  auto empty = DecodeFloatRow(std::string("\xc4\x00", 2));
+  ASSERT_TRUE(empty.ok()) << empty.status().ToString();
+  EXPECT_TRUE(empty->empty());
+}
+
+// Headers that claim more elements than the message has bytes, or nesting
+// far beyond what Shoal writes, are refused before msgpack-c reserves room
+// for what they claim (a 5-byte map32 header claims 4 billion pairs:
+// 192 GiB). Each decoder says the message is malformed.
+TEST(WireDecoders, RefuseHeadersClaimingMoreThanTheMessageHolds) {
+  const std::string map32 = std::string("\xdf\xff\xff\xff\xff", 5);
+  const std::string array32 = std::string("\xdd\x00\x40\x00\x00", 5) + std::string(100, '\x01');
+  std::string deep;
+  for (int i = 0; i < 1000; ++i) deep += '\x91';
+  deep += '\x01';
+  for (const std::string& bad : {map32, array32, deep}) {
+    for (const Status& st : {DecodeWorkBody(bad).status(), DecodeWorkReply(bad).status(), DecodeFloatRow(bad).status()}) {
+      EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+      EXPECT_NE(st.message().find("overflow"), std::string::npos) << st.ToString();
+    }
+  }
 }
 
 TEST(WorkBody, RejectsGarbage) {
@@ -264,6 +285,19 @@ TEST(WorkReply, AnUnusableReplyWithAnIdIsItsChunksFailure) {
 
   r.request_id.clear();
   EXPECT_EQ(DecodeWorkReply(EncodeWorkReply(r)).status().code(), StatusCode::kInvalidArgument);
+
+  // Counts and indices out of int range are not wrapped: chunk 2^32 read as
+  // chunk 0 would be taken as another chunk's answer.
+  // {"id": "z", "chunk": 2^32}
+  d = DecodeWorkReply(std::string("\x82\xa2id\xa1z\xa5" "chunk\xcf\x00\x00\x00\x01\x00\x00\x00\x00", 21));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->status.reason(), "bad_worker_reply");
+  EXPECT_EQ(d->chunk_index, -1);
+  // {"id": "z", "rows": -1, "dim": -4}
+  d = DecodeWorkReply(std::string("\x83\xa2id\xa1z\xa4rows\xff\xa3" "dim\xfc", 17));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->status.reason(), "bad_worker_reply");
+  EXPECT_NE(d->status.message().find("out of range"), std::string::npos) << d->status.message();
 }
 
 TEST(SubjectToken, IsReversibleAndSafe) {
