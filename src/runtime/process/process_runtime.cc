@@ -267,6 +267,15 @@ Status ProcessRuntime::Start() {
                        "model_load_failed"));
   }
   if (loaded->dim <= 0) return fail(Status(StatusCode::kBadGateway, "runtime reported no dim", "runtime_protocol_error"));
+  // The width the model config names, or (a restart) the width it served:
+  // callers and the catalog rely on it.
+  const int want_dim = config_.dim > 0 ? config_.dim : dim_.load();
+  if (want_dim > 0 && loaded->dim != want_dim) {
+    return fail(Status(StatusCode::kBadGateway,
+                       "runtime loaded the model with width " + std::to_string(loaded->dim) + ", " +
+                           (config_.dim > 0 ? "the model config says " : "it served ") + std::to_string(want_dim),
+                       "model_load_failed"));
+  }
   dim_ = loaded->dim;
   memory_bytes_ = std::max(loaded->memory_bytes, ChildResidentBytes(pid));
   up_ = true;

@@ -221,6 +221,16 @@ TEST(ProcessRuntime, RuntimesThatFailToStartFailTheLoadQuickly) {
     ProcessRuntime rt;
     EXPECT_EQ(rt.Load(m).reason(), "runtime_start_failed");
   }
+  {
+    // The runtime's width must be the config's: the catalog and the
+    // `dimensions` check use the config's.
+    ModelConfig m = PythonModel();
+    m.dim = 32;
+    ProcessRuntime rt;
+    const Status s = rt.Load(m);
+    EXPECT_EQ(s.reason(), "model_load_failed") << s.ToString();
+    EXPECT_NE(s.message().find("width 64, the model config says 32"), std::string::npos) << s.ToString();
+  }
 }
 
 // PythonModel() started through a shell script in `dir`: `body` runs first,
