@@ -475,7 +475,25 @@ Status Router::CheckModel(const std::string& model, const std::string& task, Cat
     // load hint would only wait in the client's reconnect buffer.
     if (!snap->nats_connected)
       return Unavailable("the work queue cannot be reached (NATS is disconnected); retry later", "queue_unavailable");
-    submitter_->RequestLoad(model);
+    submitter_->RequestLoad(model);  // also for a worker yet to come, or a failed load's retry time
+    // Whether a load can be under way: not when no live worker serves the
+    // model, nor when every one that does has failed to load it.
+    const WorkerModel* failed = nullptr;
+    bool serving = false, all_failed = true;
+    for (const WorkerInfo& w : snap->workers) {
+      auto m = w.models.find(model);
+      if (m == w.models.end()) continue;
+      serving = true;
+      if (m->second.state != "failed") all_failed = false;
+      else if (failed == nullptr) failed = &m->second;
+    }
+    if (!serving)
+      return Unavailable("no live worker serves model '" + model + "'; retry later", "no_worker");
+    if (all_failed) {
+      return Status(StatusCode::kBadGateway,
+                    "model '" + model + "' could not be loaded" + (failed->error.empty() ? "" : ": " + failed->error),
+                    "model_load_failed");
+    }
     return Unavailable("model '" + model + "' is not loaded yet; it is being loaded, retry later", "model_loading");
   }
   return Status::Ok();

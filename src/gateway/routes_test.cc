@@ -598,13 +598,27 @@ TEST_F(RoutesTest, NoWaitGatewayAnswers503AndAsksForTheLoad) {
   o.wait_for_load = false;
   o.retry_after_s = 3;
   router_ = std::make_unique<Router>(o, &submitter_, [this] { return snapshot_; }, &metrics_, &clock_);
+  // No live worker serves it: no load can be under way (one is still asked
+  // for, for a worker yet to come).
   auto r = Call("POST", "/v1/embeddings", R"({"model":"m","input":"hi"})");
+  EXPECT_EQ(r.status, 503);
+  EXPECT_EQ(ErrorCode(r), "no_worker");
+  EXPECT_EQ(submitter_.load_requests, std::vector<std::string>{"m"});
+  // Every worker that serves it failed to load it: the failure, as a
+  // waiting caller would get it, not "being loaded" for ever.
+  AddWorker(R"({"id":"w0","models":[{"name":"m","state":"failed","error":"model.pt is truncated"}]})");
+  r = Call("POST", "/v1/embeddings", R"({"model":"m","input":"hi"})");
+  EXPECT_EQ(r.status, 502);
+  EXPECT_EQ(ErrorCode(r), "model_load_failed");
+  EXPECT_NE(r.body.find("model.pt is truncated"), std::string::npos) << r.body;
+  AddWorker(R"({"id":"w3","models":[{"name":"m","state":"not_loaded"}]})");
+  r = Call("POST", "/v1/embeddings", R"({"model":"m","input":"hi"})");
   EXPECT_EQ(r.status, 503);
   EXPECT_EQ(ErrorCode(r), "model_loading");
   ASSERT_EQ(r.headers.size(), 1u);
   EXPECT_EQ(r.headers[0].first, "Retry-After");
   EXPECT_EQ(r.headers[0].second, "3");
-  EXPECT_EQ(submitter_.load_requests, std::vector<std::string>{"m"});
+  EXPECT_EQ(submitter_.load_requests, (std::vector<std::string>{"m", "m", "m"}));
   EXPECT_EQ(submitter_.calls, 0);  // no work was queued
   AddWorker(R"({"id":"w1","models":[{"name":"m","state":"loading"}]})");
   EXPECT_EQ(Call("POST", "/v1/encode/m", R"({"inputs":["a"]})").status, 503);
