@@ -606,6 +606,25 @@ TEST(HttpServer, MalformedRequestIs400AndCloses) {
   EXPECT_EQ(calls, 0);
 }
 
+// Only HTTP/1.x is served: an h2c preface or an HTTP/2.0 or 0.9 request
+// line is 400, as docs/api.md says, and never reaches a handler.
+TEST(HttpServer, OnlyHttp1IsServed) {
+  int calls = 0;
+  auto server = Start(CountingOk(&calls));
+  ASSERT_TRUE(server);
+  for (const std::string line : {"GET /x HTTP/2.0", "PRI * HTTP/2.0", "GET /x HTTP/0.9"}) {
+    SCOPED_TRACE(line);
+    Client client(server->port());
+    ASSERT_FALSE(client.WriteRaw(line + "\r\nHost: a\r\n\r\n"));
+    Response res = client.Read();
+    EXPECT_EQ(res.result_int(), 400);
+    EXPECT_EQ(res.version(), 11u);
+    EXPECT_EQ(ErrorOf(res)["code"], "malformed_request");
+    EXPECT_TRUE(client.PeerClosed());
+  }
+  EXPECT_EQ(calls, 0);
+}
+
 // A transfer coding other than chunked: the body's length cannot be told
 // (400) or its coding is not decoded (501); either way the connection
 // closes, and what follows is never read as another request.

@@ -672,6 +672,11 @@ TEST_F(RoutesTest, RerankSortsByScoreAndHonoursTopN) {
   ASSERT_EQ(bare["results"].size(), 2u);
   EXPECT_FALSE(bare["results"][0].contains("document"));
   EXPECT_FALSE(submitter_.last.truncate);
+  // Any top_n from 1 up is taken, beyond int64 too (it used to wrap to -1).
+  auto all = Call("POST", "/v1/rerank",
+                  R"({"model":"rr","query":"q","documents":["d0","d1","d2"],"top_n":18446744073709551615})");
+  ASSERT_EQ(all.status, 200) << all.body;
+  EXPECT_EQ(json::parse(all.body)["results"].size(), 3u);
 }
 
 TEST_F(RoutesTest, ScorePairsOneToManyOrZipped) {
@@ -723,6 +728,8 @@ TEST_F(RoutesTest, EveryBadScoringInputGetsItsStatusAndCode) {
        "too_many_inputs"},
       {"/v1/rerank", R"({"model":"rr","query":"q","documents":["a"],"top_n":0})", 400, "invalid_top_n"},
       {"/v1/rerank", R"({"model":"rr","query":"q","documents":["a"],"top_n":"2"})", 400, "invalid_top_n"},
+      {"/v1/rerank", R"({"model":"rr","query":"q","documents":["a"],"top_n":-1})", 400, "invalid_top_n"},
+      {"/v1/rerank", R"({"model":"rr","query":"q","documents":["a"],"top_n":1.5})", 400, "invalid_top_n"},
       {"/v1/rerank", R"({"model":"rr","query":"q","documents":["a"],"return_documents":1})", 400,
        "invalid_return_documents"},
       {"/v1/rerank", R"({"model":"rr","query":"q","documents":["a"],"truncate":"no"})", 400, "invalid_truncate"},
