@@ -50,6 +50,7 @@ Result<std::unique_ptr<FleetControl>> FleetControl::Create(const FleetControlOpt
   c->client_ = client;
   c->snapshot_ = std::move(snapshot);
   for (int i = 0; i < options.threads; ++i) c->threads_.emplace_back([p = c.get()] { p->Loop(); });
+  c->expirer_ = std::thread([p = c.get()] { p->ExpireLoop(); });
   return c;
 }
 
@@ -65,6 +66,7 @@ void FleetControl::BeginStop() {
     left.swap(jobs_);
   }
   cv_.notify_all();
+  expire_cv_.notify_all();
   for (Job& j : left) j.done(Unavailable("the gateway is shutting down", "shutting_down"));
 }
 
@@ -72,6 +74,7 @@ void FleetControl::Stop() {
   BeginStop();
   for (auto& t : threads_)
     if (t.joinable()) t.join();
+  if (expirer_.joinable()) expirer_.join();
 }
 
 void FleetControl::Act(const std::string& action, const std::string& model, const std::string& worker,
@@ -79,8 +82,11 @@ void FleetControl::Act(const std::string& action, const std::string& model, cons
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stop_) {
-      jobs_.push_back({action, model, worker, std::move(done), std::chrono::steady_clock::now()});
+      const auto timeout =
+          std::chrono::milliseconds(action == "load" || action == "pin" ? options_.load_timeout_ms : options_.timeout_ms);
+      jobs_.push_back({action, model, worker, std::move(done), std::chrono::steady_clock::now() + timeout});
       cv_.notify_one();
+      expire_cv_.notify_one();
       return;
     }
   }
@@ -100,6 +106,38 @@ void FleetControl::Loop() {
     if (cancel_) outcome = Unavailable("the gateway is shutting down", "shutting_down");
     job.done(std::move(outcome));
     lock.lock();
+  }
+}
+
+void FleetControl::ExpireLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    const auto now = std::chrono::steady_clock::now();
+    auto next = std::chrono::steady_clock::time_point::max();
+    std::vector<Job> expired;
+    for (auto it = jobs_.begin(); it != jobs_.end();) {
+      if (it->deadline <= now) {
+        expired.push_back(std::move(*it));
+        it = jobs_.erase(it);
+      } else {
+        next = std::min(next, it->deadline);
+        ++it;
+      }
+    }
+    if (!expired.empty()) {
+      lock.unlock();
+      for (Job& j : expired) {
+        j.done(DeadlineExceeded("the action waited its whole timeout behind other model actions on this gateway",
+                                "deadline_exceeded"));
+      }
+      lock.lock();
+      continue;
+    }
+    if (next == std::chrono::steady_clock::time_point::max()) {
+      expire_cv_.wait(lock);
+    } else {
+      expire_cv_.wait_until(lock, next);
+    }
   }
 }
 
@@ -177,11 +215,7 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
   ControlOutcome out;
   out.model = job.model;
   out.action = job.action;
-  // The action's time runs from when it was asked for, so time spent
-  // queued behind other actions counts.
-  const auto deadline =
-      job.queued + std::chrono::milliseconds(job.action == "load" || job.action == "pin" ? options_.load_timeout_ms
-                                                                                          : options_.timeout_ms);
+  const auto deadline = job.deadline;
   const auto left_ms = [&] {
     return std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
   };

@@ -93,10 +93,15 @@ class FleetControl final : public ModelController {
   struct Job {
     std::string action, model, worker;
     ControlCallback done;
-    std::chrono::steady_clock::time_point queued;  // the action's timeout runs from here
+    // The action's timeout runs from when it was asked for: time queued
+    // behind other actions counts.
+    std::chrono::steady_clock::time_point deadline;
   };
   FleetControl() = default;
   void Loop();
+  // Answers queued jobs whose time is up (while every thread is busy with
+  // a long load, nothing else would until one is free).
+  void ExpireLoop();
   Result<ControlOutcome> Run(const Job& job);
 
   FleetControlOptions options_;
@@ -109,6 +114,8 @@ class FleetControl final : public ModelController {
   bool stop_ = false;     // guarded by mu_
   std::atomic<bool> cancel_{false};  // requests under way give up
   std::vector<std::thread> threads_;
+  std::condition_variable expire_cv_;
+  std::thread expirer_;
 };
 
 }  // namespace shoal

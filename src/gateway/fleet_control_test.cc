@@ -403,19 +403,23 @@ TEST(FleetControlRun, AnActionThatTimedOutInTheQueueIsNotSent) {
       Fleet({R"({"id":"silent","models":[{"name":"m","state":"loaded"}]})"}));
   FleetControlOptions o;
   o.threads = 1;
-  o.load_timeout_ms = 1000;
+  o.load_timeout_ms = 4000;
   o.timeout_ms = 500;  // the unload's time is up while the load still holds the thread
   auto control = FleetControl::Create(o, client->get(), [snap] { return snap; });
   ASSERT_TRUE(control.ok());
   std::promise<Result<ControlOutcome>> first, second;
+  auto first_done = first.get_future();
   (*control)->Act("load", "m", "", [&](Result<ControlOutcome> r) { first.set_value(std::move(r)); });
   (*control)->Act("unload", "m", "", [&](Result<ControlOutcome> r) { second.set_value(std::move(r)); });
-  auto a = first.get_future().get();
-  ASSERT_TRUE(a.ok());
-  EXPECT_EQ(a->results[0].status.code(), StatusCode::kDeadlineExceeded) << a->results[0].status.ToString();
+  // Answered when its time is up, not when the thread is free again.
   auto b = second.get_future().get();
+  EXPECT_EQ(first_done.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+      << "the queued unload was answered only after the load it waited behind";
   ASSERT_FALSE(b.ok());
   EXPECT_EQ(b.status().code(), StatusCode::kDeadlineExceeded);
+  auto a = first_done.get();
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->results[0].status.code(), StatusCode::kDeadlineExceeded) << a->results[0].status.ToString();
   EXPECT_EQ(silent.asked(), 1u) << "the unload went to the worker after its caller's time was up";
 }
 
