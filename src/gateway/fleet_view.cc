@@ -153,11 +153,13 @@ void FleetView::Refresh() {
       if (keys.ok())
         for (const auto& k : *keys) {
           auto v = models_kv_->Get(k);
+          if (v.status().code() == StatusCode::kNotFound) continue;  // removed since the listing
           if (!v.ok()) {
-            // Unreadable for now: the model is still in the catalog.
-            for (const auto& [name, m] : last->models)
-              if (wire::ModelKvKey(name) == k) s->models.emplace(name, m);
-            continue;
+            // Unreadable for now (a timeout, the connection lost): the last
+            // catalog stands, and the other keys are not tried, each of
+            // which could take the JetStream API timeout too.
+            catalog_read = false;
+            break;
           }
           try {
             auto j = nlohmann::json::parse(*v);
