@@ -468,12 +468,17 @@ void ModelServer::FetchLoop() {
     if (d_.held_rows && d_.held_rows->limit() > 0) {
       // The worker already holds as much as its bound: leave the rest in the
       // shared queue for whichever worker frees up first.
-      const int64_t room = d_.held_rows->Room(want, 100);
+      // The bound is in rows, a pull takes messages: as many as the rows
+      // left hold at the recent rows per message (one at least, and only
+      // one before any message has told how many rows they carry).
+      const bool known = avg_rows_per_msg_ > 0;
+      const double rows_per_msg = known ? std::max(1.0, avg_rows_per_msg_) : 1.0;
+      const int64_t room = d_.held_rows->Room(static_cast<int64_t>(std::ceil(want * rows_per_msg)), 100);
       if (room <= 0) {
         ForgetRoomWait();
         continue;
       }
-      want = static_cast<int>(room);
+      want = known ? static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(room / rows_per_msg), 1, want)) : 1;
     }
     int64_t poll_ms = d_.fetch_poll_ms;
     if (d_.pull_gate != nullptr && d_.pull_gate->bounded()) {
@@ -570,6 +575,8 @@ void ModelServer::FetchLoop() {
       (*work)->delivery = std::move(delivery);
       if (d_.progress != nullptr) (*work)->progress = d_.progress->Start({(*work)->delivery.AckSubject()});
       avg_tokens_per_msg_ = 0.9 * avg_tokens_per_msg_ + 0.1 * static_cast<double>((*work)->tokens);
+      const auto rows = static_cast<double>((*work)->row_count());
+      avg_rows_per_msg_ = avg_rows_per_msg_ > 0 ? 0.9 * avg_rows_per_msg_ + 0.1 * rows : rows;
       (*work)->enqueued_mono_us = now_mono;
       (*work)->published_mono_us =
           published_ms > 0 ? now_mono - std::max<int64_t>(0, now_ms - published_ms) * 1000 : now_mono;

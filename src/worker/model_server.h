@@ -210,6 +210,7 @@ class ModelServer final : public ModelAttachment {
   std::chrono::steady_clock::time_point pending_asked_;
   bool claim_held_ = false;           // guarded by mu_: waiting work holds a PullGate claim
   double avg_tokens_per_msg_ = 32;    // fetcher thread only
+  double avg_rows_per_msg_ = 0;       // fetcher thread only; 0: none seen yet
   int64_t gated_poll_ms_ = 20;        // fetcher thread only: pull length under a PullGate
   std::atomic<bool> fetcher_done_{false};  // FetchLoop has returned
   // Executor thread only: slots held by the current turn (1 without a

@@ -375,6 +375,55 @@ TEST_F(PushTest, PullWithAHeldRowsBoundServesEverything) {
   EXPECT_TRUE(Eventually([&] { return nlohmann::json::parse(a.worker->LoadReportJson())["outstanding_rows"] == 0; }));
 }
 
+// The held-rows bound counts rows, and a pull takes messages: with eight
+// rows per message and a bound of eight, a worker whose device is blocked
+// holds about one message, not one per row of the bound (it took eight
+// messages, 64 rows, when the bound was compared with a message count).
+TEST_F(PushTest, TheHeldRowsBoundCountsTheRowsOfEachMessage) {
+  StartPullGatewayAndStream();
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  auto eight = [](int i) {
+    std::vector<std::string> texts;
+    for (int k = 0; k < 8; ++k) texts.push_back("request " + std::to_string(i) + " row " + std::to_string(k));
+    return texts;
+  };
+  for (int i = 0; i < 6; ++i) calls.push_back(EmbedAsync("sim-a", eight(i), 60000));  // queued before any worker
+  GateRuntime::Gate gate;
+  WorkerOptions wo = Options({"sim-a"}, "held-rows");
+  wo.max_held_rows = 8;
+  wo.runtime_factory = [&gate](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
+    ASSIGN_OR_RETURN(auto inner, CreateRuntime(cfg.runtime));
+    return std::unique_ptr<Runtime>(new GateRuntime(std::move(inner), &gate));
+  };
+  struct OpenOnExit {
+    GateRuntime::Gate* gate;
+    ~OpenOnExit() {
+      {
+        std::lock_guard<std::mutex> lock(gate->mu);
+        gate->open = true;
+      }
+      gate->cv.notify_all();
+    }
+  };
+  Member m = Start(wo);
+  OpenOnExit open_on_exit{&gate};  // destroyed before `m`
+  ASSERT_TRUE(m.worker);
+  auto held = [&] { return nlohmann::json::parse(m.worker->LoadReportJson())["outstanding_rows"].get<int64_t>(); };
+  ASSERT_TRUE(Eventually([&] { return gate.entered.load() == 1; }));  // one pass on the device, blocked
+  std::this_thread::sleep_for(500ms);  // pulls that were to come have come
+  EXPECT_LE(held(), 16) << "the bound is 8 rows; one message past it at most";
+  {
+    std::lock_guard<std::mutex> lock(gate.mu);
+    gate.open = true;
+  }
+  gate.cv.notify_all();
+  for (auto& f : calls) {
+    auto r = f.get();
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->rows, 8);
+  }
+}
+
 // Load-aware pulling (--pull-ahead 1): a worker whose device is busy and
 // already has one pass waiting stops taking work, which stays in the shared
 // queue for an idle worker. Without the bound, the busy worker's fetchers
