@@ -160,6 +160,7 @@ Status ProcessRuntime::Load(const ModelConfig& config) {
 }
 
 void ProcessRuntime::Unload() {
+  unloading_ = true;
   {
     std::lock_guard<std::mutex> lock(sup_mu_);
     stop_ = true;
@@ -226,7 +227,7 @@ Status ProcessRuntime::Start() {
     if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) break;
     ::close(fd);
     fd = -1;
-    if (NowMonoUs() > deadline) break;
+    if (NowMonoUs() > deadline || unloading_) break;  // unloading: a restart's wait would hold up the unload
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   std::lock_guard<std::mutex> lock(io_mu_);

@@ -69,6 +69,7 @@ class ProcessRuntime final : public Runtime {
   std::atomic<pid_t> pid_{-1};
   std::atomic<bool> up_{false};
   std::atomic<bool> restarting_{false};
+  std::atomic<bool> unloading_{false};  // a start under way gives up waiting for the socket
   std::atomic<int> dim_{0};
   std::atomic<int64_t> memory_bytes_{0};
   std::atomic<int> restarts_{0};

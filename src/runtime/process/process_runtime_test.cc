@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -269,6 +270,31 @@ TEST(ProcessRuntime, GivesUpAfterMaxFailedStartsInARow) {
   EXPECT_FALSE(rt.Available());
   EXPECT_EQ(rt.restarts(), 0);  // no start after the first succeeded
   rt.Unload();
+  std::filesystem::remove_all(dir);
+}
+
+// Unloading while a restart waits for the runtime to listen (a slow
+// import) does not wait for the start timeout: the loader thread that
+// unloads holds up every other model's load meanwhile.
+TEST(ProcessRuntime, UnloadDoesNotWaitForARestartStillStarting) {
+  std::string dir = (std::filesystem::temp_directory_path() / "shoal-slowstart-XXXXXX").string();
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string mark = dir + "/started";
+  // The first start is quick; every later one sleeps before listening.
+  ModelConfig m = WrappedPythonModel(dir, "if [ -e \"$SHOAL_TEST_MARK\" ]; then sleep 600; fi\ntouch \"$SHOAL_TEST_MARK\"\n");
+  m.process.env.emplace_back("SHOAL_TEST_MARK", mark);
+  m.process.start_timeout_ms = 40000;
+  ProcessRuntime rt;
+  ASSERT_TRUE(rt.Load(m).ok());
+  const pid_t first = rt.pid();
+  ASSERT_EQ(::kill(first, SIGKILL), 0);
+  ASSERT_TRUE(Eventually([&] { return rt.pid() > 0 && rt.pid() != first; })) << "no restart began";
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // its shell is asleep, not listening
+  ASSERT_FALSE(rt.Available());
+  auto unloaded = std::async(std::launch::async, [&] { rt.Unload(); });
+  EXPECT_EQ(unloaded.wait_for(std::chrono::seconds(20)), std::future_status::ready)
+      << "Unload waited for the restart's start timeout";
+  unloaded.wait();
   std::filesystem::remove_all(dir);
 }
 
