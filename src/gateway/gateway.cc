@@ -37,6 +37,7 @@ Result<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& options, 
   FleetView* fleet = g->fleet_.get();
   RouterOptions router_options = options.router;
   router_options.max_paired_bytes = options.http.max_body_bytes;
+  router_options.max_body_bytes = options.http.max_body_bytes;
   g->router_ = std::make_unique<Router>(router_options, g->dispatcher_.get(),
                                         [fleet] { return fleet->Snapshot(); }, metrics);
   // Operator actions plan on a fresh view of the registry.

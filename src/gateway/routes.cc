@@ -9,6 +9,7 @@
 
 #include "common/json_text.h"
 #include "common/log.h"
+#include "common/utf8.h"
 #include "gateway/internal/http_json.h"
 
 namespace shoal {
@@ -206,15 +207,53 @@ bool NativeMsgpackRoute(std::string_view path) {
   return false;
 }
 
+// At least as many bytes as DumpJson writes for `j`: a control character
+// becomes an escape of up to 6 bytes, '"' and '\\' two, an invalid UTF-8
+// byte U+FFFD (3 bytes); a number at most 25. (Depth is bounded before
+// decoding.)
+size_t JsonTextBound(const json& j) {
+  switch (j.type()) {
+    case json::value_t::string: {
+      const std::string& s = j.get_ref<const std::string&>();
+      size_t n = 2;
+      for (size_t pos = 0; pos < s.size();) {
+        const size_t start = pos;
+        const char32_t cp = DecodeUtf8(s, &pos);
+        if (cp < 0x20) n += 6;
+        else if (cp == '"' || cp == '\\') n += 2;
+        else if (cp == kReplacementChar) n += std::max<size_t>(3, pos - start);
+        else n += pos - start;
+      }
+      return n;
+    }
+    case json::value_t::array:
+    case json::value_t::object: {
+      size_t n = 2;
+      for (const auto& [key, value] : j.items()) n += (j.is_object() ? JsonTextBound(json(key)) + 1 : 0) +
+                                                     JsonTextBound(value) + 1;
+      return n;
+    }
+    default:
+      return 25;
+  }
+}
+
 // A MessagePack request body for a JSON route, as JSON text: the handlers
 // parse one format. Binary fields have no JSON form: refused before the
-// body is decoded.
-Status MsgpackBodyToJson(std::string* body) {
+// body is decoded. A body whose text could pass `max_bytes` is refused
+// before it is written.
+Status MsgpackBodyToJson(std::string* body, size_t max_bytes) {
   RETURN_IF_ERROR(internal::CheckMsgpackBody(*body, /*binary_allowed=*/false));
   json j = json::from_msgpack(*body, /*strict=*/true, /*allow_exceptions=*/false);
   if (j.is_discarded())
     return InvalidArgument("request body is not valid MessagePack", "invalid_msgpack");
   if (!j.is_object()) return InvalidArgument("request body must be a MessagePack map", "invalid_msgpack");
+  if (JsonTextBound(j) > max_bytes) {
+    return Status(StatusCode::kPayloadTooLarge,
+                  "request body would take more than " + std::to_string(max_bytes) +
+                      " bytes as JSON text (control characters in strings take 6 bytes each)",
+                  "payload_too_large");
+  }
   *body = DumpJson(j);
   return Status::Ok();
 }
@@ -344,7 +383,7 @@ void Router::Handle(HttpRequest&& req, HttpResponder respond) {
   const std::string& path = req.path;
   if (internal::AcceptsMsgpack(req.Header("accept"))) respond = MsgpackResponder(std::move(respond));
   if (!NativeMsgpackRoute(path) && internal::IsMsgpackType(req.Header("content-type")) && !req.body.empty()) {
-    if (Status st = MsgpackBodyToJson(&req.body); !st.ok()) return respond(ErrorResponse(st));
+    if (Status st = MsgpackBodyToJson(&req.body, options_.max_body_bytes); !st.ok()) return respond(ErrorResponse(st));
   }
   auto method_is = [&](const char* m) { return req.method == m; };
   // HEAD is GET without the body (the server drops it).

@@ -38,6 +38,10 @@ struct RouterOptions {
   // gateway sets it to the HTTP body limit: pairing must not turn a body
   // under that limit into gigabytes.
   size_t max_paired_bytes = size_t{256} << 20;
+  // The largest request body (the gateway sets the HTTP limit): also the
+  // most JSON text a MessagePack body may become for a JSON route (over:
+  // 413), since escaping makes text of up to six times its bytes.
+  size_t max_body_bytes = size_t{256} << 20;
   Status Validate() const;
 };
 

@@ -389,6 +389,33 @@ TEST_F(RoutesTest, BodiesNestedDeeperThanTheBoundGet400) {
   EXPECT_EQ(submitter_.calls, 0);
 }
 
+// A MessagePack body for a JSON route becomes JSON text, where a control
+// character takes 6 bytes: a body that would pass the body limit as text
+// is 413 before the text is written (256 MiB of them became 1.5 GiB).
+// Ordinary and non-ASCII text takes what it took.
+TEST_F(RoutesTest, MessagePackBodiesThatWouldGrowPastTheBodyLimitAsJsonAre413) {
+  RouterOptions o;
+  o.max_body_bytes = 2000;
+  router_ = std::make_unique<Router>(o, &submitter_, [this] { return snapshot_; }, &metrics_, &clock_);
+  const std::vector<std::pair<std::string, std::string>> kMsgpack = {{"content-type", "application/msgpack"}};
+  auto body = [](const std::string& input) {
+    std::string out;
+    json::to_msgpack(json{{"model", "m"}, {"input", input}}, out);
+    return out;
+  };
+  auto r = Call("POST", "/v1/embeddings", body(std::string(400, '\x01')), kMsgpack);  // 2,400 bytes as text
+  EXPECT_EQ(r.status, 413);
+  EXPECT_EQ(ErrorCode(r), "payload_too_large");
+  EXPECT_EQ(Call("POST", "/nowhere", body(std::string(400, '\x01')), kMsgpack).status, 413);
+  EXPECT_EQ(submitter_.calls, 0);
+  r = Call("POST", "/v1/embeddings", body(std::string(1900, 'a')), kMsgpack);
+  EXPECT_EQ(r.status, 200) << r.body;
+  std::string cjk;
+  for (int i = 0; i < 600; ++i) cjk += "\xe4\xb8\xad";  // 1,800 bytes of U+4E2D
+  r = Call("POST", "/v1/embeddings", body(cjk), kMsgpack);
+  EXPECT_EQ(r.status, 200) << r.body;
+}
+
 TEST_F(RoutesTest, EveryJsonRouteAlsoSpeaksMessagePack) {
   const std::vector<std::pair<std::string, std::string>> kMsgpack = {{"content-type", "application/msgpack"},
                                                                         {"accept", "application/msgpack"}};
