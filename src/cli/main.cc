@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -85,6 +86,8 @@ void AddGateway(CLI::App* app, GatewayOptions& g) {
   Opt(app, "--max-body-bytes", g.http.max_body_bytes, "SHOAL_MAX_BODY_BYTES", "Largest request body (over: 413)");
   Opt(app, "--max-receiving-bytes", g.http.max_receiving_bytes, "SHOAL_MAX_RECEIVING_BYTES",
       "Request bodies still arriving, all connections together (over: 503 server_busy)");
+  Opt(app, "--max-connections", g.http.max_connections, "SHOAL_MAX_CONNECTIONS",
+      "Open HTTP connections, idle ones included (over: 503 server_busy)");
   Opt(app, "--chunk-size", g.dispatcher.chunk_size, "SHOAL_CHUNK_SIZE", "Inputs per queue message");
   Opt(app, "--max-inputs", g.router.max_inputs, "SHOAL_MAX_INPUTS", "Inputs per request (over: 400)");
   Opt(app, "--request-timeout-ms", g.router.default_timeout_ms, "SHOAL_REQUEST_TIMEOUT_MS",
@@ -323,6 +326,17 @@ void BlockSignals() {
 
 // From here a signal stops the command in order (WaitForSignal returns it)
 // instead of ending the process: call it before saying it is ready.
+// The soft limit on open files up to the hard one (commonly 1024 against
+// 524288 or more): a gateway holds a descriptor per connection, and
+// --max-connections assumes it may.
+void RaiseOpenFileLimit() {
+  rlimit limit{};
+  constexpr rlim_t kEnough = rlim_t{1} << 20;
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= std::min(limit.rlim_max, kEnough)) return;
+  limit.rlim_cur = std::min(limit.rlim_max, kEnough);
+  (void)::setrlimit(RLIMIT_NOFILE, &limit);
+}
+
 void MarkServing() {
   std::lock_guard<std::mutex> lock(g_signal_mu);
   g_serving = true;
@@ -452,6 +466,7 @@ std::string DefaultModelsDir() {
 
 int main(int argc, char** argv) {
   using namespace shoal;
+  RaiseOpenFileLimit();
   CLI::App app{"Shoal: a pull-based serving cluster for fleets of small models"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "shoal 0.1.0");

@@ -731,6 +731,28 @@ void HttpServer::Impl::OnAccept(error_code ec, tcp::socket socket) {
     return;
   }
   error_code ignored;
+  size_t open = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    open = connections_.size();
+  }
+  if (open >= static_cast<size_t>(options_.max_connections)) {
+    // Answered without reading the request: whatever it is, there is no
+    // room for its connection. A best-effort write that never blocks.
+    static const std::string kBusy = [] {
+      const std::string body = ErrorBody(Unavailable(
+          "the gateway has as many connections open as it may; retry shortly", "server_busy"));
+      return "HTTP/1.1 503 Service Unavailable\r\nServer: shoal\r\nContent-Type: application/json\r\n"
+             "Retry-After: 1\r\nConnection: close\r\nContent-Length: " +
+             std::to_string(body.size()) + "\r\n\r\n" + body;
+    }();
+    socket.non_blocking(true, ignored);
+    socket.send(net::buffer(kBusy), 0, ignored);
+    socket.shutdown(tcp::socket::shutdown_both, ignored);
+    socket.close(ignored);
+    Accept();
+    return;
+  }
   socket.set_option(tcp::no_delay(true), ignored);
   auto c = std::make_shared<Connection>(*this, std::move(socket));
   {
@@ -817,6 +839,7 @@ Status HttpServerOptions::Validate() const {
                            std::to_string(threads));
   if (max_body_bytes == 0) return InvalidArgument("http max_body_bytes must be positive");
   if (idle_timeout_ms <= 0) return InvalidArgument("http idle_timeout_ms must be positive");
+  if (max_connections < 1) return InvalidArgument("http max_connections must be positive");
   if (read_timeout_ms <= 0) return InvalidArgument("http read_timeout_ms must be positive");
   return Status::Ok();
 }

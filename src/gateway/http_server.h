@@ -27,6 +27,11 @@ struct HttpServerOptions {
   // closed, so slow uploads cannot hold max_body_bytes each without bound.
   // A value under max_body_bytes counts as max_body_bytes.
   size_t max_receiving_bytes = size_t{1} << 30;
+  // Open connections, idle ones included. One more is answered 503
+  // "server_busy" (Retry-After: 1) and closed at once, so idle connections
+  // cannot use up the process's file descriptors (which NATS and the blob
+  // store need too).
+  int max_connections = 4096;
   // How long a keep-alive connection may wait for the first byte of its
   // next request.
   int64_t idle_timeout_ms = 60000;

@@ -662,6 +662,32 @@ TEST(HttpServer, ClosesIdleConnections) {
   EXPECT_TRUE(client.PeerClosed());
 }
 
+// Past max_connections (idle ones count), a new connection is answered 503
+// server_busy and closed without being read; once one closes, there is room.
+TEST(HttpServer, ConnectionsPastTheLimitAre503AndClosed) {
+  HttpServerOptions options;
+  options.max_connections = 2;
+  int calls = 0;
+  auto server = Start(CountingOk(&calls), options);
+  ASSERT_TRUE(server);
+  auto first = std::make_unique<Client>(server->port());
+  Client second(server->port());
+  EXPECT_EQ(first->RoundTrip(Client::Get("/")).result_int(), 200);
+  EXPECT_EQ(second.RoundTrip(Client::Get("/")).result_int(), 200);
+  Client third(server->port());
+  Response res = third.Read();
+  EXPECT_EQ(res.result_int(), 503);
+  EXPECT_EQ(res[http::field::retry_after], "1");
+  EXPECT_EQ(ErrorOf(res)["code"], "server_busy");
+  EXPECT_TRUE(third.PeerClosed());
+  EXPECT_EQ(calls, 2);
+  first.reset();
+  ASSERT_TRUE(shoal::testing::Eventually([&] {
+    Client next(server->port());
+    return next.RoundTrip(Client::Get("/")).result_int() == 200;
+  }));
+}
+
 TEST(HttpServer, ClosesConnectionsThatStallMidRequest) {
   HttpServerOptions options;
   options.read_timeout_ms = 50;
