@@ -277,6 +277,20 @@ Status ProcessRuntime::Start() {
                            (config_.dim > 0 ? "the model config says " : "it served ") + std::to_string(want_dim),
                        "model_load_failed"));
   }
+  // A full batch must fit a frame both ways, or every full batch would
+  // fail as a protocol error and restart the runtime. Requests: int32 ids,
+  // a uint8 mask and uint8 segment ids per token; replies: float32 × dim
+  // per row. (4 KiB for the map around them.)
+  const int64_t reply_bytes = int64_t{config_.batching.max_batch_size} * loaded->dim * 4 + 4096;
+  const int64_t request_bytes = config_.batching.max_batch_tokens * 6 + 4096;
+  if (std::max(reply_bytes, request_bytes) > config_.process.max_frame_bytes) {
+    return fail(Status(StatusCode::kBadGateway,
+                       "process.max_frame_bytes (" + std::to_string(config_.process.max_frame_bytes) +
+                           ") is smaller than a full batch needs: " + std::to_string(reply_bytes) +
+                           " bytes of reply (max_batch_size x dim x 4) and " + std::to_string(request_bytes) +
+                           " of request (max_batch_tokens x 6)",
+                       "model_load_failed"));
+  }
   dim_ = loaded->dim;
   memory_bytes_ = std::max(loaded->memory_bytes, ChildResidentBytes(pid));
   up_ = true;

@@ -232,6 +232,18 @@ TEST(ProcessRuntime, RuntimesThatFailToStartFailTheLoadQuickly) {
     EXPECT_EQ(s.reason(), "model_load_failed") << s.ToString();
     EXPECT_NE(s.message().find("width 64, the model config says 32"), std::string::npos) << s.ToString();
   }
+  {
+    // A full batch's reply (64 rows x 64 floats) would not fit a frame:
+    // every full batch would fail and restart the runtime.
+    ModelConfig m = PythonModel();
+    m.process.max_frame_bytes = 16384;
+    m.batching.max_batch_tokens = 1024;
+    ProcessRuntime rt;
+    const Status s = rt.Load(m);
+    EXPECT_EQ(s.reason(), "model_load_failed") << s.ToString();
+    EXPECT_NE(s.message().find("max_frame_bytes (16384) is smaller than a full batch needs"), std::string::npos)
+        << s.ToString();
+  }
 }
 
 // PythonModel() started through a shell script in `dir`: `body` runs first,
