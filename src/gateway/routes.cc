@@ -365,16 +365,22 @@ Counter* Router::RouteMetrics::Requests(MetricsRegistry& metrics, int status) {
   return c;
 }
 
+Counter* Router::ErrorCounter(const std::string& code) {
+  std::lock_guard<std::mutex> lock(errors_mu_);
+  if (auto it = errors_by_code_.find(code); it != errors_by_code_.end()) return it->second;
+  const std::string& label = errors_by_code_.size() < kMaxErrorCodes ? code : "other";
+  Counter* c = metrics_->GetCounter("shoal_http_errors_total", "HTTP error responses by error code.", {{"code", label}});
+  if (errors_by_code_.size() < kMaxErrorCodes) errors_by_code_.emplace(code, c);
+  return c;
+}
+
 HttpResponder Router::Instrument(const std::string& route, HttpResponder respond) {
   const int64_t start = clock_->NowMonoUs();
   RouteMetrics* m = route_metrics_.at(route).get();
   return [this, start, m, respond = std::move(respond)](HttpResponse r) {
     m->latency->Observe(static_cast<double>(clock_->NowMonoUs() - start) / 1e6);
     m->Requests(*metrics_, r.status)->Inc();
-    if (r.status >= 400) {
-      metrics_->GetCounter("shoal_http_errors_total", "HTTP error responses by error code.",
-                           {{"code", r.error_code.empty() ? "unknown" : r.error_code}})->Inc();
-    }
+    if (r.status >= 400) ErrorCounter(r.error_code.empty() ? "unknown" : r.error_code)->Inc();
     respond(std::move(r));
   };
 }

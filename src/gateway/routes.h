@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -101,6 +102,13 @@ class Router {
     Counter* Requests(MetricsRegistry& metrics, int status);
   };
   std::map<std::string, std::unique_ptr<RouteMetrics>> route_metrics_;  // by route, made once
+  // shoal_http_errors_total by error code, made on first use. A runtime
+  // passes on an upstream's own codes, any strings: past kMaxErrorCodes
+  // series, further codes count as "other".
+  static constexpr size_t kMaxErrorCodes = 128;
+  Counter* ErrorCounter(const std::string& code);
+  std::mutex errors_mu_;
+  std::map<std::string, Counter*, std::less<>> errors_by_code_;  // guarded by errors_mu_
 };
 
 // The OpenAI-shaped error body and status for `status`; adds Retry-After on

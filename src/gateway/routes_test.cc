@@ -519,6 +519,19 @@ TEST_F(RoutesTest, RoutesMethodsAndProbes) {
   r = Call("HEAD", "/v1/embeddings", "");
   EXPECT_EQ(r.status, 405);
   EXPECT_EQ(r.headers[0].second, "POST");
+  // Error codes a runtime passes on from an upstream are any strings: the
+  // series stop growing at a bound, and the rest count as "other".
+  for (int i = 0; i < 300; ++i) {
+    submitter_.error = Status(StatusCode::kBadGateway, "upstream said no", "upstream_code_" + std::to_string(i));
+    EXPECT_EQ(Call("POST", "/v1/embeddings", R"({"model":"m","input":"x"})").status, 502);
+  }
+  submitter_.error = Status::Ok();
+  text = Call("GET", "/metrics", "").body;
+  size_t series = 0;
+  for (size_t pos = 0; (pos = text.find("\nshoal_http_errors_total{", pos)) != std::string::npos; ++pos) ++series;
+  EXPECT_LE(series, 129u);
+  EXPECT_NE(text.find("shoal_http_errors_total{code=\"other\"}"), std::string::npos);
+  EXPECT_NE(text.find("shoal_http_errors_total{code=\"upstream_code_0\"} 1"), std::string::npos);
 }
 
 // A model name in a path is percent-encoded (it may hold '/' or spaces) on
