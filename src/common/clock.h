@@ -41,6 +41,8 @@ class FakeClock final : public Clock {
   int64_t NowMonoUs() const override { return mono_us_.load(); }
   int64_t NowUnixMs() const override { return unix_ms_.load() + mono_us_.load() / 1000; }
   void AdvanceUs(int64_t us) { mono_us_ += us; }
+  // A step of the wall clock alone (NTP, a resumed VM): monotonic time goes on.
+  void StepWallMs(int64_t ms) { unix_ms_ += ms; }
 
  private:
   std::atomic<int64_t> mono_us_{0};

@@ -21,7 +21,8 @@ struct Dispatcher::Pending {
   std::string item_name;           // see ItemJob::item_name
   int chunk_count = 0;
   int received = 0;
-  int64_t deadline_unix_ms = 0;
+  int64_t deadline_unix_ms = 0;  // sent to workers
+  int64_t deadline_mono_us = 0;  // the same instant on this process's steady clock: the timer's
   std::vector<bool> have;
   std::vector<int> next_seq;  // per chunk: the number of the partial reply it expects next
   std::vector<wire::WorkReply> parts;
@@ -265,6 +266,9 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
   p->item_name = std::move(item_name);
   p->chunk_count = count;
   p->deadline_unix_ms = deadline_unix_ms;
+  // The timer runs on the steady clock: a step of the wall clock (NTP, a
+  // resumed VM) must not hold requests past their time or end them early.
+  p->deadline_mono_us = clock_->NowMonoUs() + (deadline_unix_ms - clock_->NowUnixMs()) * 1000;
   p->have.assign(count, false);
   p->next_seq.assign(count, 0);
   p->parts.resize(count);
@@ -278,6 +282,7 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
     }
     if (after_pick_hook_) after_pick_hook_();
   }
+  bool earliest = false;
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (stop_) {
@@ -288,9 +293,10 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
       return;
     }
     pending_.emplace(id, p);
-    deadlines_.emplace(deadline_unix_ms, id);
+    auto at = deadlines_.emplace(p->deadline_mono_us, id);
+    earliest = at == deadlines_.begin();
   }
-  timer_cv_.notify_one();
+  if (earliest) timer_cv_.notify_one();  // otherwise the timer wakes for an earlier one first
   chunks_per_request_->Observe(count);
   if (push_ && !ChosenWorkersLive(id, *p)) return;
 
@@ -650,7 +656,7 @@ void Dispatcher::Complete(const std::string& id, Parts result) {
     p = std::move(it->second);
     pending_.erase(it);
     blob_refs.swap(p->blob_refs);
-    auto range = deadlines_.equal_range(p->deadline_unix_ms);
+    auto range = deadlines_.equal_range(p->deadline_mono_us);
     for (auto d = range.first; d != range.second; ++d)
       if (d->second == id) {
         deadlines_.erase(d);
@@ -799,10 +805,10 @@ void Dispatcher::TimerLoop() {
       }
       continue;
     }
-    const int64_t now = clock_->NowUnixMs();
+    const int64_t now = clock_->NowMonoUs();
     const int64_t first = deadlines_.begin()->first;
     if (first > now) {
-      timer_cv_.wait_for(lock, std::chrono::milliseconds(std::min<int64_t>(first - now, max_wait_ms)));
+      timer_cv_.wait_for(lock, std::chrono::microseconds(std::min<int64_t>(first - now, max_wait_ms * 1000)));
       continue;
     }
     std::string id = deadlines_.begin()->second;

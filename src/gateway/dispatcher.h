@@ -244,7 +244,7 @@ class Dispatcher final : public WorkSubmitter {
 
   mutable std::mutex mu_;  // guards pending_, deadlines_, stop_
   std::unordered_map<std::string, std::shared_ptr<Pending>> pending_;
-  std::multimap<int64_t, std::string> deadlines_;
+  std::multimap<int64_t, std::string> deadlines_;  // steady-clock µs -> request id
   bool stop_ = false;
   std::condition_variable timer_cv_;
   std::thread timer_;

@@ -391,6 +391,30 @@ TEST_F(WorkerTest, AGatewayRestartedUnderAFixedIdIsNotDeduplicatedAway) {
   }
 }
 
+// The gateway's deadline timer runs on the steady clock: a request whose
+// time is up is answered 504 even when the wall clock has just been set an
+// hour back (it used to wait for the wall clock to catch up).
+TEST_F(WorkerTest, ADeadlineHoldsWhenTheWallClockStepsBack) {
+  worker_->Stop();  // no one answers
+  FakeClock clock;
+  MetricsRegistry m;
+  auto d = Dispatcher::Create(DispatcherOptions{}, client_.get(), &m, &clock);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  auto done = std::make_shared<std::promise<Result<EmbedResult>>>();
+  auto answered = done->get_future();
+  EmbedJob job;
+  job.model = "tiny-bert";
+  job.texts = {"anyone?"};
+  job.deadline_unix_ms = clock.NowUnixMs() + 1000;
+  (*d)->SubmitEmbed(std::move(job), [done](Result<EmbedResult> r) { done->set_value(std::move(r)); });
+  clock.StepWallMs(-3'600'000);
+  clock.AdvanceUs(1'100'000);
+  ASSERT_EQ(answered.wait_for(std::chrono::seconds(10)), std::future_status::ready)
+      << "the request waits for the wall clock, an hour behind";
+  EXPECT_EQ(answered.get().status().code(), StatusCode::kDeadlineExceeded);
+  (*d)->Stop();
+}
+
 // Once stopped, a gateway's dispatcher takes no more replies: its owner
 // goes on to free what the reply handlers use (the blob offload a reply by
 // reference is fetched through, the router its callbacks write to).
