@@ -166,6 +166,16 @@ class HttpServer::Impl::Connection
                   beast::bind_front_handler(&Connection::NextRequest,
                                             shared_from_this()));
   }
+  // Answers 503 server_busy without reading a request, then half-closes
+  // and drains (see kLingerMs): the server has no room for the connection.
+  void Refuse() {
+    net::dispatch(stream_.get_executor(), [self = shared_from_this()] {
+      self->FailRequest(503,
+                        Unavailable("the gateway has as many connections open as it may; retry shortly",
+                                    "server_busy"),
+                        1);
+    });
+  }
 
   // Writes the answer to the current request. On the strand: from
   // Dispatch() when the handler answered inline, else posted by Reply.
@@ -731,35 +741,19 @@ void HttpServer::Impl::OnAccept(error_code ec, tcp::socket socket) {
     return;
   }
   error_code ignored;
-  size_t open = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    open = connections_.size();
-  }
-  if (open >= static_cast<size_t>(options_.max_connections)) {
-    // Answered without reading the request: whatever it is, there is no
-    // room for its connection. A best-effort write that never blocks.
-    static const std::string kBusy = [] {
-      const std::string body = ErrorBody(Unavailable(
-          "the gateway has as many connections open as it may; retry shortly", "server_busy"));
-      return "HTTP/1.1 503 Service Unavailable\r\nServer: shoal\r\nContent-Type: application/json\r\n"
-             "Retry-After: 1\r\nConnection: close\r\nContent-Length: " +
-             std::to_string(body.size()) + "\r\n\r\n" + body;
-    }();
-    socket.non_blocking(true, ignored);
-    socket.send(net::buffer(kBusy), 0, ignored);
-    socket.shutdown(tcp::socket::shutdown_both, ignored);
-    socket.close(ignored);
-    Accept();
-    return;
-  }
   socket.set_option(tcp::no_delay(true), ignored);
   auto c = std::make_shared<Connection>(*this, std::move(socket));
+  bool room = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    connections_.emplace(c.get(), c);
+    room = connections_.size() < static_cast<size_t>(options_.max_connections);
+    connections_.emplace(c.get(), c);  // a refused one too, until its answer is out (seconds)
   }
-  c->Start();
+  if (room) {
+    c->Start();
+  } else {
+    c->Refuse();
+  }
   Accept();
 }
 

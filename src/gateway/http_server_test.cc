@@ -663,7 +663,8 @@ TEST(HttpServer, ClosesIdleConnections) {
 }
 
 // Past max_connections (idle ones count), a new connection is answered 503
-// server_busy and closed without being read; once one closes, there is room.
+// server_busy without its request being read, then closed; once one
+// closes, there is room.
 TEST(HttpServer, ConnectionsPastTheLimitAre503AndClosed) {
   HttpServerOptions options;
   options.max_connections = 2;
@@ -675,6 +676,7 @@ TEST(HttpServer, ConnectionsPastTheLimitAre503AndClosed) {
   EXPECT_EQ(first->RoundTrip(Client::Get("/")).result_int(), 200);
   EXPECT_EQ(second.RoundTrip(Client::Get("/")).result_int(), 200);
   Client third(server->port());
+  ASSERT_FALSE(third.WriteRaw("GET / HTTP/1.1\r\nHost: x\r\n\r\n"));  // unread: the answer still arrives
   Response res = third.Read();
   EXPECT_EQ(res.result_int(), 503);
   EXPECT_EQ(res[http::field::retry_after], "1");
