@@ -9,7 +9,6 @@
 
 #include "common/json_text.h"
 #include "common/log.h"
-#include "common/utf8.h"
 #include "gateway/internal/http_json.h"
 
 namespace shoal {
@@ -207,40 +206,23 @@ bool NativeMsgpackRoute(std::string_view path) {
   return false;
 }
 
-// At least as many bytes as DumpJson writes for `j`: a control character
-// becomes an escape of up to 6 bytes, '"' and '\\' two, an invalid UTF-8
-// byte U+FFFD (3 bytes); a number at most 25. (Depth is bounded before
-// decoding.)
-size_t JsonTextBound(const json& j) {
-  switch (j.type()) {
-    case json::value_t::string: {
-      const std::string& s = j.get_ref<const std::string&>();
-      size_t n = 2;
-      for (size_t pos = 0; pos < s.size();) {
-        const size_t start = pos;
-        const char32_t cp = DecodeUtf8(s, &pos);
-        if (cp < 0x20) n += 6;
-        else if (cp == '"' || cp == '\\') n += 2;
-        else if (cp == kReplacementChar) n += std::max<size_t>(3, pos - start);
-        else n += pos - start;
-      }
-      return n;
-    }
-    case json::value_t::array:
-    case json::value_t::object: {
-      size_t n = 2;
-      for (const auto& [key, value] : j.items()) n += (j.is_object() ? JsonTextBound(json(key)) + 1 : 0) +
-                                                     JsonTextBound(value) + 1;
-      return n;
-    }
-    default:
-      return 25;
-  }
+// The length of DumpJson(j), counted without writing the text: the same
+// serializer and settings, writing into a counter.
+size_t DumpJsonSize(const json& j) {
+  struct Count final : nlohmann::detail::output_adapter_protocol<char> {
+    size_t n = 0;
+    void write_character(char) override { ++n; }
+    void write_characters(const char*, std::size_t length) override { n += length; }
+  };
+  auto count = std::make_shared<Count>();
+  nlohmann::detail::serializer<json> serializer(count, ' ', json::error_handler_t::replace);
+  serializer.dump(j, /*pretty_print=*/false, /*ensure_ascii=*/false, /*indent_step=*/0);
+  return count->n;
 }
 
 // A MessagePack request body for a JSON route, as JSON text: the handlers
 // parse one format. Binary fields have no JSON form: refused before the
-// body is decoded. A body whose text could pass `max_bytes` is refused
+// body is decoded. A body whose text would pass `max_bytes` is refused
 // before it is written.
 Status MsgpackBodyToJson(std::string* body, size_t max_bytes) {
   RETURN_IF_ERROR(internal::CheckMsgpackBody(*body, /*binary_allowed=*/false));
@@ -248,10 +230,10 @@ Status MsgpackBodyToJson(std::string* body, size_t max_bytes) {
   if (j.is_discarded())
     return InvalidArgument("request body is not valid MessagePack", "invalid_msgpack");
   if (!j.is_object()) return InvalidArgument("request body must be a MessagePack map", "invalid_msgpack");
-  if (JsonTextBound(j) > max_bytes) {
+  if (const size_t text_bytes = DumpJsonSize(j); text_bytes > max_bytes) {
     return Status(StatusCode::kPayloadTooLarge,
-                  "request body would take more than " + std::to_string(max_bytes) +
-                      " bytes as JSON text (control characters in strings take 6 bytes each)",
+                  "request body would take " + std::to_string(text_bytes) + " bytes as JSON text, more than " +
+                      std::to_string(max_bytes) + " (a control character in a string takes up to 6)",
                   "payload_too_large");
   }
   *body = DumpJson(j);
@@ -365,12 +347,30 @@ Counter* Router::RouteMetrics::Requests(MetricsRegistry& metrics, int status) {
   return c;
 }
 
-Counter* Router::ErrorCounter(const std::string& code) {
+namespace {
+
+// Codes operations.md has operators watch: never counted as "other", however
+// many codes an upstream has passed on before them.
+bool AlwaysOwnSeries(std::string_view code) {
+  static constexpr std::string_view kCodes[] = {
+      "queue_full",        "deadline_exceeded", "queue_unavailable",      "server_busy",  "shutting_down",
+      "model_load_failed", "model_loading",     "no_worker",              "worker_lost",  "worker_stopping",
+      "blob_not_found",    "blob_corrupt",      "blob_store_unavailable", "runtime_error", "internal_error",
+      "upstream_error",    "upstream_timeout",  "upstream_busy",          "payload_too_large"};
+  return std::find(std::begin(kCodes), std::end(kCodes), code) != std::end(kCodes);
+}
+
+}  // namespace
+
+Counter* Router::ErrorCounter(std::string_view code) {
   std::lock_guard<std::mutex> lock(errors_mu_);
   if (auto it = errors_by_code_.find(code); it != errors_by_code_.end()) return it->second;
-  const std::string& label = errors_by_code_.size() < kMaxErrorCodes ? code : "other";
-  Counter* c = metrics_->GetCounter("shoal_http_errors_total", "HTTP error responses by error code.", {{"code", label}});
-  if (errors_by_code_.size() < kMaxErrorCodes) errors_by_code_.emplace(code, c);
+  const bool room = errors_by_code_.size() < kMaxErrorCodes || AlwaysOwnSeries(code);
+  if (!room && other_errors_ != nullptr) return other_errors_;
+  Counter* c = metrics_->GetCounter("shoal_http_errors_total", "HTTP error responses by error code.",
+                                    {{"code", room ? std::string(code) : "other"}});
+  if (room) errors_by_code_.emplace(code, c);
+  else other_errors_ = c;
   return c;
 }
 
@@ -380,7 +380,7 @@ HttpResponder Router::Instrument(const std::string& route, HttpResponder respond
   return [this, start, m, respond = std::move(respond)](HttpResponse r) {
     m->latency->Observe(static_cast<double>(clock_->NowMonoUs() - start) / 1e6);
     m->Requests(*metrics_, r.status)->Inc();
-    if (r.status >= 400) ErrorCounter(r.error_code.empty() ? "unknown" : r.error_code)->Inc();
+    if (r.status >= 400) ErrorCounter(r.error_code.empty() ? std::string_view("unknown") : r.error_code)->Inc();
     respond(std::move(r));
   };
 }

@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/clock.h"
@@ -106,9 +107,10 @@ class Router {
   // passes on an upstream's own codes, any strings: past kMaxErrorCodes
   // series, further codes count as "other".
   static constexpr size_t kMaxErrorCodes = 128;
-  Counter* ErrorCounter(const std::string& code);
+  Counter* ErrorCounter(std::string_view code);
   std::mutex errors_mu_;
   std::map<std::string, Counter*, std::less<>> errors_by_code_;  // guarded by errors_mu_
+  Counter* other_errors_ = nullptr;                              // guarded by errors_mu_
 };
 
 // The OpenAI-shaped error body and status for `status`; adds Retry-After on
