@@ -278,17 +278,24 @@ Status ProcessRuntime::Start() {
                        "model_load_failed"));
   }
   // A full batch must fit a frame both ways, or every full batch would
-  // fail as a protocol error and restart the runtime. Requests: int32 ids,
-  // a uint8 mask and uint8 segment ids per token; replies: float32 × dim
-  // per row. (4 KiB for the map around them.)
-  const int64_t reply_bytes = int64_t{config_.batching.max_batch_size} * loaded->dim * 4 + 4096;
-  const int64_t request_bytes = config_.batching.max_batch_tokens * 6 + 4096;
+  // fail as a protocol error and restart the runtime. Requests: an int32
+  // id and a uint8 mask per token (and a uint8 segment id for text pairs),
+  // at most max_batch_tokens and at most max_batch_size rows of
+  // max_seq_len; replies: float32 × dim per row. (4 KiB for the map
+  // around them.) Sizes are bounded by the config's checks: no overflow.
+  const BatchingConfig& b = config_.batching;
+  const int64_t rows = b.max_batch_size;
+  const int64_t tokens =
+      config_.max_seq_len > 0 ? std::min<int64_t>(b.max_batch_tokens, rows * config_.max_seq_len) : b.max_batch_tokens;
+  const int64_t reply_bytes = rows * loaded->dim * 4 + 4096;
+  const int64_t request_bytes = std::min<int64_t>(tokens, int64_t{1} << 40) * (config_.TakesPairs() ? 6 : 5) + 4096;
   if (std::max(reply_bytes, request_bytes) > config_.process.max_frame_bytes) {
     return fail(Status(StatusCode::kBadGateway,
                        "process.max_frame_bytes (" + std::to_string(config_.process.max_frame_bytes) +
                            ") is smaller than a full batch needs: " + std::to_string(reply_bytes) +
                            " bytes of reply (max_batch_size x dim x 4) and " + std::to_string(request_bytes) +
-                           " of request (max_batch_tokens x 6)",
+                           " of request (max_batch_tokens, or max_batch_size x max_seq_len if less, x 5, x 6 for "
+                           "text pairs)",
                        "model_load_failed"));
   }
   dim_ = loaded->dim;

@@ -244,6 +244,16 @@ TEST(ProcessRuntime, RuntimesThatFailToStartFailTheLoadQuickly) {
     EXPECT_NE(s.message().find("max_frame_bytes (16384) is smaller than a full batch needs"), std::string::npos)
         << s.ToString();
   }
+  {
+    // A token budget rows bound first (64 rows of 256 tokens) asks for no
+    // larger frames than those rows.
+    ModelConfig m = PythonModel();
+    m.batching.max_batch_tokens = 20'000'000;
+    ProcessRuntime rt;
+    const Status s = rt.Load(m);
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    rt.Unload();
+  }
 }
 
 // PythonModel() started through a shell script in `dir`: `body` runs first,
