@@ -37,6 +37,9 @@ namespace {
 // to this long first.
 constexpr int64_t kLingerMs = 2000;
 constexpr int64_t kAcceptRetryMs = 50;
+// Connections past max_connections answered 503 at once (each holds its
+// descriptor while the answer drains); more are closed unanswered.
+constexpr int kMaxRefusing = 64;
 
 // The OpenAI error shape the rest of the gateway answers with.
 std::string ErrorBody(const Status& status) {
@@ -146,6 +149,7 @@ class HttpServer::Impl {
 
   std::atomic<bool> draining_{false};
   std::atomic<size_t> receiving_bytes_{0};  // see ReserveReceiving
+  int refusing_ = 0;  // guarded by mu_: refused connections still sending their 503
   std::mutex stop_mu_;
   bool stopped_ = false;  // guarded by stop_mu_
   std::optional<net::executor_work_guard<net::io_context::executor_type>> work_;
@@ -166,6 +170,8 @@ class HttpServer::Impl::Connection
                   beast::bind_front_handler(&Connection::NextRequest,
                                             shared_from_this()));
   }
+  void MarkRefused() { refused_ = true; }
+  bool refused() const { return refused_; }
   // Answers 503 server_busy without reading a request, then half-closes
   // and drains (see kLingerMs): the server has no room for the connection.
   void Refuse() {
@@ -237,6 +243,7 @@ class HttpServer::Impl::Connection
   bool continue_checked_ = false;
   size_t body_reserved_ = 0;  // counted in the server's receiving bytes
   bool closing_ = false;     // the connection closes after this response
+  bool refused_ = false;     // set once, under the server's mu_, before the connection starts
   bool closed_ = false;
   std::atomic<bool> busy_{false};  // see busy()
   std::shared_ptr<HttpBodyStream> body_stream_;  // the response being streamed
@@ -743,17 +750,22 @@ void HttpServer::Impl::OnAccept(error_code ec, tcp::socket socket) {
   error_code ignored;
   socket.set_option(tcp::no_delay(true), ignored);
   auto c = std::make_shared<Connection>(*this, std::move(socket));
-  bool room = false;
+  enum { kServe, kRefuse, kDrop } what = kServe;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    room = connections_.size() < static_cast<size_t>(options_.max_connections);
-    connections_.emplace(c.get(), c);  // a refused one too, until its answer is out (seconds)
+    if (connections_.size() - static_cast<size_t>(refusing_) >= static_cast<size_t>(options_.max_connections)) {
+      // Refused ones hold their descriptor while the 503 goes out and the
+      // socket drains (seconds): a few at a time; past that, closed at once.
+      what = refusing_ < kMaxRefusing ? kRefuse : kDrop;
+    }
+    if (what == kRefuse) {
+      ++refusing_;
+      c->MarkRefused();
+    }
+    if (what != kDrop) connections_.emplace(c.get(), c);
   }
-  if (room) {
-    c->Start();
-  } else {
-    c->Refuse();
-  }
+  if (what == kServe) c->Start();
+  if (what == kRefuse) c->Refuse();
   Accept();
 }
 
@@ -762,6 +774,7 @@ void HttpServer::Impl::Remove(Connection* c) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = connections_.find(c);
   if (it == connections_.end()) return;
+  if (c->refused()) --refusing_;
   last = std::move(it->second);
   connections_.erase(it);
 }

@@ -690,6 +690,30 @@ TEST(HttpServer, ConnectionsPastTheLimitAre503AndClosed) {
   }));
 }
 
+// Refused connections hold a descriptor while their 503 drains: at most 64
+// at a time are answered; more are closed unanswered.
+TEST(HttpServer, OnlyAFewRefusedConnectionsAreAnsweredAtOnce) {
+  HttpServerOptions options;
+  options.max_connections = 1;
+  auto server = Start(Echo, options);
+  ASSERT_TRUE(server);
+  Client held(server->port());
+  EXPECT_EQ(held.RoundTrip(Client::Get("/")).result_int(), 200);
+  std::vector<std::unique_ptr<Client>> refused;
+  for (int i = 0; i < 80; ++i) refused.push_back(std::make_unique<Client>(server->port()));
+  int answered = 0, dropped = 0;
+  for (auto& c : refused) {
+    error_code ec;
+    Response res = c->Read(&ec);
+    if (!ec && res.result_int() == 503) ++answered;
+    else ++dropped;
+  }
+  EXPECT_GE(answered, 1);
+  EXPECT_LE(answered, 64);
+  EXPECT_EQ(answered + dropped, 80);
+  EXPECT_GE(dropped, 16);
+}
+
 TEST(HttpServer, ClosesConnectionsThatStallMidRequest) {
   HttpServerOptions options;
   options.read_timeout_ms = 50;
