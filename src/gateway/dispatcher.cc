@@ -468,10 +468,16 @@ void Dispatcher::DrainReplies(const std::string& id) {
       // queues behind it.
       next = std::move(it->second.front());
     }
-    if (!next.ref.empty()) {
-      FetchReply(next.ref, id, next.chunk);
-    } else if (next.reply) {
-      HandleDecodedReply(std::move(*next.reply));
+    try {
+      if (!next.ref.empty()) {
+        FetchReply(next.ref, id, next.chunk);
+      } else if (next.reply) {
+        HandleDecodedReply(std::move(*next.reply));
+      }
+    } catch (const std::exception& e) {
+      // Out of memory holding a large reply, say: the request fails now,
+      // and its queue still drains (what comes later finds it answered).
+      Complete(id, Internal(std::string("the gateway could not handle a reply: ") + e.what(), "reply_failed"));
     }
     std::lock_guard<std::mutex> lock(order_mu_);
     auto it = in_order_.find(id);
