@@ -41,12 +41,12 @@ bool ParseQuery(std::string_view q, std::vector<std::pair<std::string_view, std:
   return true;
 }
 
+}  // namespace
+
 bool ValidStoreId(std::string_view s) {
   if (s.empty() || s.size() > 255) return false;
   return std::all_of(s.begin(), s.end(), [](char c) { return IsAlnum(c) || c == '_' || c == '-'; });
 }
-
-}  // namespace
 
 Status ValidateBlobName(std::string_view name) {
   if (name.empty() || name.size() > 255) {

@@ -34,6 +34,10 @@ inline constexpr char kBlobStoreFull[] = "blob_store_full";      // ResourceExha
 // files) and inside a URL without escaping.
 Status ValidateBlobName(std::string_view name);
 
+// A store id a reference can carry (the local store's `id`): 1-255
+// characters from [A-Za-z0-9_-].
+bool ValidStoreId(std::string_view id);
+
 // Where a blob lives and what it must contain. Its text form travels in the
 // queue message's payload-reference header:
 //   nats-os://<bucket>/<name>?size=<bytes>&sha256=<64 hex>

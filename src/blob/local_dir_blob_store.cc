@@ -5,7 +5,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -50,14 +49,7 @@ Status WriteAll(int fd, const char* p, size_t n, const std::string& path) {
 
 Status LocalDirBlobStoreOptions::Validate() const {
   if (dir.empty() || dir[0] != '/') return InvalidArgument("blob directory must be an absolute path: \"" + dir + "\"");
-  for (char c : id) {
-    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-') {
-      return InvalidArgument("local blob store id may only hold [A-Za-z0-9_-]");
-    }
-  }
-  if (id.empty()) return InvalidArgument("local blob store id is empty");
-  // A blob reference holds at most 255 (ParseBlobRef).
-  if (id.size() > 255) return InvalidArgument("local blob store id is longer than 255 characters");
+  if (!ValidStoreId(id)) return InvalidArgument("local blob store id must be 1 to 255 of [A-Za-z0-9_-]: \"" + id + "\"");
   return Status::Ok();
 }
 

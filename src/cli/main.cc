@@ -324,19 +324,20 @@ void BlockSignals() {
   std::thread(SignalLoop).detach();
 }
 
-// From here a signal stops the command in order (WaitForSignal returns it)
-// instead of ending the process: call it before saying it is ready.
 // The soft limit on open files up to the hard one (commonly 1024 against
-// 524288 or more): a gateway holds a descriptor per connection, and
-// --max-connections assumes it may.
+// 524288 or more; at most 2^20): a gateway holds a descriptor per
+// connection, and --max-connections assumes it may.
 void RaiseOpenFileLimit() {
   rlimit limit{};
-  constexpr rlim_t kEnough = rlim_t{1} << 20;
-  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= std::min(limit.rlim_max, kEnough)) return;
-  limit.rlim_cur = std::min(limit.rlim_max, kEnough);
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  const rlim_t want = std::min(limit.rlim_max, rlim_t{1} << 20);
+  if (limit.rlim_cur >= want) return;
+  limit.rlim_cur = want;
   (void)::setrlimit(RLIMIT_NOFILE, &limit);
 }
 
+// From here a signal stops the command in order (WaitForSignal returns it)
+// instead of ending the process: call it before saying it is ready.
 void MarkServing() {
   std::lock_guard<std::mutex> lock(g_signal_mu);
   g_serving = true;

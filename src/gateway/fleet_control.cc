@@ -28,6 +28,11 @@ int64_t FreeBytes(const WorkerInfo& w, bool host_model) {
   return budget - (host ? w.host_memory_used_bytes : w.memory_used_bytes);
 }
 
+Status QueuedPastDeadline() {
+  return DeadlineExceeded("the action waited its whole timeout behind other model actions on this gateway",
+                          "deadline_exceeded");
+}
+
 int Resident(const WorkerInfo& w) {
   int n = 0;
   for (const auto& [name, m] : w.models) n += m.state == "loaded" || m.state == "loading" ? 1 : 0;
@@ -126,10 +131,7 @@ void FleetControl::ExpireLoop() {
     }
     if (!expired.empty()) {
       lock.unlock();
-      for (Job& j : expired) {
-        j.done(DeadlineExceeded("the action waited its whole timeout behind other model actions on this gateway",
-                                "deadline_exceeded"));
-      }
+      for (Job& j : expired) j.done(QueuedPastDeadline());
       lock.lock();
       continue;
     }
@@ -215,14 +217,11 @@ Result<ControlOutcome> FleetControl::Run(const Job& job) {
   ControlOutcome out;
   out.model = job.model;
   out.action = job.action;
-  const auto deadline = job.deadline;
   const auto left_ms = [&] {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    return std::chrono::duration_cast<std::chrono::milliseconds>(job.deadline - std::chrono::steady_clock::now())
+        .count();
   };
-  if (left_ms() <= 0) {
-    return DeadlineExceeded("the action waited its whole timeout behind other model actions on this gateway",
-                            "deadline_exceeded");
-  }
+  if (left_ms() <= 0) return QueuedPastDeadline();  // taken off the queue just as its time ran out
   auto ask = [&](const Target& t) {
     ControlResult r;
     r.worker = t.worker;

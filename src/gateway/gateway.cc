@@ -36,7 +36,6 @@ Result<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& options, 
   ASSIGN_OR_RETURN(g->fleet_, FleetView::Create(options.fleet, client, metrics));
   FleetView* fleet = g->fleet_.get();
   RouterOptions router_options = options.router;
-  router_options.max_paired_bytes = options.http.max_body_bytes;
   router_options.max_body_bytes = options.http.max_body_bytes;
   g->router_ = std::make_unique<Router>(router_options, g->dispatcher_.get(),
                                         [fleet] { return fleet->Snapshot(); }, metrics);

@@ -295,7 +295,7 @@ HttpResponder MsgpackResponder(HttpResponder respond) {
 
 Status RouterOptions::Validate() const {
   if (max_inputs < 1) return InvalidArgument("max_inputs must be >= 1");
-  if (max_paired_bytes < 1) return InvalidArgument("max_paired_bytes must be >= 1");
+  if (max_body_bytes < 1) return InvalidArgument("max_body_bytes must be >= 1");
   if (default_timeout_ms < 1 || default_timeout_ms > max_timeout_ms)
     return InvalidArgument("default_timeout_ms must be in [1, max_timeout_ms]");
   return Status::Ok();

@@ -35,14 +35,11 @@ struct RouterOptions {
   // while a worker loads it (true), or gets 503 model_loading with
   // Retry-After at once while the load is asked for (false).
   bool wait_for_load = true;
-  // The most text bytes a rerank or 1:N score request may hold once its
-  // query is paired with each document (over: 413 pairs_too_large). The
-  // gateway sets it to the HTTP body limit: pairing must not turn a body
-  // under that limit into gigabytes.
-  size_t max_paired_bytes = size_t{256} << 20;
-  // The largest request body (the gateway sets the HTTP limit): also the
-  // most JSON text a MessagePack body may become for a JSON route (over:
-  // 413), since escaping makes text of up to six times its bytes.
+  // The HTTP body limit (the gateway sets it), also held to what a body
+  // becomes: the text bytes of a rerank or 1:N score request once its
+  // query is paired with each document (over: 413 pairs_too_large), and
+  // the JSON text of a MessagePack body for a JSON route (over: 413
+  // payload_too_large; escaping makes up to six bytes of one).
   size_t max_body_bytes = size_t{256} << 20;
   Status Validate() const;
 };

@@ -821,7 +821,7 @@ TEST_F(RoutesTest, EveryBadScoringInputGetsItsStatusAndCode) {
 TEST_F(RoutesTest, PairingTheQueryWithEachDocumentIsBounded) {
   RouterOptions o;
   o.max_inputs = 8;
-  o.max_paired_bytes = 100;
+  o.max_body_bytes = 100;
   router_ = std::make_unique<Router>(o, &submitter_, [this] { return snapshot_; }, &metrics_, &clock_);
   const auto rerank = [&](const std::string& model, size_t query_bytes) {
     json docs = json::array();

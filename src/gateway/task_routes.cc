@@ -153,7 +153,7 @@ void Router::Rerank(HttpRequest&& req, HttpResponder respond) {
     return_documents = r->get<bool>();
   }
   if (Status st = Admit(req, "score", &job, nullptr); !st.ok()) return respond(ErrorResponse(st, retry));
-  if (Status st = PairQuery(query->get_ref<const std::string&>(), job.texts_pair, options_.max_paired_bytes,
+  if (Status st = PairQuery(query->get_ref<const std::string&>(), job.texts_pair, options_.max_body_bytes,
                             &job.texts);
       !st.ok())
     return respond(ErrorResponse(st));
@@ -211,7 +211,7 @@ void Router::Score(HttpRequest&& req, HttpResponder respond) {
   if (st = Admit(req, "score", &job, nullptr); !st.ok()) return respond(ErrorResponse(st, retry));
   if (first.size() == 1 && second.size() > 1) {
     std::string query = std::move(first.front());
-    if (st = PairQuery(query, second, options_.max_paired_bytes, &first); !st.ok()) return respond(ErrorResponse(st));
+    if (st = PairQuery(query, second, options_.max_body_bytes, &first); !st.ok()) return respond(ErrorResponse(st));
   }
   job.texts = std::move(first);
   job.texts_pair = std::move(second);

@@ -46,6 +46,26 @@ class GateRuntime : public shoal::testing::ForwardingRuntime {
     std::condition_variable cv;
     bool open = false;
     std::atomic<int> entered{0};
+    void Open() {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        open = true;
+      }
+      cv.notify_all();
+    }
+  };
+  // A runtime factory whose runtimes all wait at `gate`.
+  static std::function<Result<std::unique_ptr<Runtime>>(const ModelConfig&)> Factory(Gate* gate) {
+    return [gate](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
+      ASSIGN_OR_RETURN(auto inner, CreateRuntime(cfg.runtime));
+      return std::unique_ptr<Runtime>(new GateRuntime(std::move(inner), gate));
+    };
+  }
+  // Opens the gate when a test ends, a failed assertion included, so no
+  // pass stays blocked; declare it after the worker it must outlive.
+  struct OpenOnExit {
+    Gate* gate;
+    ~OpenOnExit() { gate->Open(); }
   };
   GateRuntime(std::unique_ptr<Runtime> inner, Gate* gate) : ForwardingRuntime(std::move(inner)), gate_(gate) {}
   Result<Embeddings> Run(const TokenBatch& b) override {
@@ -258,10 +278,7 @@ TEST_F(PushTest, WorkerLostMidPushFailsTheCallerWithWorkerLost) {
   StartDispatcher("least-loaded");
   GateRuntime::Gate gate;
   WorkerOptions wo = Options({"sim-a"}, "push-doomed");
-  wo.runtime_factory = [&gate](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
-    ASSIGN_OR_RETURN(auto inner, CreateRuntime(cfg.runtime));
-    return std::unique_ptr<Runtime>(new GateRuntime(std::move(inner), &gate));
-  };
+  wo.runtime_factory = GateRuntime::Factory(&gate);
   Member a = Start(wo);
   ASSERT_TRUE(a.worker);
   ASSERT_TRUE(SeesWorkers("sim-a", 1));
@@ -276,11 +293,7 @@ TEST_F(PushTest, WorkerLostMidPushFailsTheCallerWithWorkerLost) {
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
   EXPECT_EQ(r.status().reason(), "worker_lost");
   EXPECT_GE(GatewayCounter("shoal_gateway_push_worker_lost_total"), 1);
-  {
-    std::lock_guard<std::mutex> lock(gate.mu);
-    gate.open = true;
-  }
-  gate.cv.notify_all();
+  gate.Open();
   a.worker.reset();
 }
 
@@ -391,32 +404,15 @@ TEST_F(PushTest, TheHeldRowsBoundCountsTheRowsOfEachMessage) {
   GateRuntime::Gate gate;
   WorkerOptions wo = Options({"sim-a"}, "held-rows");
   wo.max_held_rows = 8;
-  wo.runtime_factory = [&gate](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
-    ASSIGN_OR_RETURN(auto inner, CreateRuntime(cfg.runtime));
-    return std::unique_ptr<Runtime>(new GateRuntime(std::move(inner), &gate));
-  };
-  struct OpenOnExit {
-    GateRuntime::Gate* gate;
-    ~OpenOnExit() {
-      {
-        std::lock_guard<std::mutex> lock(gate->mu);
-        gate->open = true;
-      }
-      gate->cv.notify_all();
-    }
-  };
+  wo.runtime_factory = GateRuntime::Factory(&gate);
   Member m = Start(wo);
-  OpenOnExit open_on_exit{&gate};  // destroyed before `m`
+  GateRuntime::OpenOnExit open_on_exit{&gate};  // destroyed before `m`
   ASSERT_TRUE(m.worker);
   auto held = [&] { return nlohmann::json::parse(m.worker->LoadReportJson())["outstanding_rows"].get<int64_t>(); };
   ASSERT_TRUE(Eventually([&] { return gate.entered.load() == 1; }));  // one pass on the device, blocked
   std::this_thread::sleep_for(500ms);  // pulls that were to come have come
   EXPECT_LE(held(), 16) << "the bound is 8 rows; one message past it at most";
-  {
-    std::lock_guard<std::mutex> lock(gate.mu);
-    gate.open = true;
-  }
-  gate.cv.notify_all();
+  gate.Open();
   for (auto& f : calls) {
     auto r = f.get();
     ASSERT_TRUE(r.ok()) << r.status().ToString();
@@ -438,22 +434,9 @@ TEST_F(PushTest, PullAheadLeavesWorkInTheQueueForAnIdleWorker) {
   WorkerOptions busy_opts = Options(models, "pull-busy");
   busy_opts.pull_ahead = 1;
   busy_opts.pull_idle_poll_ms = 20;
-  busy_opts.runtime_factory = [&gate](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
-    ASSIGN_OR_RETURN(auto inner, CreateRuntime(cfg.runtime));
-    return std::unique_ptr<Runtime>(new GateRuntime(std::move(inner), &gate));
-  };
-  struct OpenOnExit {  // a failed assertion must not leave the device blocked
-    GateRuntime::Gate* gate;
-    ~OpenOnExit() {
-      {
-        std::lock_guard<std::mutex> lock(gate->mu);
-        gate->open = true;
-      }
-      gate->cv.notify_all();
-    }
-  };
+  busy_opts.runtime_factory = GateRuntime::Factory(&gate);
   Member busy = Start(busy_opts);
-  OpenOnExit open_on_exit{&gate};  // destroyed before `busy`
+  GateRuntime::OpenOnExit open_on_exit{&gate};  // destroyed before `busy`
   ASSERT_TRUE(busy.worker);
   auto held = [&] { return nlohmann::json::parse(busy.worker->LoadReportJson())["outstanding_rows"].get<int64_t>(); };
 
@@ -481,11 +464,7 @@ TEST_F(PushTest, PullAheadLeavesWorkInTheQueueForAnIdleWorker) {
   }
   EXPECT_EQ(gate.entered.load(), 1);
   EXPECT_EQ(a.wait_for(0s), std::future_status::timeout);
-  {
-    std::lock_guard<std::mutex> lock(gate.mu);
-    gate.open = true;
-  }
-  gate.cv.notify_all();
+  gate.Open();
   for (auto* f : {&a, &b}) {
     auto r = f->get();
     ASSERT_TRUE(r.ok()) << r.status().ToString();

@@ -160,7 +160,6 @@ Status ProcessRuntime::Load(const ModelConfig& config) {
 }
 
 void ProcessRuntime::Unload() {
-  unloading_ = true;
   {
     std::lock_guard<std::mutex> lock(sup_mu_);
     stop_ = true;
@@ -227,12 +226,13 @@ Status ProcessRuntime::Start() {
     if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) break;
     ::close(fd);
     fd = -1;
-    if (NowMonoUs() > deadline || unloading_) break;  // unloading: a restart's wait would hold up the unload
+    if (NowMonoUs() > deadline || stop_) break;  // unloading: a restart's wait would hold up the unload
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   std::lock_guard<std::mutex> lock(io_mu_);
   if (fd < 0) {
     StopProcessLocked(false);
+    if (stop_) return Unavailable("the model was unloaded while its runtime started", "runtime_start_failed");
     return DeadlineExceeded("runtime process did not listen on its socket within " +
                                 std::to_string(p.start_timeout_ms) + " ms",
                             "runtime_start_failed");
@@ -401,7 +401,7 @@ void ProcessRuntime::SuperviseLoop() {
   int failed_starts = 0;  // restarts in a row whose Start() failed
   bool gave_up = false;
   std::unique_lock<std::mutex> lock(sup_mu_);
-  sup_cv_.wait(lock, [this] { return stop_ || start_requested_; });
+  sup_cv_.wait(lock, [this] { return stop_.load() || start_requested_; });
   if (!stop_) {
     lock.unlock();
     Status s = Start();
@@ -417,7 +417,7 @@ void ProcessRuntime::SuperviseLoop() {
   sup_cv_.notify_all();
   while (!stop_) {
     sup_cv_.wait_for(lock, std::chrono::milliseconds(std::min<int64_t>(config_.process.health_interval_ms, 200)),
-                     [this] { return stop_; });
+                     [this] { return stop_.load(); });
     if (stop_) break;
     lock.unlock();
     if (up_) {

@@ -69,14 +69,13 @@ class ProcessRuntime final : public Runtime {
   std::atomic<pid_t> pid_{-1};
   std::atomic<bool> up_{false};
   std::atomic<bool> restarting_{false};
-  std::atomic<bool> unloading_{false};  // a start under way gives up waiting for the socket
   std::atomic<int> dim_{0};
   std::atomic<int64_t> memory_bytes_{0};
   std::atomic<int> restarts_{0};
 
   mutable std::mutex sup_mu_;
   std::condition_variable sup_cv_;
-  bool stop_ = false;            // guarded by sup_mu_
+  std::atomic<bool> stop_{false};  // written under sup_mu_; read without it by a start waiting for the socket
   bool start_requested_ = false; // guarded by sup_mu_: first start, asked by Load()
   bool start_done_ = false;      // guarded by sup_mu_
   Status start_status_;          // guarded by sup_mu_
