@@ -474,10 +474,10 @@ void Dispatcher::DrainReplies(const std::string& id) {
       } else if (next.reply) {
         HandleDecodedReply(std::move(*next.reply));
       }
-    } catch (const std::exception& e) {
+    } catch (...) {
       // Out of memory holding a large reply, say: the request fails now,
       // and its queue still drains (what comes later finds it answered).
-      Complete(id, Internal(std::string("the gateway could not handle a reply: ") + e.what(), "reply_failed"));
+      Complete(id, Internal("the gateway could not handle a reply", "reply_failed"));
     }
     std::lock_guard<std::mutex> lock(order_mu_);
     auto it = in_order_.find(id);
@@ -672,7 +672,17 @@ void Dispatcher::Complete(const std::string& id, Parts result) {
   // Push: chunks never answered stop counting against their workers.
   for (int c = 0; c < p->chunk_count; ++c)
     if (!p->have[c] && !p->chunk_worker[c].empty()) ReleaseRows(p->chunk_worker[c], p->chunk_rows[c]);
-  p->done(std::move(result));
+  try {
+    p->done(std::move(result));
+  } catch (...) {
+    // Building the answer failed (out of memory on a large one): the
+    // caller still hears. A responder answers once; a second call is
+    // dropped if the first got through.
+    try {
+      p->done(Internal("the gateway could not build the answer", "reply_failed"));
+    } catch (...) {
+    }
+  }
   // The request is answered: its offloaded payloads can go.
   for (auto& ref : blob_refs) offload_->DeleteAsync(std::move(ref));
 }

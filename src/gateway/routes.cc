@@ -355,8 +355,10 @@ bool AlwaysOwnSeries(std::string_view code) {
   static constexpr std::string_view kCodes[] = {
       "queue_full",        "deadline_exceeded", "queue_unavailable",      "server_busy",  "shutting_down",
       "model_load_failed", "model_loading",     "no_worker",              "worker_lost",  "worker_stopping",
-      "blob_not_found",    "blob_corrupt",      "blob_store_unavailable", "runtime_error", "internal_error",
-      "upstream_error",    "upstream_timeout",  "upstream_busy",          "payload_too_large"};
+      "blob_not_found",    "blob_corrupt",      "blob_store_unavailable", "blob_store_full", "blob_store_missing",
+      "blob_store_mismatch", "blob_ref_invalid", "runtime_error",         "internal_error", "reply_failed",
+      "upstream_error",    "upstream_timeout",  "upstream_busy",          "upstream_auth",  "upstream_not_found",
+      "payload_too_large"};
   return std::find(std::begin(kCodes), std::end(kCodes), code) != std::end(kCodes);
 }
 
