@@ -21,8 +21,7 @@ struct Dispatcher::Pending {
   std::string item_name;           // see ItemJob::item_name
   int chunk_count = 0;
   int received = 0;
-  int64_t deadline_unix_ms = 0;  // sent to workers
-  int64_t deadline_mono_us = 0;  // the same instant on this process's steady clock: the timer's
+  int64_t deadline_mono_us = 0;  // the request's deadline on this process's steady clock: the timer's
   std::vector<bool> have;
   std::vector<int> next_seq;  // per chunk: the number of the partial reply it expects next
   std::vector<wire::WorkReply> parts;
@@ -265,7 +264,6 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
   p->first_item = std::move(first_item);
   p->item_name = std::move(item_name);
   p->chunk_count = count;
-  p->deadline_unix_ms = deadline_unix_ms;
   // The timer runs on the steady clock: a step of the wall clock (NTP, a
   // resumed VM) must not hold requests past their time or end them early.
   p->deadline_mono_us = clock_->NowMonoUs() + (deadline_unix_ms - clock_->NowUnixMs()) * 1000;

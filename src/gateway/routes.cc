@@ -206,37 +206,47 @@ bool NativeMsgpackRoute(std::string_view path) {
   return false;
 }
 
-// The length of DumpJson(j), counted without writing the text: the same
-// serializer and settings, writing into a counter.
-size_t DumpJsonSize(const json& j) {
-  struct Count final : nlohmann::detail::output_adapter_protocol<char> {
+// DumpJson(j) into *out while it fits `max_bytes`; returns the length of
+// the whole text (more than `max_bytes`: *out is incomplete). The same
+// serializer and settings as DumpJson, writing into a bounded string, so
+// a body is serialized once and never past the limit.
+size_t DumpJsonWithin(const json& j, size_t max_bytes, std::string* out) {
+  struct Bounded final : nlohmann::detail::output_adapter_protocol<char> {
+    Bounded(std::string* out, size_t max) : out(out), max(max) {}
+    std::string* out;
+    size_t max;
     size_t n = 0;
-    void write_character(char) override { ++n; }
-    void write_characters(const char*, std::size_t length) override { n += length; }
+    void write_character(char c) override { write_characters(&c, 1); }
+    void write_characters(const char* s, std::size_t length) override {
+      if (n + length <= max) out->append(s, length);
+      n += length;
+    }
   };
-  auto count = std::make_shared<Count>();
-  nlohmann::detail::serializer<json> serializer(count, ' ', json::error_handler_t::replace);
+  out->clear();
+  auto bounded = std::make_shared<Bounded>(out, max_bytes);
+  nlohmann::detail::serializer<json> serializer(bounded, ' ', json::error_handler_t::replace);
   serializer.dump(j, /*pretty_print=*/false, /*ensure_ascii=*/false, /*indent_step=*/0);
-  return count->n;
+  return bounded->n;
 }
 
 // A MessagePack request body for a JSON route, as JSON text: the handlers
 // parse one format. Binary fields have no JSON form: refused before the
-// body is decoded. A body whose text would pass `max_bytes` is refused
-// before it is written.
+// body is decoded. A body whose text would pass `max_bytes` is refused,
+// and no more than that is ever written.
 Status MsgpackBodyToJson(std::string* body, size_t max_bytes) {
   RETURN_IF_ERROR(internal::CheckMsgpackBody(*body, /*binary_allowed=*/false));
   json j = json::from_msgpack(*body, /*strict=*/true, /*allow_exceptions=*/false);
   if (j.is_discarded())
     return InvalidArgument("request body is not valid MessagePack", "invalid_msgpack");
   if (!j.is_object()) return InvalidArgument("request body must be a MessagePack map", "invalid_msgpack");
-  if (const size_t text_bytes = DumpJsonSize(j); text_bytes > max_bytes) {
+  std::string text;
+  if (const size_t text_bytes = DumpJsonWithin(j, max_bytes, &text); text_bytes > max_bytes) {
     return Status(StatusCode::kPayloadTooLarge,
                   "request body would take " + std::to_string(text_bytes) + " bytes as JSON text, more than " +
                       std::to_string(max_bytes) + " (a control character in a string takes up to 6)",
                   "payload_too_large");
   }
-  *body = DumpJson(j);
+  *body = std::move(text);
   return Status::Ok();
 }
 

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/json_text.h"
 #include "gateway/internal/http_json.h"
 #include "gateway/routes.h"
 
@@ -141,10 +142,9 @@ void Router::Rerank(HttpRequest&& req, HttpResponder respond) {
   }
   size_t top_n = job.texts_pair.size();
   if (auto t = body.find("top_n"); t != body.end() && !t->is_null()) {
-    // Unsigned first: a top_n above INT64_MAX read as int64 would wrap.
-    if (!t->is_number_unsigned() || t->get<uint64_t>() < 1)
-      return respond(ErrorResponse(InvalidArgument("top_n must be a positive integer", "invalid_top_n")));
-    top_n = static_cast<size_t>(std::min<uint64_t>(top_n, t->get<uint64_t>()));
+    const std::optional<uint64_t> n = IntegerAs<uint64_t>(*t);
+    if (!n || *n < 1) return respond(ErrorResponse(InvalidArgument("top_n must be a positive integer", "invalid_top_n")));
+    top_n = static_cast<size_t>(std::min<uint64_t>(top_n, *n));
   }
   bool return_documents = true;
   if (auto r = body.find("return_documents"); r != body.end() && !r->is_null()) {

@@ -836,7 +836,6 @@ Result<std::unique_ptr<KvBucket>> KvBucket::Wrap(NatsClient& client, kvStore* kv
   auto b = std::unique_ptr<KvBucket>(new KvBucket());
   b->kv_.reset(kv);
   b->js_ = client.js();
-  b->bucket_ = bucket;
   b->timeout_ms_ = client.options().js_api_timeout_ms;
   kvStatus* status = nullptr;
   const natsStatus s = kvStore_Status(&status, kv);
@@ -902,7 +901,7 @@ Status KvBucket::Delete(const std::string& key) {
 Result<bool> KvBucket::DeleteAtRevision(const std::string& key, uint64_t revision) {
   // What kvStore_Delete publishes (a "DEL" marker on the key's subject),
   // with the stream's check that the subject's last message is `revision`.
-  const std::string subject = "$KV." + bucket_ + "." + key;
+  const std::string subject = std::string("$KV.") + kvStore_Bucket(kv_.get()) + "." + key;
   natsMsg* raw = nullptr;
   natsStatus s = natsMsg_Create(&raw, subject.c_str(), nullptr, nullptr, 0);
   if (s != NATS_OK) return FromNats(s, "kv delete " + key);

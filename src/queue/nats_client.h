@@ -366,7 +366,6 @@ class KvBucket {
 
   KvStorePtr kv_;
   jsCtx* js_ = nullptr;  // the client's
-  std::string bucket_;
   int64_t timeout_ms_ = 5000;  // Keys(): the client's js_api_timeout_ms
   int64_t ttl_ms_ = 0;
 };

@@ -320,6 +320,15 @@ std::string EncodeWorkReply(const WorkReply& r) {
 
 namespace {
 
+// A bin of little-endian float32 values into *out (`bad_size`: the error
+// for a size that is not a multiple of 4).
+Status BinToFloats(const msgpack::object& bin, const char* bad_size, std::vector<float>* out) {
+  if (bin.via.bin.size % sizeof(float) != 0) return InvalidArgument(bad_size);
+  out->resize(bin.via.bin.size / sizeof(float));
+  if (!out->empty()) std::memcpy(out->data(), bin.via.bin.ptr, bin.via.bin.size);  // no memcpy from null
+  return Status::Ok();
+}
+
 // A count or index of a reply: 0 ..= INT32_MAX.
 Result<int> AsCount(const msgpack::object& o, const char* what) {
   ASSIGN_OR_RETURN(int64_t v, AsInt(o, what));
@@ -343,9 +352,7 @@ Status DecodeWorkReplyFields(const msgpack::object& root, WorkReply& r) {
       ASSIGN_OR_RETURN(r.dim, AsCount(kv.val, "dim"));
     } else if (key == "embeddings") {
       RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::BIN, "embeddings"));
-      if (kv.val.via.bin.size % sizeof(float) != 0) return InvalidArgument("wire: embeddings size not a multiple of 4");
-      r.embeddings.resize(kv.val.via.bin.size / sizeof(float));
-      if (!r.embeddings.empty()) std::memcpy(r.embeddings.data(), kv.val.via.bin.ptr, kv.val.via.bin.size);
+      RETURN_IF_ERROR(BinToFloats(kv.val, "wire: embeddings size not a multiple of 4", &r.embeddings));
     } else if (key == "tokens") {
       RETURN_IF_ERROR(ExpectType(kv.val, msgpack::type::ARRAY, "tokens"));
       for (uint32_t j = 0; j < kv.val.via.array.size; ++j) {
@@ -405,8 +412,8 @@ Result<WorkReply> DecodeWorkReply(std::string_view data) {
     if (key == "id") {
       if (auto id = AsString(kv.val, "id"); id.ok()) failed.request_id = *id;
     } else if (key == "chunk") {
-      auto chunk = AsInt(kv.val, "chunk");
-      failed.chunk_index = chunk.ok() && *chunk >= 0 && *chunk <= INT32_MAX ? static_cast<int>(*chunk) : -1;
+      auto chunk = AsCount(kv.val, "chunk");
+      failed.chunk_index = chunk.ok() ? *chunk : -1;
     } else if (key == "worker") {
       if (auto worker = AsString(kv.val, "worker"); worker.ok()) failed.worker_id = *worker;
     }
@@ -424,9 +431,7 @@ Result<std::vector<float>> DecodeFloatRow(std::string_view doc) {
   const msgpack::object& o = handle.get();
   std::vector<float> row;
   if (o.type == msgpack::type::BIN) {
-    if (o.via.bin.size % sizeof(float) != 0) return InvalidArgument("wire: float32 row size not a multiple of 4");
-    row.resize(o.via.bin.size / sizeof(float));
-    if (!row.empty()) std::memcpy(row.data(), o.via.bin.ptr, o.via.bin.size);
+    RETURN_IF_ERROR(BinToFloats(o, "wire: float32 row size not a multiple of 4", &row));
     return row;
   }
   if (o.type != msgpack::type::ARRAY) return InvalidArgument("wire: a row must be float32 bin or an array of numbers");

@@ -67,7 +67,7 @@ bool Bool(const json& j, const char* key, bool fallback) {
 
 // An error given as {"message":..,"code":..} or as a plain string.
 std::string ErrorText(const json& e) {
-  if (e.is_string()) return Printable(e.get<std::string>());
+  if (e.is_string()) return e.get<std::string>();  // callers pass it through OneLine
   if (!e.is_object()) return e.is_null() ? std::string() : e.dump();
   std::string msg = Str(e, "message");
   std::string code = Str(e, "code");
@@ -160,7 +160,7 @@ Result<std::vector<ModelRow>> ParseModelList(std::string_view body) {
       return BadAnswer("model list", "an entry without an \"id\": " + OneLine(m.dump(), 200));
     }
     ModelRow row;
-    row.id = Printable(m["id"].get<std::string>());
+    row.id = Str(m, "id");
     row.state = Str(m, "state");
     if (auto e = m.find("error"); e != m.end()) row.error = OneLine(ErrorText(*e), 300);
     if (auto ws = m.find("workers"); ws != m.end() && ws->is_array()) {

@@ -285,10 +285,9 @@ Status ProcessRuntime::Start() {
   // around them.) Sizes are bounded by the config's checks: no overflow.
   const BatchingConfig& b = config_.batching;
   const int64_t rows = b.max_batch_size;
-  const int64_t tokens =
-      config_.max_seq_len > 0 ? std::min<int64_t>(b.max_batch_tokens, rows * config_.max_seq_len) : b.max_batch_tokens;
+  const int64_t tokens = std::min<int64_t>(b.max_batch_tokens, rows * config_.max_seq_len);
   const int64_t reply_bytes = rows * loaded->dim * 4 + 4096;
-  const int64_t request_bytes = std::min<int64_t>(tokens, int64_t{1} << 40) * (config_.TakesPairs() ? 6 : 5) + 4096;
+  const int64_t request_bytes = tokens * (config_.TakesPairs() ? 6 : 5) + 4096;
   if (std::max(reply_bytes, request_bytes) > config_.process.max_frame_bytes) {
     return fail(Status(StatusCode::kBadGateway,
                        "process.max_frame_bytes (" + std::to_string(config_.process.max_frame_bytes) +
