@@ -20,12 +20,15 @@ struct HttpServerOptions {
   int threads = 2;                 // io threads sharing one io_context
   // A larger body is answered 413 and the connection closed.
   size_t max_body_bytes = size_t{256} << 20;
-  // Request bodies still arriving, all connections together: a request's
-  // Content-Length (or, chunked, what has come so far) counts from its
-  // headers until it is handed to the handler. A request that would pass
-  // this is answered 503 "server_busy" (Retry-After: 1) and its connection
-  // closed, so slow uploads cannot hold max_body_bytes each without bound.
-  // A value under max_body_bytes counts as max_body_bytes.
+  // Request bodies still arriving, all connections together: the memory
+  // each holds (what has come so far, grown by doubling up to its
+  // Content-Length) counts until it is handed to the handler. A request
+  // that would pass this is answered 503 "server_busy" (Retry-After: 1) and
+  // its connection closed, so many uploads at once cannot hold memory
+  // without bound. A body's declared Content-Length is not held before its
+  // bytes come: a client that declares a large body and trickles it holds
+  // only what it sent. A value under max_body_bytes counts as
+  // max_body_bytes.
   size_t max_receiving_bytes = size_t{1} << 30;
   // Open connections, idle ones included. One more is answered 503
   // "server_busy" (Retry-After: 1) and closed at once, so idle connections

@@ -482,14 +482,16 @@ TEST(HttpServer, BodyOverTheLimitIs413AndCloses) {
 }
 
 // Bodies still arriving count against max_receiving_bytes, all connections
-// together: a Content-Length from its headers, a chunked body as it comes.
-// A request with no room left is 503 server_busy with Retry-After and
-// closes; room comes back once a body is handed over or its connection goes.
+// together, by the memory they hold: what has come (grown by doubling, never
+// past the Content-Length), not what their headers declare, so a client that
+// declares a large body and trickles it holds little. A request with no room
+// left is 503 server_busy with Retry-After and closes; room comes back once
+// a body is handed over or its connection goes.
 TEST(HttpServer, BodiesArrivingPastTheServersBoundAre503) {
   int calls = 0;
   HttpServerOptions options;
-  options.max_body_bytes = 1000;
-  options.max_receiving_bytes = 1500;
+  options.max_body_bytes = 100000;
+  options.max_receiving_bytes = 150000;
   auto server = Start(CountingOk(&calls), options);
   ASSERT_TRUE(server);
   const auto head = [](size_t length) {
@@ -502,49 +504,62 @@ TEST(HttpServer, BodiesArrivingPastTheServersBoundAre503) {
     EXPECT_EQ(res[http::field::retry_after], "1");
     EXPECT_TRUE(c.PeerClosed());
   };
+  // Lets the server read what was sent before the next connection's come.
+  const auto settle = [] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); };
 
-  Client slow(server->port());  // 1000 declared, 10 sent: holds 1000
-  ASSERT_FALSE(slow.WriteRaw(head(1000) + std::string(10, 'a')));
-  // Lets the server read its headers before the next connection's come.
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // Two uploads that each declare the largest body and have sent 10 bytes
+  // hold a few bytes each, not 100000: both go on and are served.
+  Client slow(server->port());
+  ASSERT_FALSE(slow.WriteRaw(head(100000) + std::string(10, 'a')));
+  settle();
   {
-    Client second(server->port());  // 600 more would be 1600
-    ASSERT_FALSE(second.WriteRaw(head(600)));
-    busy(second);
+    Client trickle(server->port());
+    ASSERT_FALSE(trickle.WriteRaw(head(100000) + std::string(10, 'b')));
+    settle();
+    ASSERT_FALSE(trickle.WriteRaw(std::string(99990, 'b')));
+    EXPECT_EQ(trickle.Read().result_int(), 200);
   }
+  // 90000 of slow's have come: at least 90000 held.
+  ASSERT_FALSE(slow.WriteRaw(std::string(89990, 'a')));
+  settle();
   {
-    Client small(server->port());  // 500 fits beside it
-    EXPECT_EQ(small.RoundTrip(Client::Post("/", std::string(500, 'b'))).result_int(), 200);
+    Client second(server->port());  // 61000 come: past 150000 together
+    ASSERT_FALSE(second.WriteRaw(head(70000) + std::string(61000, 'c')));
+    busy(second);
   }
   {
     // Chunked: counted as it comes; the second chunk passes the bound.
     Client chunked(server->port());
     ASSERT_FALSE(chunked.WriteRaw("POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                                  "190\r\n" + std::string(400, 'c') + "\r\n"));
-    ASSERT_FALSE(chunked.WriteRaw("190\r\n" + std::string(400, 'c') + "\r\n"));
+                                  "9c40\r\n" + std::string(40000, 'c') + "\r\n"));
+    ASSERT_FALSE(chunked.WriteRaw("9c40\r\n" + std::string(40000, 'c') + "\r\n"));
     busy(chunked);
   }
   // The slow upload finishes: handed over, its room comes back.
-  ASSERT_FALSE(slow.WriteRaw(std::string(990, 'a')));
+  ASSERT_FALSE(slow.WriteRaw(std::string(10000, 'a')));
   EXPECT_EQ(slow.Read().result_int(), 200);
   {
     Client second(server->port());
-    EXPECT_EQ(second.RoundTrip(Client::Post("/", std::string(1000, 'd'))).result_int(), 200);
+    ASSERT_FALSE(second.WriteRaw(head(70000) + std::string(61000, 'd')));
+    settle();
+    ASSERT_FALSE(second.WriteRaw(std::string(9000, 'd')));
+    EXPECT_EQ(second.Read().result_int(), 200);
   }
   // A connection that leaves mid-body gives its room back too.
   {
     Client leaving(server->port());
-    ASSERT_FALSE(leaving.WriteRaw(head(1000) + "x"));
+    ASSERT_FALSE(leaving.WriteRaw(head(100000) + std::string(90000, 'x')));
+    settle();
     ASSERT_TRUE(shoal::testing::Eventually([&] {
       Client probe(server->port());
-      probe.WriteRaw(head(600));
+      probe.WriteRaw(head(70000) + std::string(61000, 'p'));
       return probe.Read().result_int() == 503;
     }));
     leaving.Close();
   }
   EXPECT_TRUE(shoal::testing::Eventually([&] {
     Client probe(server->port());
-    return probe.RoundTrip(Client::Post("/", std::string(1000, 'e'))).result_int() == 200;
+    return probe.RoundTrip(Client::Post("/", std::string(100000, 'e'))).result_int() == 200;
   }));
   EXPECT_EQ(calls, 4);
 }
