@@ -36,16 +36,27 @@ if dpkg-query -W -f='${Status}' libopenblas0-pthread 2>/dev/null | grep -q "inst
   conflicting+=(libopenblas0-pthread)
 fi
 
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+# apt as root; through sudo otherwise (env: sudo would drop the variable).
+APT=(env DEBIAN_FRONTEND=noninteractive apt-get)
+if [ "$(id -u)" -ne 0 ]; then
+  if [ ${#missing[@]} -gt 0 ] || [ ${#conflicting[@]} -gt 0 ]; then
+    if ! command -v sudo >/dev/null 2>&1; then
+      echo "install-deps: not root and no sudo; as root, run:" >&2
+      [ ${#missing[@]} -eq 0 ] || echo "  apt-get update && apt-get install --no-install-recommends ${missing[*]}" >&2
+      [ ${#conflicting[@]} -eq 0 ] || echo "  apt-get remove ${conflicting[*]}" >&2
+      exit 1
+    fi
+  fi
+  APT=(sudo "${APT[@]}")
+fi
 
 if [ ${#missing[@]} -gt 0 ]; then
   echo "install-deps: installing ${missing[*]}"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  "${APT[@]}" update -qq
+  "${APT[@]}" install -y -qq --no-install-recommends "${missing[@]}"
 fi
 if [ ${#conflicting[@]} -gt 0 ]; then
   echo "install-deps: removing ${conflicting[*]} (slow with libtorch)"
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get remove -y -qq "${conflicting[@]}"
+  "${APT[@]}" remove -y -qq "${conflicting[@]}"
 fi
 echo "install-deps: system packages ready"

@@ -11,6 +11,15 @@ cd "$(dirname "$0")/.."
 BUILD_DIR="${SHOAL_BUILD_DIR:-build}"
 JOBS="${SHOAL_JOBS:-$(nproc)}"
 
+# serve.sh and test.sh started together would write the same generated
+# files and build in the same directory at once: the second one waits.
+mkdir -p .shoal
+exec 9> .shoal/setup.lock
+if ! flock -n 9; then
+  echo "setup: waiting for another setup of this checkout to finish"
+  flock 9
+fi
+
 bash scripts/install-deps.sh
 
 echo "setup: generating the demo model repository in models/"
@@ -21,6 +30,7 @@ echo "setup: rendering the OCR test images in testdata/ocr/"
 /usr/bin/python3 scripts/make_ocr_images.py --out testdata/ocr
 
 echo "setup: building in ${BUILD_DIR}/"
-cmake -S . -B "${BUILD_DIR}" -G Ninja -DCMAKE_BUILD_TYPE="${SHOAL_BUILD_TYPE:-Release}" > /dev/null
+cmake -S . -B "${BUILD_DIR}" -G Ninja -DCMAKE_BUILD_TYPE="${SHOAL_BUILD_TYPE:-Release}" \
+  -DSHOAL_BUILD_TESTS=ON -DSHOAL_BUILD_BENCH=ON > /dev/null
 cmake --build "${BUILD_DIR}" -j "${JOBS}" ${1:+--target "$@"}
 echo "setup: done; the binary is ${BUILD_DIR}/src/cli/shoal"

@@ -2,10 +2,15 @@
 #include "queue/nats_client.h"
 #include "queue/nats_server_process.h"
 
+#include <arpa/inet.h>
 #include <nats/nats.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <future>
 #include <thread>
 
@@ -52,6 +57,61 @@ TEST(NatsServerProcess, MissingBinaryIsUnavailableWithTheReason) {
     EXPECT_EQ(s.status().code(), StatusCode::kUnavailable);
     EXPECT_NE(s.status().message().find("No such file or directory"), std::string::npos) << s.status().ToString();
   }
+}
+
+// A name that is nowhere says so, before anything is spawned.
+TEST(NatsServerProcess, ABinaryFoundNowhereSaysWhereItWasLookedFor) {
+  shoal::testing::TempDir dir;
+  NatsServerOptions o;
+  o.binary = "shoal-no-such-nats-server";
+  o.data_dir = dir.path() + "/js";
+  auto s = NatsServerProcess::Start(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(s.status().message().find("not found on PATH nor in /usr/local/sbin, /usr/sbin or /sbin"),
+            std::string::npos)
+      << s.status().ToString();
+}
+
+// Debian installs nats-server in /usr/sbin, which an ordinary user's PATH
+// does not hold: it is found there all the same.
+TEST(NatsServerProcess, StartsWithTheSbinDirectoriesOffPath) {
+  ASSERT_EQ(FindExecutable("nats-server").rfind("/usr/sbin/", 0), 0u)
+      << "this test expects Debian's /usr/sbin/nats-server";
+  const char* saved = std::getenv("PATH");
+  const std::string path = saved ? saved : "";
+  ::setenv("PATH", "/usr/local/bin:/usr/bin:/bin", 1);
+  shoal::testing::TempDir dir;
+  NatsServerOptions o;
+  o.data_dir = dir.path() + "/js";
+  auto s = NatsServerProcess::Start(o);
+  ::setenv("PATH", path.c_str(), 1);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_TRUE(PortAcceptsConnections("127.0.0.1", (*s)->port()));
+}
+
+// Something else answering on the server's port is not the server: Start
+// fails (the server could not bind) instead of handing back a server that
+// is someone else's.
+TEST(NatsServerProcess, APortSomeoneElseHoldsIsNotTakenForTheServer) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(fd, 16), 0);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  shoal::testing::TempDir dir;
+  NatsServerOptions o;
+  o.data_dir = dir.path() + "/js";
+  o.port = ntohs(addr.sin_port);
+  auto s = NatsServerProcess::Start(o);
+  ::close(fd);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(s.status().message().find("exited during start-up"), std::string::npos) << s.status().ToString();
 }
 
 // A server started without -js: the queue and the registry say what is

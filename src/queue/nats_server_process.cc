@@ -6,13 +6,16 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 #include <vector>
 
@@ -43,6 +46,26 @@ Result<int> PickFreePort() {
   return static_cast<int>(ntohs(addr.sin_port));
 }
 
+std::string FindExecutable(const std::string& binary) {
+  if (binary.empty()) return "";
+  if (binary.find('/') != std::string::npos) return binary;
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "";
+  dirs += ":/usr/local/sbin:/usr/sbin:/sbin";
+  size_t start = 0;
+  for (;;) {
+    const size_t end = dirs.find(':', start);
+    const std::string dir = dirs.substr(start, end == std::string::npos ? std::string::npos : end - start);
+    // An empty PATH entry is the working directory.
+    const std::string candidate = (dir.empty() ? std::string(".") : dir) + "/" + binary;
+    struct stat st {};
+    if (::stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(candidate.c_str(), X_OK) == 0)
+      return candidate;
+    if (end == std::string::npos) return "";
+    start = end + 1;
+  }
+}
+
 bool PortAcceptsConnections(const std::string& host, int port) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return false;
@@ -56,6 +79,18 @@ bool PortAcceptsConnections(const std::string& host, int port) {
 }
 
 namespace {
+
+// The server's log from `offset` on says it is ready. Its port answering is
+// not enough: another process may have taken the port picked for it first
+// (this server then fails to bind and exits).
+bool LogSaysReady(const std::string& log, std::streamoff offset) {
+  std::ifstream in(log, std::ios::binary);
+  if (!in || !in.seekg(offset)) return false;
+  std::string line;
+  while (std::getline(in, line))
+    if (line.find("Server is ready") != std::string::npos) return true;
+  return false;
+}
 
 // Starts argv with stdin from /dev/null, stdout and stderr to `log`, in its
 // own process group (a Ctrl-C aimed at us is forwarded by us, in order) and,
@@ -92,7 +127,7 @@ int Spawn(std::vector<char*>& argv, const std::string& log, bool die_with_parent
         ::dup2(out, STDERR_FILENO) < 0) {
       e = errno;
     } else {
-      ::execvp(argv[0], argv.data());
+      ::execv(argv[0], argv.data());
       e = errno;
     }
     (void)!::write(pipefd[1], &e, sizeof e);
@@ -120,40 +155,55 @@ Result<std::unique_ptr<NatsServerProcess>> NatsServerProcess::Start(const NatsSe
   std::error_code ec;
   std::filesystem::create_directories(o.data_dir, ec);
   if (ec) return Internal("cannot create " + o.data_dir + ": " + ec.message());
-  auto proc = std::unique_ptr<NatsServerProcess>(new NatsServerProcess());
-  proc->options_ = o;
-  proc->port_ = o.port;
-  if (proc->port_ == 0) {
-    ASSIGN_OR_RETURN(proc->port_, PickFreePort());
+  const std::string binary = FindExecutable(o.binary);
+  if (binary.empty()) {
+    return Unavailable("cannot start " + o.binary + ": not found on PATH nor in /usr/local/sbin, /usr/sbin "
+                       "or /sbin (install the nats-server package: scripts/install-deps.sh)");
   }
-  std::string log = o.log_file.empty() ? o.data_dir + "/nats-server.log" : o.log_file;
-  std::string port = std::to_string(proc->port_);
-  std::vector<std::string> args = {o.binary, "-sd", o.data_dir, "-a", o.host, "-p", port, "-l", log};
-  if (o.jetstream) args.insert(args.begin() + 1, "-js");
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-
-  pid_t pid = -1;
-  int rc = Spawn(argv, log, o.die_with_parent, o.inherit_fd, &pid);
-  if (rc != 0) {
-    return Unavailable("cannot start " + o.binary + " (is the nats-server package installed? "
-                       "run scripts/install-deps.sh): " + std::strerror(rc));
-  }
-  proc->pid_ = pid;
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(o.ready_timeout_ms);
-  while (std::chrono::steady_clock::now() < deadline) {
-    int wstatus = 0;
-    if (::waitpid(pid, &wstatus, WNOHANG) == pid) {
-      proc->pid_ = -1;
-      return Unavailable("nats-server exited during start-up; see " + log);
+  const std::string log = o.log_file.empty() ? o.data_dir + "/nats-server.log" : o.log_file;
+  // A port picked here may be taken by another process before the server
+  // binds it; the server then exits, and another port is tried.
+  constexpr int kPickedPortTries = 3;
+  for (int attempt = 1;; ++attempt) {
+    auto proc = std::unique_ptr<NatsServerProcess>(new NatsServerProcess());
+    proc->options_ = o;
+    proc->port_ = o.port;
+    if (proc->port_ == 0) {
+      ASSIGN_OR_RETURN(proc->port_, PickFreePort());
     }
-    if (PortAcceptsConnections(o.host, proc->port_)) return proc;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    // The log is appended to across runs: only what this run writes tells
+    // that it is ready.
+    const uintmax_t logged = std::filesystem::file_size(log, ec);
+    const std::streamoff log_offset = ec ? 0 : static_cast<std::streamoff>(logged);
+    std::string port = std::to_string(proc->port_);
+    std::vector<std::string> args = {binary, "-sd", o.data_dir, "-a", o.host, "-p", port, "-l", log};
+    if (o.jetstream) args.insert(args.begin() + 1, "-js");
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+
+    pid_t pid = -1;
+    int rc = Spawn(argv, log, o.die_with_parent, o.inherit_fd, &pid);
+    if (rc != 0) return Unavailable("cannot start " + binary + ": " + std::strerror(rc));
+    proc->pid_ = pid;
+    bool exited = false;
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(o.ready_timeout_ms);
+    while (std::chrono::steady_clock::now() < deadline) {
+      int wstatus = 0;
+      if (::waitpid(pid, &wstatus, WNOHANG) == pid) {
+        proc->pid_ = -1;
+        exited = true;
+        break;
+      }
+      if (LogSaysReady(log, log_offset) && PortAcceptsConnections(o.host, proc->port_)) return proc;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (exited && o.port == 0 && attempt < kPickedPortTries) continue;
+    if (exited) return Unavailable("nats-server exited during start-up; see " + log);
+    proc->Stop();
+    return Unavailable("nats-server did not accept connections within " +
+                       std::to_string(o.ready_timeout_ms) + " ms; see " + log);
   }
-  proc->Stop();
-  return Unavailable("nats-server did not accept connections within " +
-                     std::to_string(o.ready_timeout_ms) + " ms; see " + log);
 }
 
 std::string NatsServerProcess::url() const {

@@ -13,6 +13,8 @@
 namespace shoal {
 
 struct NatsServerOptions {
+  // A path, or a name looked up on PATH and then in the sbin directories
+  // (Debian installs nats-server in /usr/sbin, which a user's PATH lacks).
   std::string binary = "nats-server";
   std::string host = "127.0.0.1";
   int port = 0;                 // 0: pick a free port
@@ -53,6 +55,10 @@ class NatsServerProcess {
   pid_t pid_ = -1;
 };
 
+// Where `binary` would run from: itself when it holds a '/', else the first
+// executable of that name on PATH, then in /usr/local/sbin, /usr/sbin and
+// /sbin. Empty when there is none.
+std::string FindExecutable(const std::string& binary);
 // A TCP port on 127.0.0.1 that was free a moment ago.
 Result<int> PickFreePort();
 // True when host:port accepts a TCP connection.
