@@ -20,6 +20,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/http_client.h"
+#include "cli/internal/env_option.h"
+#include "cli/internal/split.h"
 #include "loadgen/http_load.h"
 #include "loadgen/report.h"
 #include "loadgen/utilisation.h"
@@ -29,6 +31,7 @@ namespace shoal {
 namespace {
 
 using cli::HttpClient;
+using cli::SplitList;
 using Clock = std::chrono::steady_clock;
 namespace lg = loadgen;
 
@@ -39,7 +42,7 @@ constexpr const char* kUsage =
     "  --rate 200          open loop: Poisson arrivals at 200 requests/s (latency from the scheduled arrival)\n"
     "  --rates 50,100,200  one phase per rate\n"
     "  --sweep 50:500:10   10 evenly spaced rates from 50 to 500\n"
-    "Workload: --models a,b,c (default: GET /v1/models of the target), --popularity uniform | zipf:1.1,\n"
+    "Workload: --models a,b,c (default: the embedding models GET /v1/models lists), --popularity uniform | zipf:1.1,\n"
     "  --input-words fixed:N | uniform:A:B | lognormal:MEAN:SIGMA, --batch N inputs per request.\n"
     "Plain http:// only (no TLS). Writes results.json, throughput.svg, latency.svg and, when the target\n"
     "answers GET /v1/workers (Shoal), utilisation.svg into --out.\n";
@@ -58,18 +61,6 @@ struct Phase {
     return o.str();
   }
 };
-
-std::vector<std::string> SplitList(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, sep);) {
-    while (!item.empty() && item.front() == ' ') item.erase(item.begin());
-    while (!item.empty() && item.back() == ' ') item.pop_back();
-    out.push_back(item);
-  }
-  if (!s.empty() && s.back() == sep) out.emplace_back();
-  return out;
-}
 
 std::optional<double> Number(const std::string& s) {
   if (s.empty()) return std::nullopt;
@@ -152,10 +143,15 @@ Result<std::vector<std::string>> FetchModels(const HttpClient& client) {
   std::vector<std::string> out;
   if (j.is_object() && j.contains("data") && j["data"].is_array()) {
     for (const auto& m : j["data"]) {
-      if (m.is_object() && m.contains("id") && m["id"].is_string()) out.push_back(m["id"].get<std::string>());
+      if (!m.is_object() || !m.contains("id") || !m["id"].is_string() || m["id"].get<std::string>().empty())
+        continue;
+      // The requests are embeddings: a Shoal gateway says which models
+      // are for something else (rerankers, classifiers, OCR, generators).
+      if (m.contains("task") && m["task"].is_string() && m["task"] != "embed") continue;
+      out.push_back(m["id"].get<std::string>());
     }
   }
-  if (out.empty()) return Unavailable("GET /v1/models listed no models; name them with --models");
+  if (out.empty()) return Unavailable("GET /v1/models listed no embedding models; name them with --models");
   return out;
 }
 
@@ -335,7 +331,7 @@ CLI::App* AddBenchCommand(CLI::App* app, BenchCommandFlags* f) {
   CLI::App* cmd = app->add_subcommand(
       "bench", "Load-test a Shoal gateway or any OpenAI-compatible /v1/embeddings endpoint; write JSON and SVG plots");
   auto opt = [cmd](const std::string& flag, auto& value, const std::string& env, const std::string& help) {
-    return cmd->add_option(flag, value, help)->envname(env)->capture_default_str();
+    return cli::EnvOption(cmd, flag, value, env, help);
   };
   opt("--url", f->url, "SHOAL_BENCH_URL",
       "Target base URL, http://host:port[/prefix] (plain HTTP only); several, comma-separated, spread the "
@@ -348,7 +344,7 @@ CLI::App* AddBenchCommand(CLI::App* app, BenchCommandFlags* f) {
   opt("--duration", f->duration_s, "SHOAL_BENCH_DURATION", "Measured seconds per phase");
   opt("--warmup", f->warmup_s, "SHOAL_BENCH_WARMUP", "Unmeasured seconds before each phase's window");
   opt("--models", f->models, "SHOAL_BENCH_MODELS",
-      "Comma-separated models, most popular first (default: every model GET /v1/models lists)");
+      "Comma-separated models, most popular first (default: every embedding model GET /v1/models lists)");
   opt("--popularity", f->popularity, "SHOAL_BENCH_POPULARITY", "Model popularity: uniform or zipf:S (S > 0)");
   opt("--input-words", f->input_words, "SHOAL_BENCH_INPUT_WORDS",
       "Words per input: fixed:N, uniform:A:B or lognormal:MEAN:SIGMA");
@@ -382,11 +378,25 @@ int RunBenchCommand(const BenchCommandFlags& flags, std::ostream& out, std::ostr
   if (!popularity.ok()) return Usage(err, "--popularity: " + popularity.status().message());
   auto lengths = lg::ParseLengthDistribution(flags.input_words);
   if (!lengths.ok()) return Usage(err, "--input-words: " + lengths.status().message());
-  if (!(flags.duration_s > 0)) return Usage(err, "--duration must be > 0 seconds");
-  if (!(flags.warmup_s >= 0)) return Usage(err, "--warmup must be >= 0 seconds");
+  constexpr double kDayS = 86400;
+  if (!(flags.duration_s > 0 && flags.duration_s <= kDayS))
+    return Usage(err, "--duration must be > 0 and at most 86400 seconds");
+  if (!(flags.warmup_s >= 0 && flags.warmup_s <= kDayS))
+    return Usage(err, "--warmup must be >= 0 and at most 86400 seconds");
   if (flags.batch < 1) return Usage(err, "--batch must be >= 1");
   if (flags.pool < 1) return Usage(err, "--pool must be >= 1");
-  if (flags.threads < 1) return Usage(err, "--threads must be >= 1");
+  // The pool is built before the first request: a size that cannot fit is
+  // refused here, not found out by running out of memory.
+  constexpr double kMaxPoolBytes = double{1} * (1 << 30);
+  const double pool_bytes = static_cast<double>(flags.pool) * flags.batch *
+                            (std::min<double>(lengths->Mean(), lg::LengthDistribution::kMaxWords) * 7 + 4);
+  if (pool_bytes > kMaxPoolBytes) {
+    return Usage(err, "--pool x --batch x --input-words would build about " +
+                          std::to_string(static_cast<int64_t>(pool_bytes / (1 << 20))) +
+                          " MiB of requests ahead of time (at most 1024); lower --pool");
+  }
+  constexpr int kMaxThreads = 256;
+  if (flags.threads < 1 || flags.threads > kMaxThreads) return Usage(err, "--threads must be in [1, 256]");
   if (flags.max_connections < 1) return Usage(err, "--max-connections must be >= 1");
   if (flags.path.empty() || flags.path.front() != '/') return Usage(err, "--path must start with '/'");
   const std::vector<std::string> urls = SplitList(flags.url, ',');
@@ -409,6 +419,11 @@ int RunBenchCommand(const BenchCommandFlags& flags, std::ostream& out, std::ostr
   std::vector<std::string> models;
   for (const auto& m : SplitList(flags.models, ',')) {
     if (!m.empty()) models.push_back(m);
+  }
+
+  if (Status s = lg::PrepareReportDir(flags.out_dir); !s.ok()) {
+    err << "error: " << s.message() << "\n";
+    return 1;
   }
 
   // --- target -----------------------------------------------------------------
@@ -462,6 +477,8 @@ int RunBenchCommand(const BenchCommandFlags& flags, std::ostream& out, std::ostr
   // --- phases -------------------------------------------------------------------
   bool any_answer = false;
   bool any_ok = false;  // some request was answered 200
+  bool any_late_answer = false;  // closed loop: answered, but after the window
+  bool failed = false;           // a phase could not run
   for (const Phase& phase : *phases) {
     lg::LoadOptions lo;
     lo.host = url.host;
@@ -488,12 +505,19 @@ int RunBenchCommand(const BenchCommandFlags& flags, std::ostream& out, std::ostr
     {
       std::optional<ProgressPrinter> printer;
       if (!flags.quiet) printer.emplace(err, err_is_tty, phase.Label(), &progress, flags.warmup_s);
-      result = lg::RunLoad(lo);
+      try {
+        result = lg::RunLoad(lo);
+      } catch (const std::exception& e) {  // out of threads or descriptors for this many clients
+        result = Unavailable(std::string("cannot run the phase: ") + e.what());
+      }
     }
     if (!result.ok()) {
+      // The phases done so far are still written.
       err << "error: " << phase.Label() << ": " << result.status().message() << "\n";
-      return 1;
+      failed = true;
+      break;
     }
+    if (result->answered_after_window > 0) any_late_answer = true;
     lg::PhaseReport p = lg::SummarizePhase(phase.mode, phase.rate, phase.clients, *result, models, flags.batch);
     p.start_s = phase_start + flags.warmup_s;
     p.end_s = p.start_s + flags.duration_s;
@@ -522,6 +546,12 @@ int RunBenchCommand(const BenchCommandFlags& flags, std::ostream& out, std::ostr
   out << "wrote";
   for (const auto& w : written) out << " " << w;
   out << "\n";
+  if (failed) return 1;
+  if (!any_answer && any_late_answer) {
+    err << "error: no answer from " << report.target
+        << " came inside a measured window; answers came after it (lengthen --duration)\n";
+    return 1;
+  }
   if (!any_answer) {
     err << "error: no request got an HTTP answer from " << report.target << " (is it running?)\n";
     return 1;

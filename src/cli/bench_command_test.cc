@@ -9,10 +9,12 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <gmock/gmock.h>
@@ -80,7 +82,13 @@ TEST(BenchCommand, BadOptionsAreUsageErrors) {
       {[](BenchCommandFlags& f) { f.closed = "0"; }, "client count"},
       {[](BenchCommandFlags& f) { f.url = "https://api.example.com"; }, "https"},
       {[](BenchCommandFlags& f) { f.duration_s = 0; }, "--duration"},
+      // A window that never ends (or overflows its nanoseconds).
+      {[](BenchCommandFlags& f) { f.duration_s = std::numeric_limits<double>::infinity(); }, "--duration"},
+      {[](BenchCommandFlags& f) { f.warmup_s = 1e12; }, "--warmup"},
       {[](BenchCommandFlags& f) { f.batch = 0; }, "--batch"},
+      // Built before the first request: 4096 x 2048 inputs of 512 words.
+      {[](BenchCommandFlags& f) { f.batch = 2048, f.input_words = "fixed:512"; }, "lower --pool"},
+      {[](BenchCommandFlags& f) { f.threads = 7000; }, "--threads must be in [1, 256]"},
   };
   for (const Case& c : cases) {
     BenchCommandFlags f;
@@ -112,6 +120,44 @@ TEST(BenchCommand, OptionsComeFromFlagsAndEnvironment) {
   EXPECT_THAT(cmd->help(), HasSubstr("plain HTTP only"));
 }
 
+// Integers are plain decimal: CLI11 alone reads "010" as 8, "0x10" as 16,
+// and "-1" into an unsigned option as its largest value.
+TEST(BenchCommand, IntegerOptionsAreDecimal) {
+  struct Case {
+    std::vector<std::string> args;
+    bool ok;
+    int batch;
+    uint64_t seed;
+  };
+  const Case cases[] = {
+      {{"--batch", "010"}, true, 10, 1},
+      {{"--batch", "0"}, true, 0, 1},  // in range for the parser; RunBenchCommand refuses it
+      {{"--seed", "00"}, true, 1, 0},
+      {{"--batch", "-3"}, true, -3, 1},
+      {{"--batch", "0x10"}, false, 0, 0},
+      {{"--batch", "1e3"}, false, 0, 0},
+      {{"--batch", ""}, false, 0, 0},
+      {{"--seed", "-1"}, false, 0, 0},
+  };
+  for (const Case& c : cases) {
+    CLI::App app;
+    BenchCommandFlags f;
+    AddBenchCommand(&app, &f);
+    std::vector<std::string> args = {"shoal", "bench"};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    const std::string what = c.args[0] + " '" + c.args[1] + "'";
+    if (!c.ok) {
+      EXPECT_THROW(app.parse(static_cast<int>(argv.size()), argv.data()), CLI::ValidationError) << what;
+      continue;
+    }
+    ASSERT_NO_THROW(app.parse(static_cast<int>(argv.size()), argv.data())) << what;
+    EXPECT_EQ(f.batch, c.batch) << what;
+    EXPECT_EQ(f.seed, c.seed) << what;
+  }
+}
+
 // A Shoal-like target: /v1/models, /v1/embeddings (model "busy" gets 429),
 // and, when `workers` is set, /v1/workers with one worker busy half the time.
 class Target {
@@ -125,7 +171,9 @@ class Target {
  private:
   FakeOpenAiServer::Reply Answer(const FakeOpenAiServer::Request& r, bool workers) {
     if (r.method == "GET" && r.target == "/v1/models") {
-      return {200, R"({"object":"list","data":[{"id":"alpha"},{"id":"beta"},{"id":"busy"}]})"};
+      // An empty id and a model for another task are not benchmarked.
+      return {200, R"({"object":"list","data":[{"id":"alpha","task":"embed"},{"id":"beta"},{"id":"busy"},)"
+                   R"({"id":""},{"id":"ranker","task":"score"}]})"};
     }
     if (r.method == "GET" && r.target == "/v1/workers" && workers) {
       const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
@@ -260,10 +308,11 @@ TEST(BenchCommand, OpenLoopRatesModelsFromTheTargetAndNoWorkersEndpoint) {
     EXPECT_EQ(req.authorization, "Bearer from-env") << req.target;
     if (req.method == "POST") ++sent[json::parse(req.body)["model"].get<std::string>()];
   }
-  // Every model GET /v1/models listed got traffic.
+  // Every embedding model GET /v1/models listed got traffic, and only those.
   EXPECT_GT(sent["alpha"], 0);
   EXPECT_GT(sent["beta"], 0);
   EXPECT_GT(sent["busy"], 0);
+  EXPECT_EQ(sent.size(), 3u);
   const json j = ReadJson(dir.path() + "/results.json");
   ASSERT_EQ(j["phases"].size(), 2u);
   EXPECT_EQ(j["phases"][0]["offered_rate"], 40.0);
@@ -321,6 +370,48 @@ TEST(BenchCommand, EveryRequestFailingFails) {
   const BenchRun run = Bench(f);
   EXPECT_EQ(run.code, 1);
   EXPECT_THAT(run.err, HasSubstr("every request to"));
+}
+
+// An --out that cannot be written fails before any load is sent, not
+// after the whole run.
+TEST(BenchCommand, AnUnwritableOutFailsBeforeTheLoad) {
+  Target target(/*workers=*/false);
+  TempOut dir;
+  const std::string file = dir.path() + "/a-file";
+  std::ofstream(file) << "x";
+  BenchCommandFlags f;
+  f.url = target.server().url();
+  f.models = "alpha";
+  f.out_dir = file + "/out";  // under a file: cannot be created
+  f.duration_s = 5;
+  f.quiet = true;
+  const BenchRun run = Bench(f);
+  EXPECT_EQ(run.code, 1);
+  EXPECT_THAT(run.err, HasSubstr("cannot create " + f.out_dir));
+  for (const auto& req : target.server().requests()) EXPECT_NE(req.method, "POST");
+}
+
+// A target slower than the window answered, just not inside it: the run
+// says so, not that the target is not running.
+TEST(BenchCommand, AnswersOnlyAfterTheWindowAreNamedAsSuch) {
+  FakeOpenAiServer s([](const FakeOpenAiServer::Request& r) {
+    FakeOpenAiServer::Reply reply = FakeOpenAiServer::Embeddings(r.body);
+    reply.delay_ms = 800;
+    return reply;
+  });
+  TempOut dir;
+  BenchCommandFlags f;
+  f.url = "http://127.0.0.1:" + std::to_string(s.port());
+  f.out_dir = dir.path();
+  f.models = "slow";
+  f.closed = "2";
+  f.duration_s = 0.3;
+  f.warmup_s = 0;
+  f.quiet = true;
+  const BenchRun run = Bench(f);
+  EXPECT_EQ(run.code, 1);
+  EXPECT_THAT(run.err, HasSubstr("answers came after it (lengthen --duration)"));
+  EXPECT_THAT(run.err, ::testing::Not(HasSubstr("is it running")));
 }
 
 }  // namespace

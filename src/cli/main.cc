@@ -19,12 +19,15 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include <CLI/CLI.hpp>
 
 #include "blob/blob_store.h"
 #include "cli/bench_command.h"
+#include "cli/internal/env_option.h"
+#include "cli/internal/split.h"
 #include "cli/models_command.h"
 #include "common/log.h"
 #include "common/metrics.h"
@@ -42,7 +45,7 @@ namespace {
 // Adds an option with its environment variable in one place.
 template <typename T>
 CLI::Option* Opt(CLI::App* app, const std::string& flag, T& value, const std::string& env, const std::string& help) {
-  return app->add_option(flag, value, help)->envname(env)->capture_default_str();
+  return cli::EnvOption(app, flag, value, env, help);
 }
 CLI::Option* Flag(CLI::App* app, const std::string& flag, bool& value, const std::string& env, const std::string& help) {
   return app->add_flag(flag, value, help)->envname(env)->capture_default_str();
@@ -222,16 +225,11 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
       "Long-poll of an idle model's pull (returns as soon as work arrives)");
 }
 
+// Items trimmed of spaces ("a, b" is a and b); empty ones dropped.
 std::vector<std::string> SplitCsv(const std::string& s) {
   std::vector<std::string> out;
-  size_t start = 0;
-  while (start <= s.size()) {
-    size_t end = s.find(',', start);
-    if (end == std::string::npos) end = s.size();
-    std::string item = s.substr(start, end - start);
-    if (!item.empty()) out.push_back(item);
-    start = end + 1;
-  }
+  for (std::string& item : cli::SplitList(s, ','))
+    if (!item.empty()) out.push_back(std::move(item));
   return out;
 }
 
@@ -528,7 +526,15 @@ int main(int argc, char** argv) {
   BenchCommandFlags bench_flags;
   CLI::App* bench = AddBenchCommand(&app, &bench_flags);
 
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);  // prints the message, or the help asked for
+    // `shoal models` and `shoal bench` end every bad value with 2, as they
+    // do the values they check themselves.
+    const bool reports_with_2 = argc > 1 && (std::string_view(argv[1]) == "models" || std::string_view(argv[1]) == "bench");
+    return code != 0 && reports_with_2 ? 2 : code;
+  }
   if (models->parsed()) return RunModelsCommand(models_flags);
   if (bench->parsed()) return RunBenchCommand(bench_flags);
   if (serve->parsed()) ApplyOmpWaitPolicy(serve_wk.omp_wait_policy, argv);
@@ -632,6 +638,15 @@ int main(int argc, char** argv) {
     if (!wk_blob_opts.ok()) return Fail(wk_blob_opts.status());
     wk.options.blob = *wk_blob_opts;
     ApplyStream(wk_stream, &wk.options.stream);
+    // Bound before the models load and the worker joins the fleet, so a
+    // port in use fails at once.
+    std::unique_ptr<HttpServer> metrics_server;
+    if (wk.metrics_port >= 0) {
+      auto m = WorkerMetricsServer(wk.metrics_port, &metrics);
+      if (!m.ok()) return Fail(m.status());
+      metrics_server = std::move(m).value();
+      LOG_INFO("worker", "metrics on port " << metrics_server->port());
+    }
     std::vector<std::unique_ptr<NatsClient>> clients;
     std::vector<std::unique_ptr<MetricsRegistry>> worker_metrics;  // one labelled view per simulated worker
     std::vector<std::unique_ptr<Worker>> workers;
@@ -654,13 +669,6 @@ int main(int argc, char** argv) {
       workers.push_back(std::move(w).value());
     }
 
-    std::unique_ptr<HttpServer> metrics_server;
-    if (wk.metrics_port >= 0) {
-      auto m = WorkerMetricsServer(wk.metrics_port, &metrics);
-      if (!m.ok()) return Fail(m.status());
-      metrics_server = std::move(m).value();
-      LOG_INFO("worker", "metrics on port " << metrics_server->port());
-    }
     MarkServing();
     for (const auto& one : workers) std::printf("shoal worker %s ready\n", one->id().c_str());
     std::fflush(stdout);

@@ -8,6 +8,7 @@
 
 #include "cli/http_client.h"
 #include "common/json_text.h"
+#include "cli/internal/env_option.h"
 #include "cli/internal/models_format.h"
 
 namespace shoal {
@@ -112,9 +113,8 @@ CLI::App* AddModelsCommand(CLI::App* app, ModelsCommandFlags* flags) {
   cmd->add_flag("--json", flags->json, "Print the gateway's JSON answer as is")
       ->envname("SHOAL_MODELS_JSON")
       ->capture_default_str();
-  cmd->add_option("--timeout-ms", flags->timeout_ms, "Whole-request timeout, 1 ms to a day; a load waits for the model")
-      ->envname("SHOAL_MODELS_TIMEOUT_MS")
-      ->capture_default_str();
+  cli::EnvOption(cmd, "--timeout-ms", flags->timeout_ms, "SHOAL_MODELS_TIMEOUT_MS",
+                 "Whole-request timeout, 1 ms to a day; a load waits for the model");
   cmd->footer(ui::ModelsUsage());
   return cmd;
 }

@@ -66,6 +66,7 @@ struct ThreadState {
   int64_t completed = 0, errors = 0, dropped = 0, prompt_tokens = 0;
   int64_t due = 0;  // open loop: arrivals in the window
   int64_t answered_in_window = 0;  // 200s that arrived in the window, whenever due
+  int64_t answered_after_window = 0;  // closed loop: answers of any status after it
   std::string first_error;
   std::map<int, int64_t> errors_by_status;
   std::vector<TagCounts> per_tag;
@@ -201,6 +202,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
       ts_->prompt_tokens += PromptTokens(res.body());  // per second of the window, as req/s
     }
     const double latency_ms = std::chrono::duration<double, std::milli>(end - start_).count();
+    if (!sh.open_loop && end >= sh.window_end) ++ts_->answered_after_window;
     if (LoadProgress* p = sh.options->progress) p->OnDone(ok, latency_ms);
     if (sh.options->on_request_done) {
       sh.options->on_request_done(request_, sent_value_, res.result_int(), latency_ms, in_window);
@@ -552,6 +554,7 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
   for (auto& t : ts) {
     r.completed += t->completed;
     r.answered_in_window += t->answered_in_window;
+    r.answered_after_window += t->answered_after_window;
     r.errors += t->errors;
     r.dropped += t->dropped;
     r.due += t->due;

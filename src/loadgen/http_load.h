@@ -108,6 +108,9 @@ struct LoadResult {
   // throughput (open loop: under overload the server's rate, not the
   // offered one).
   int64_t answered_in_window = 0;
+  // Closed loop: HTTP answers (any status) that came after the window, to
+  // requests it had sent; counted nowhere else.
+  int64_t answered_after_window = 0;
   int64_t errors = 0;           // non-200 responses or failed connections
   int64_t dropped = 0;          // open loop: arrivals with no free connection
   int64_t due = 0;              // open loop: arrivals in the window

@@ -355,10 +355,22 @@ std::string UtilisationSvg(const BenchReport& r) {
   return Render(c);
 }
 
-Status WriteReport(const BenchReport& report, const std::string& dir, std::vector<std::string>* written) {
+Status PrepareReportDir(const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return Unavailable("cannot create " + dir + ": " + ec.message());
+  const std::string probe = (std::filesystem::path(dir) / ".shoal-bench-probe").string();
+  std::ofstream f(probe, std::ios::binary | std::ios::trunc);
+  f << "probe";
+  f.close();
+  const bool ok = static_cast<bool>(f);
+  std::filesystem::remove(probe, ec);
+  if (!ok) return Unavailable("cannot write into " + dir);
+  return Status::Ok();
+}
+
+Status WriteReport(const BenchReport& report, const std::string& dir, std::vector<std::string>* written) {
+  RETURN_IF_ERROR(PrepareReportDir(dir));
   auto write = [&](const std::string& name, const std::string& text) -> Status {
     const std::string path = (std::filesystem::path(dir) / name).string();
     std::ofstream f(path, std::ios::binary | std::ios::trunc);
@@ -372,7 +384,12 @@ Status WriteReport(const BenchReport& report, const std::string& dir, std::vecto
   RETURN_IF_ERROR(write("throughput.svg", ThroughputSvg(report)));
   RETURN_IF_ERROR(write("latency.svg", LatencySvg(report)));
   const std::string util = UtilisationSvg(report);
-  if (!util.empty()) RETURN_IF_ERROR(write("utilisation.svg", util));
+  if (!util.empty()) {
+    RETURN_IF_ERROR(write("utilisation.svg", util));
+  } else {
+    std::error_code ec;  // an earlier run's, into the same directory
+    std::filesystem::remove(std::filesystem::path(dir) / "utilisation.svg", ec);
+  }
   return Status::Ok();
 }
 

@@ -66,8 +66,12 @@ std::string LatencySvg(const BenchReport& report);
 // Empty when there is no utilisation data.
 std::string UtilisationSvg(const BenchReport& report);
 
-// Writes results.json, throughput.svg, latency.svg and (when available)
-// utilisation.svg into `dir`, creating it. Appends the paths written.
+// Creates `dir` and checks that a file can be written into it, so a bad
+// --out fails before the load runs rather than after.
+Status PrepareReportDir(const std::string& dir);
+// Writes results.json, throughput.svg, latency.svg and (when available;
+// else an earlier one is removed) utilisation.svg into `dir`, creating it.
+// Appends the paths written.
 Status WriteReport(const BenchReport& report, const std::string& dir, std::vector<std::string>* written);
 
 }  // namespace shoal::loadgen
