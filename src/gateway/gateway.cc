@@ -46,7 +46,11 @@ Result<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& options, 
                    }));
   g->router_->SetModelController(g->control_.get());
   Router* router = g->router_.get();
-  ASSIGN_OR_RETURN(g->http_, HttpServer::Create(options.http, [router](HttpRequest&& req, HttpResponder respond) {
+  HttpServerOptions http_options = options.http;
+  // What the HTTP server refuses itself (server_busy, oversized bodies,
+  // malformed requests) is counted with the router's errors.
+  http_options.on_refused = [router](int, std::string_view code) { router->CountError(code); };
+  ASSIGN_OR_RETURN(g->http_, HttpServer::Create(http_options, [router](HttpRequest&& req, HttpResponder respond) {
                      router->Handle(std::move(req), std::move(respond));
                    }));
   return g;

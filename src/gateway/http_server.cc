@@ -674,6 +674,7 @@ void HttpServer::Impl::Connection::OnStreamWritten(error_code ec, size_t) {
 // Answers the request with an error and closes without trusting the rest
 // of the stream.
 void HttpServer::Impl::Connection::FailRequest(int http_status, const Status& status, int retry_after_s) {
+  if (const auto& count = server_.options().on_refused) count(http_status, status.ReasonOrDefault());
   closing_ = true;
   ReleaseBody();  // what has come is dropped with the connection
   response_ = {};

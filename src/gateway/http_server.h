@@ -6,8 +6,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "common/status.h"
 #include "gateway/http.h"
@@ -42,6 +44,11 @@ struct HttpServerOptions {
   // take in all, and its body per read (a slow upload that keeps sending
   // goes on). Also bounds writing each response.
   int64_t read_timeout_ms = 30000;
+  // Called for each request the server answers itself, without the handler
+  // (503 server_busy, 413 over max_body_bytes, 431, 400 malformed_request,
+  // 400/501 unsupported_transfer_encoding), with the status and error code:
+  // for the caller's metrics. On an io thread; must not block. May be empty.
+  std::function<void(int status, std::string_view code)> on_refused;
 
   Status Validate() const;
 };

@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -11,6 +12,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
@@ -443,10 +445,29 @@ TEST(HttpServer, HandlerExceptionBecomes500) {
   EXPECT_EQ(client.RoundTrip(Client::Get("/")).result_int(), 500);
 }
 
+// What the server refuses itself reaches on_refused (the gateway's
+// metrics), with its status and code.
+struct Refusals {
+  std::mutex mu;
+  std::vector<std::pair<int, std::string>> seen;
+  void Hook(HttpServerOptions& options) {
+    options.on_refused = [this](int status, std::string_view code) {
+      std::lock_guard<std::mutex> lock(mu);
+      seen.emplace_back(status, std::string(code));
+    };
+  }
+  size_t Count(int status, const std::string& code) {
+    std::lock_guard<std::mutex> lock(mu);
+    return static_cast<size_t>(std::count(seen.begin(), seen.end(), std::make_pair(status, code)));
+  }
+};
+
 TEST(HttpServer, BodyOverTheLimitIs413AndCloses) {
   int calls = 0;
+  Refusals refusals;
   HttpServerOptions options;
   options.max_body_bytes = 1024;
+  refusals.Hook(options);
   auto server = Start(CountingOk(&calls), options);
   ASSERT_TRUE(server);
   {
@@ -479,6 +500,7 @@ TEST(HttpServer, BodyOverTheLimitIs413AndCloses) {
     EXPECT_TRUE(client.PeerClosed());
   }
   EXPECT_EQ(calls, 1);
+  EXPECT_EQ(refusals.Count(413, "payload_too_large"), 2u);
 }
 
 // Bodies still arriving count against max_receiving_bytes, all connections
@@ -492,6 +514,8 @@ TEST(HttpServer, BodiesArrivingPastTheServersBoundAre503) {
   HttpServerOptions options;
   options.max_body_bytes = 100000;
   options.max_receiving_bytes = 150000;
+  Refusals refusals;
+  refusals.Hook(options);
   auto server = Start(CountingOk(&calls), options);
   ASSERT_TRUE(server);
   const auto head = [](size_t length) {
@@ -562,6 +586,7 @@ TEST(HttpServer, BodiesArrivingPastTheServersBoundAre503) {
     return probe.RoundTrip(Client::Post("/", std::string(100000, 'e'))).result_int() == 200;
   }));
   EXPECT_EQ(calls, 4);
+  EXPECT_GE(refusals.Count(503, "server_busy"), 3u);  // second, chunked, and the probe(s)
 }
 
 // A handler's answer HTTP cannot carry (no final status, or a body on 204

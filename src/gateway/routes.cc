@@ -401,7 +401,10 @@ void Router::Handle(HttpRequest&& req, HttpResponder respond) {
   const std::string& path = req.path;
   if (internal::AcceptsMsgpack(req.Header("accept"))) respond = MsgpackResponder(std::move(respond));
   if (!NativeMsgpackRoute(path) && internal::IsMsgpackType(req.Header("content-type")) && !req.body.empty()) {
-    if (Status st = MsgpackBodyToJson(&req.body, options_.max_body_bytes); !st.ok()) return respond(ErrorResponse(st));
+    if (Status st = MsgpackBodyToJson(&req.body, options_.max_body_bytes); !st.ok()) {
+      CountError(st.ReasonOrDefault());  // before any route's Instrument
+      return respond(ErrorResponse(st));
+    }
   }
   auto method_is = [&](const char* m) { return req.method == m; };
   // HEAD is GET without the body (the server drops it).

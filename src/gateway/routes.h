@@ -55,6 +55,10 @@ class Router {
   // Enables POST /v1/models/{model}/{load|unload|pin|unpin}; must outlive
   // the router. Without it those routes answer 503.
   void SetModelController(ModelController* control) { control_ = control; }
+  // Counts an error answered outside any route (shoal_http_errors_total):
+  // what the HTTP server refuses itself, a MessagePack body that does not
+  // decode.
+  void CountError(std::string_view code) { ErrorCounter(code)->Inc(); }
 
  private:
   void Embeddings(HttpRequest&& req, HttpResponder respond);

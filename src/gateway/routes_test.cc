@@ -311,6 +311,9 @@ TEST_F(RoutesTest, EncodeSpeaksJsonAndMessagePack) {
   r = Call("POST", "/v1/encode/m", "\xc1\xc1", {{"content-type", "application/msgpack"}});
   EXPECT_EQ(r.status, 400);
   EXPECT_EQ(ErrorCode(r), "invalid_msgpack");
+  // Refused before any route took it, and counted all the same.
+  EXPECT_NE(Call("GET", "/metrics", "").body.find("shoal_http_errors_total{code=\"invalid_msgpack\"} 1"),
+            std::string::npos);
   r = Call("POST", "/v1/encode/nope", R"({"inputs":["a"]})");
   EXPECT_EQ(r.status, 404);
   EXPECT_EQ(ErrorCode(r), "model_not_found");

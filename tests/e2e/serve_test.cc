@@ -575,6 +575,8 @@ TEST(E2eServeShutdown, BadOptionExitsBeforeStartingNatsServer) {
                                    {{"--host-memory-budget", "1GiB"}, "invalid_argument", "host memory budget"},
                                    {{"--preload", "bogus"}, "model_not_found", "--preload: model 'bogus'"},
                                    {{"--pin", "bogus"}, "model_not_found", "--pin: model 'bogus'"},
+                                   // List items are trimmed: the name is 'bogus', not ' bogus '.
+                                   {{"--preload", " bogus , "}, "model_not_found", "--preload: model 'bogus'"},
                                    {{"--models", "bogus"}, "model_not_found", "model 'bogus' is not in repository"},
                                    {{"--models-dir", "/nonexistent-shoal-models"}, "not_found", "/nonexistent-shoal-models"},
                                    {{"--blob-store", "file://relative/dir"}, "invalid_argument", "file:///absolute/dir"},
@@ -614,6 +616,10 @@ TEST(E2eServeShutdown, BadOptionExitsBeforeStartingNatsServer) {
   // parser's error (exit status 105).
   expect_exit({"--memory-budget", "12XB"}, 105, "--memory-budget", "12XB");
   expect_exit({"--eviction", "mru"}, 105, "--eviction", "mru");
+  // Integers are decimal: -1 is no size (it would lift the body limit),
+  // and 0x10 no count.
+  expect_exit({"--max-body-bytes", "-1"}, 105, "--max-body-bytes", "expects a decimal integer of 0 or more");
+  expect_exit({"--chunk-size", "0x10"}, 105, "--chunk-size", "expects a decimal integer");
 }
 
 // Two nats-servers must not share one JetStream store: a second serve on a
