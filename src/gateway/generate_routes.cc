@@ -63,38 +63,63 @@ struct SseAnswer {
     respond = nullptr;
     once(std::move(r));
   }
+  // Events written so far; guarded by mu. The worker's end marker says
+  // how many it sent, so events lost on the way (an event too large to
+  // publish, a reply subscription that fell behind) are not ended with
+  // [DONE] as if the output were whole.
+  int64_t events = 0;
+
   void Event(std::string_view chunk) {
     auto ev = ResultDoc(chunk, model);
     std::lock_guard<std::mutex> lock(mu);
     if (finished) return;
+    if (!ev.ok()) return FailLocked(ev.status());
     StartLocked();
-    if (ev.ok()) body->Write("data: " + DumpJson(*ev) + "\n\n");
+    body->Write("data: " + DumpJson(*ev) + "\n\n");
+    ++events;
+  }
+  // Ends the answer with `status`: its own response before any event, else
+  // an error event in OpenAI's shape and no [DONE]. Requires mu.
+  void FailLocked(const Status& status) {
+    finished = true;
+    if (!body) {
+      HttpResponder once = std::move(respond);
+      respond = nullptr;
+      return once(ErrorResponse(status, retry_after_s));
+    }
+    body->Write("data: " + ErrorResponse(status, retry_after_s).body + "\n\n");
+    body->Close();
   }
   void Done(Result<ItemResult> result) {
     std::lock_guard<std::mutex> lock(mu);
     if (finished) return;
+    if (!result.ok()) return FailLocked(result.status());
+    if (result->items.size() != 1) {
+      return FailLocked(Status(StatusCode::kBadGateway,
+                               "expected one result, got " + std::to_string(result->items.size()),
+                               "bad_worker_reply"));
+    }
+    auto doc = ResultDoc(result->items[0], model);
+    if (!doc.ok()) return FailLocked(doc.status());
+    auto object = doc->find("object");
+    const bool stream_end = object != doc->end() && object->is_string() && *object == "shoal.stream.end";
+    if (!stream_end && !body) {
+      // The upstream did not stream: answer its whole response.
+      finished = true;
+      HttpResponder once = std::move(respond);
+      respond = nullptr;
+      return once(JsonResponse(200, DumpJson(*doc)));
+    }
+    if (stream_end) {
+      auto sent = doc->find("events");
+      if (sent != doc->end() && sent->is_number_integer() && sent->get<int64_t>() != events) {
+        return FailLocked(Status(StatusCode::kBadGateway,
+                                 "the stream lost events on the way: " + std::to_string(events) + " of " +
+                                     std::to_string(sent->get<int64_t>()) + " arrived",
+                                 "stream_interrupted"));
+      }
+    }
     finished = true;
-    if (!result.ok()) {
-      if (!body) {
-        HttpResponder once = std::move(respond);
-        respond = nullptr;
-        return once(ErrorResponse(result.status(), retry_after_s));
-      }
-      // Mid-stream failure: an error event in OpenAI's shape ends the stream.
-      body->Write("data: " + ErrorResponse(result.status(), retry_after_s).body + "\n\n");
-      return body->Close();
-    }
-    if (!body && result->items.size() == 1) {
-      auto doc = ResultDoc(result->items[0], model);
-      auto object = doc.ok() ? doc->find("object") : json::iterator();
-      const bool stream_end = doc.ok() && object != doc->end() && object->is_string() && *object == "shoal.stream.end";
-      if (doc.ok() && !stream_end) {
-        // The upstream did not stream: answer its whole response.
-        HttpResponder once = std::move(respond);
-        respond = nullptr;
-        return once(JsonResponse(200, DumpJson(*doc)));
-      }
-    }
     StartLocked();
     body->Write("data: [DONE]\n\n");
     body->Close();

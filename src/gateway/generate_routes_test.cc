@@ -230,5 +230,52 @@ TEST_F(GenerateRoutesTest, ANonStreamingUpstreamAnswersPlainJson) {
   EXPECT_EQ(json::parse(r.body)["object"], "chat.completion");
 }
 
+// The worker's end marker says how many events it sent: fewer arrived (one
+// too large to publish, a reply subscription that fell behind) ends the
+// stream with 502 stream_interrupted, not [DONE] over cut output; with no
+// event arrived at all, that is the whole answer.
+TEST_F(GenerateRoutesTest, EventsLostOnTheWayEndWithStreamInterrupted) {
+  submitter_.events = {Chunk("a")};
+  submitter_.result = {{"object", "shoal.stream.end"}, {"events", 3}};
+  HttpResponse r = Call("/v1/chat/completions", R"({"model":"gen","messages":[{}],"stream":true})");
+  ASSERT_TRUE(r.stream);
+  bool closed = false;
+  const std::string text = r.stream->Take(&closed);
+  EXPECT_TRUE(closed);
+  EXPECT_NE(text.find("\"content\":\"a\""), std::string::npos) << text;
+  EXPECT_NE(text.find("\"code\":\"stream_interrupted\""), std::string::npos) << text;
+  EXPECT_NE(text.find("1 of 3 arrived"), std::string::npos) << text;
+  EXPECT_EQ(text.find("[DONE]"), std::string::npos) << text;
+
+  submitter_.events = {};
+  submitter_.result = {{"object", "shoal.stream.end"}, {"events", 2}};
+  r = Call("/v1/chat/completions", R"({"model":"gen","messages":[{}],"stream":true})");
+  EXPECT_FALSE(r.stream);
+  EXPECT_EQ(r.status, 502);
+  EXPECT_EQ(json::parse(r.body)["error"]["code"], "stream_interrupted");
+}
+
+// A result or an event the gateway cannot read is a 502, streamed or not:
+// not a 200 stream holding only [DONE], nor an event silently skipped.
+TEST_F(GenerateRoutesTest, AnUnreadableStreamedResultIs502) {
+  submitter_.events = {};
+  submitter_.result = json::array({1, 2});  // not a map
+  HttpResponse r = Call("/v1/chat/completions", R"({"model":"gen","messages":[{}],"stream":true})");
+  EXPECT_FALSE(r.stream);
+  EXPECT_EQ(r.status, 502);
+  EXPECT_EQ(json::parse(r.body)["error"]["code"], "upstream_error");
+
+  submitter_.events = {Chunk("a"), json::array({1})};
+  submitter_.result = {{"object", "shoal.stream.end"}, {"events", 2}};
+  r = Call("/v1/chat/completions", R"({"model":"gen","messages":[{}],"stream":true})");
+  ASSERT_TRUE(r.stream);
+  bool closed = false;
+  const std::string text = r.stream->Take(&closed);
+  EXPECT_TRUE(closed);
+  EXPECT_NE(text.find("\"content\":\"a\""), std::string::npos) << text;
+  EXPECT_NE(text.find("\"code\":\"upstream_error\""), std::string::npos) << text;
+  EXPECT_EQ(text.find("[DONE]"), std::string::npos) << text;
+}
+
 }  // namespace
 }  // namespace shoal
