@@ -35,30 +35,37 @@ std::string MediaType(std::string_view content_type) {
 }
 
 // The value of parameter `name` in a header value ("...; boundary=xyz").
+// A quoted value (RFC 9110 quoted-string, backslash escapes) may hold ';'
+// and '=': the search for the next parameter resumes after it.
 std::string HeaderParam(std::string_view value, std::string_view name) {
-  size_t pos = 0;
-  while ((pos = value.find(';', pos)) != std::string_view::npos) {
+  size_t pos = value.find(';');
+  while (pos != std::string_view::npos) {
     ++pos;
     while (pos < value.size() && value[pos] == ' ') ++pos;
     const size_t eq = value.find('=', pos);
     if (eq == std::string_view::npos) break;
     std::string key(value.substr(pos, eq - pos));
+    while (!key.empty() && key.back() == ' ') key.pop_back();
     for (char& c : key) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    size_t end = eq + 1;
+    size_t at = eq + 1;
+    while (at < value.size() && value[at] == ' ') ++at;
     std::string v;
-    if (end < value.size() && value[end] == '"') {
-      const size_t close = value.find('"', end + 1);
-      v = std::string(value.substr(end + 1, close == std::string_view::npos ? close : close - end - 1));
+    if (at < value.size() && value[at] == '"') {
+      for (++at; at < value.size() && value[at] != '"'; ++at) {
+        if (value[at] == '\\' && at + 1 < value.size()) ++at;
+        v += value[at];
+      }
+      pos = at < value.size() ? value.find(';', at + 1) : std::string_view::npos;
     } else {
-      const size_t semi = value.find(';', end);
-      v = std::string(value.substr(end, semi == std::string_view::npos ? semi : semi - end));
+      const size_t semi = value.find(';', at);
+      v = std::string(value.substr(at, semi == std::string_view::npos ? semi : semi - at));
       while (!v.empty() && v.back() == ' ') v.pop_back();
+      pos = semi;
     }
     if (key == name) return v;
   }
   return {};
 }
-
 
 // Standard or URL-safe base64, padding optional, whitespace ignored.
 bool DecodeBase64(std::string_view in, std::string* out) {
@@ -255,7 +262,13 @@ void AppendMsgpackJson(std::string& out, const msgpack::object& o) {
   }
 }
 
-// The response body; InternalError when a worker's document is unreadable.
+// A worker's OCR result the gateway cannot use: 502, as any unusable reply.
+Status BadOcrResult(const std::string& message) {
+  return Status(StatusCode::kBadGateway, message, "bad_worker_reply");
+}
+
+// The response body; 502 bad_worker_reply when a worker's document is
+// unreadable.
 Result<HttpResponse> RenderOcr(const std::string& model, const std::vector<std::string>& docs, bool msgpack_out) {
   std::vector<msgpack::object_handle> handles;
   handles.reserve(docs.size());
@@ -265,15 +278,16 @@ Result<HttpResponse> RenderOcr(const std::string& model, const std::vector<std::
     if (Status bounded = CheckBoundedMsgpack(docs[i], "the worker's OCR result for image " + std::to_string(i),
                                              MsgpackBoundsFor(kMaxAnswerValues), /*binary_allowed=*/true);
         !bounded.ok()) {
-      return Internal(bounded.message());
+      return BadOcrResult(bounded.message());
     }
     try {
       handles.push_back(msgpack::unpack(docs[i].data(), docs[i].size()));
     } catch (const std::exception& e) {
-      return Internal("worker returned an unreadable OCR result for image " + std::to_string(i) + ": " + e.what());
+      return BadOcrResult("worker returned an unreadable OCR result for image " + std::to_string(i) + ": " +
+                          e.what());
     }
     if (handles.back().get().type != msgpack::type::MAP)
-      return Internal("worker returned an OCR result for image " + std::to_string(i) + " that is not a map");
+      return BadOcrResult("worker returned an OCR result for image " + std::to_string(i) + " that is not a map");
   }
   HttpResponse r;
   if (msgpack_out) {

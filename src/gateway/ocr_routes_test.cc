@@ -157,6 +157,11 @@ TEST_F(OcrRoutesTest, MultipartPartsNamedImageOrFile) {
   const std::string body = "--XyZ\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n"
                            "Content-Type: image/png\r\n\r\n" + kPng +
                            "\r\n--XyZ\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nhello"
+                           // A quoted value may hold ';' and '=': this part is "note".
+                           "\r\n--XyZ\r\nContent-Disposition: form-data; filename=\"x;name=image;\"; "
+                           "name=\"note\"\r\n\r\nnot an image"
+                           "\r\n--XyZ\r\nContent-Disposition: form-data; filename=\"q\\\"; name=image\"; "
+                           "name = \"note\"\r\n\r\nnot an image either"
                            "\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b.jpg\"\r\n\r\n" +
                            kJpeg + "\r\n--XyZ--\r\n";
   auto r = Call("/v1/ocr/ocr", body, "multipart/form-data; boundary=XyZ");
@@ -241,7 +246,8 @@ TEST_F(OcrRoutesTest, WorkerErrorsKeepTheirStatus) {
 
 // A result document nested deeper than any OCR result (anything on NATS
 // can publish to the gateway's reply subject) is refused before it is
-// rendered: the rendering recurses once per level.
+// rendered: the rendering recurses once per level. Like any reply the
+// gateway cannot use, it is 502 bad_worker_reply.
 TEST_F(OcrRoutesTest, ResultsNestedTooDeepAreRefusedNotRendered) {
   submitter_.raw_result = "\x81\xa4text"s;  // {"text": [[[...1]]]}
   for (int i = 0; i < 1000; ++i) submitter_.raw_result += '\x91';
@@ -249,11 +255,16 @@ TEST_F(OcrRoutesTest, ResultsNestedTooDeepAreRefusedNotRendered) {
   for (const std::string accept : {"", "application/msgpack"}) {
     SCOPED_TRACE(accept);
     auto r = Call("/v1/ocr/ocr", kPng, "image/png", accept);
-    EXPECT_EQ(r.status, 500);
+    EXPECT_EQ(r.status, 502);
     const json body = accept.empty() ? json::parse(r.body) : json::from_msgpack(r.body);
-    EXPECT_EQ(body["error"]["code"], "internal_error");
+    EXPECT_EQ(body["error"]["code"], "bad_worker_reply");
     EXPECT_NE(body["error"]["message"].get<std::string>().find("deep"), std::string::npos) << body.dump();
   }
+  submitter_.raw_result = "\x91\x01"s;  // [1]: not a map
+  auto r = Call("/v1/ocr/ocr", kPng, "image/png");
+  EXPECT_EQ(r.status, 502);
+  EXPECT_EQ(Code(r), "bad_worker_reply");
+  EXPECT_NE(json::parse(r.body)["error"]["message"].get<std::string>().find("not a map"), std::string::npos) << r.body;
 }
 
 // An OCR model takes images, not tokens: /v1/models gives it no width and
