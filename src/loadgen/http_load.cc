@@ -59,6 +59,10 @@ struct ThreadState {
   asio::io_context io{1};
   Shared* shared = nullptr;
   clockid_t cpu_clock{};
+  // The thread's CPU time as it ends: its clock cannot be read once it has
+  // (a closed-loop thread ends when its last answer after the window comes,
+  // which may be before thread 0 reads every clock at the window's end).
+  std::atomic<double> cpu_at_exit{-1};
   size_t next_request = 0;
   std::vector<std::shared_ptr<Conn>> conns;
   std::vector<Conn*> idle;  // open loop: connected and free
@@ -511,7 +515,14 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
   double cpu_start = 0, cpu_end = 0;
   auto all_cpu = [&] {
     double s = 0;
-    for (auto& t : ts) s += ThreadCpuSeconds(t->cpu_clock);
+    for (auto& t : ts) {
+      timespec now{};
+      if (clock_gettime(t->cpu_clock, &now) == 0) {
+        s += static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec) / 1e9;
+      } else {
+        s += std::max(t->cpu_at_exit.load(), 0.0);  // it has ended, and stored this first
+      }
+    }
     return s;
   };
   asio::steady_timer start_timer(ts[0]->io, sh.window_start), end_timer(ts[0]->io, sh.window_end);
@@ -534,6 +545,7 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
       pthread_getcpuclockid(pthread_self(), &t->cpu_clock);
       ready.arrive_and_wait();
       t->io.run();
+      t->cpu_at_exit.store(ThreadCpuSeconds(CLOCK_THREAD_CPUTIME_ID));
       finished.fetch_add(1);
     });
   }

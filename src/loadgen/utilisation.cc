@@ -1,6 +1,7 @@
 #include "loadgen/utilisation.h"
 
 #include <algorithm>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -21,6 +22,8 @@ Result<std::vector<WorkerBusy>> ParseWorkers(const std::string& body) {
     WorkerBusy b;
     b.id = id->get<std::string>();
     b.busy_seconds = busy->get<double>();
+    const auto heartbeat = w.find("heartbeat_unix_ms");
+    if (heartbeat != w.end() && heartbeat->is_number_integer()) b.heartbeat_unix_ms = heartbeat->get<int64_t>();
     const auto slots = w.find("device_slots");
     if (slots != w.end() && slots->is_number_integer() && slots->get<int64_t>() > 0) {
       b.device_slots = static_cast<int>(slots->get<int64_t>());
@@ -29,6 +32,20 @@ Result<std::vector<WorkerBusy>> ParseWorkers(const std::string& body) {
   }
   return out;
 }
+
+namespace {
+
+// One worker's utilisation between two of its entries; nullopt when they
+// measured nothing between them.
+std::optional<double> Between(const WorkerBusy& before, const WorkerBusy& after, double dt_s) {
+  if (before.heartbeat_unix_ms > 0 && after.heartbeat_unix_ms > 0)
+    dt_s = static_cast<double>(after.heartbeat_unix_ms - before.heartbeat_unix_ms) / 1000;
+  const double busy = after.busy_seconds - before.busy_seconds;
+  if (dt_s <= 0 || busy < 0) return std::nullopt;
+  return std::clamp(busy / (dt_s * std::max(1, after.device_slots)), 0.0, 1.0);
+}
+
+}  // namespace
 
 std::map<std::string, double> Utilisation(const std::vector<WorkerBusy>& before, const std::vector<WorkerBusy>& after,
                                           double dt_s) {
@@ -39,34 +56,39 @@ std::map<std::string, double> Utilisation(const std::vector<WorkerBusy>& before,
   for (const auto& w : after) {
     const auto it = prev.find(w.id);
     if (it == prev.end()) continue;
-    const double busy = w.busy_seconds - it->second->busy_seconds;
-    if (busy < 0) continue;
-    out[w.id] = std::clamp(busy / (dt_s * std::max(1, w.device_slots)), 0.0, 1.0);
+    if (auto u = Between(*it->second, w, dt_s)) out[w.id] = *u;
   }
   return out;
 }
 
 void UtilisationTracker::Add(double t_s, std::vector<WorkerBusy> sample) {
-  if (!samples_.empty()) {
-    const Sample& last = samples_.back();
-    const double mid = (last.t_s + t_s) / 2;
-    for (const auto& [id, u] : Utilisation(last.workers, sample, t_s - last.t_s)) {
-      series_[id].push_back({mid, u});
+  for (WorkerBusy& w : sample) {
+    std::vector<Entry>& entries = entries_[w.id];
+    if (!entries.empty()) {
+      const Entry& last = entries.back();
+      const bool measured_anew = w.heartbeat_unix_ms <= 0 || last.busy.heartbeat_unix_ms <= 0 ||
+                                 w.heartbeat_unix_ms > last.busy.heartbeat_unix_ms;
+      if (!measured_anew) continue;
+      if (auto u = Between(last.busy, w, t_s - last.t_s)) series_[w.id].push_back({(last.t_s + t_s) / 2, *u});
     }
+    entries.push_back({t_s, std::move(w)});
   }
-  samples_.push_back({t_s, std::move(sample)});
 }
 
 std::map<std::string, double> UtilisationTracker::MeanOver(double t0_s, double t1_s) const {
-  const Sample* first = nullptr;
-  const Sample* last = nullptr;
-  for (const auto& s : samples_) {
-    if (s.t_s < t0_s || s.t_s > t1_s) continue;
-    if (!first) first = &s;
-    last = &s;
+  std::map<std::string, double> out;
+  for (const auto& [id, entries] : entries_) {
+    const Entry* first = nullptr;
+    const Entry* last = nullptr;
+    for (const auto& e : entries) {
+      if (e.t_s < t0_s || e.t_s > t1_s) continue;
+      if (!first) first = &e;
+      last = &e;
+    }
+    if (!first || first == last) continue;
+    if (auto u = Between(first->busy, last->busy, last->t_s - first->t_s)) out[id] = *u;
   }
-  if (!first || first == last) return {};
-  return Utilisation(first->workers, last->workers, last->t_s - first->t_s);
+  return out;
 }
 
 }  // namespace shoal::loadgen

@@ -5,6 +5,7 @@
 // Δbusy_seconds / (Δt × device_slots). Pure computation, no I/O.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
@@ -17,6 +18,10 @@ struct WorkerBusy {
   std::string id;
   double busy_seconds = 0;
   int device_slots = 1;
+  // When busy_seconds was measured (the worker's heartbeat, which a Shoal
+  // gateway passes on every 2 s by default); 0: unknown, the sample's own
+  // time stands in.
+  int64_t heartbeat_unix_ms = 0;
 };
 
 // Parses {"object":"list","data":[{"id":..,"busy_seconds":..,
@@ -25,9 +30,11 @@ struct WorkerBusy {
 // InvalidArgument when the body is not JSON or has no "data" list.
 Result<std::vector<WorkerBusy>> ParseWorkers(const std::string& body);
 
-// Utilisation of each worker present in both samples, `dt_s` seconds apart,
-// clamped to [0, 1]. Workers whose busy_seconds went down (restarted) are
-// left out, as is everything when dt_s <= 0.
+// Utilisation of each worker present in both samples, clamped to [0, 1],
+// over the time between its two heartbeats where both samples carry one,
+// else `dt_s` (the samples' distance). Workers whose busy_seconds went
+// down (restarted) or whose heartbeat did not advance (nothing measured
+// anew) are left out, as is everything else when dt_s <= 0.
 std::map<std::string, double> Utilisation(const std::vector<WorkerBusy>& before, const std::vector<WorkerBusy>& after,
                                           double dt_s);
 
@@ -40,20 +47,22 @@ class UtilisationTracker {
     double utilisation = 0;
   };
   // `t_s`: when the sample was taken, seconds since the run began,
-  // increasing from call to call.
+  // increasing from call to call. A worker's entry whose heartbeat has not
+  // advanced since its last one is skipped: sampled more often than the
+  // worker reports, its busy time would read as all or nothing.
   void Add(double t_s, std::vector<WorkerBusy> sample);
   const std::map<std::string, std::vector<Point>>& series() const { return series_; }
-  // Mean utilisation per worker over the samples taken within [t0, t1]
+  // Mean utilisation per worker over its entries taken within [t0, t1]
   // (busy time over elapsed time, not a mean of points); workers with fewer
-  // than two samples in the interval are left out.
+  // than two entries in the interval are left out.
   std::map<std::string, double> MeanOver(double t0_s, double t1_s) const;
 
  private:
-  struct Sample {
+  struct Entry {
     double t_s;
-    std::vector<WorkerBusy> workers;
+    WorkerBusy busy;
   };
-  std::vector<Sample> samples_;
+  std::map<std::string, std::vector<Entry>> entries_;  // per worker, each a new measurement
   std::map<std::string, std::vector<Point>> series_;
 };
 

@@ -8,12 +8,12 @@ namespace {
 // What a gateway's GET /v1/workers answers (extra fields are ignored).
 const char* kBefore = R"({"object":"list","data":[
   {"id":"w-1","busy_seconds":10.0,"device_slots":1,"models":["tiny-bert"]},
-  {"id":"w-2","busy_seconds":4.0,"device_slots":2},
+  {"id":"w-2","busy_seconds":4.0,"device_slots":2,"heartbeat_unix_ms":4000},
   {"id":"w-3","busy_seconds":7.5},
   {"busy_seconds":1.0}]})";
 const char* kAfter = R"({"object":"list","data":[
   {"id":"w-1","busy_seconds":11.5,"device_slots":1},
-  {"id":"w-2","busy_seconds":5.0,"device_slots":2},
+  {"id":"w-2","busy_seconds":5.0,"device_slots":2,"heartbeat_unix_ms":6000},
   {"id":"w-3","busy_seconds":1.0},
   {"id":"w-4","busy_seconds":3.0,"device_slots":1}]})";
 
@@ -24,6 +24,8 @@ TEST(Utilisation, ParsesTheWorkersList) {
   EXPECT_EQ((*w)[0].id, "w-1");
   EXPECT_DOUBLE_EQ((*w)[1].busy_seconds, 4.0);
   EXPECT_EQ((*w)[1].device_slots, 2);
+  EXPECT_EQ((*w)[1].heartbeat_unix_ms, 4000);
+  EXPECT_EQ((*w)[0].heartbeat_unix_ms, 0);  // missing: unknown
   EXPECT_EQ((*w)[2].device_slots, 1);  // missing: one slot
 }
 
@@ -44,6 +46,9 @@ TEST(Utilisation, IsBusyTimeOverElapsedTimesSlots) {
   EXPECT_DOUBLE_EQ(u.at("w-2"), 0.25);
   // Over a shorter interval the same busy time saturates at 1.
   EXPECT_DOUBLE_EQ(Utilisation(*before, *after, 1.0).at("w-1"), 1.0);
+  // w-2's busy time is over its heartbeats, 2 s apart, however far apart
+  // the samples were taken.
+  EXPECT_DOUBLE_EQ(Utilisation(*before, *after, 1.0).at("w-2"), 0.25);
   EXPECT_TRUE(Utilisation(*before, *after, 0).empty());
 }
 
@@ -61,6 +66,31 @@ TEST(UtilisationTracker, BuildsSeriesAndWindowMeans) {
   EXPECT_DOUBLE_EQ(s[2].utilisation, 0.25);
   EXPECT_DOUBLE_EQ(t.MeanOver(1, 3).at("w"), 1.25 / 2);
   EXPECT_TRUE(t.MeanOver(2.5, 2.9).empty());
+}
+
+// A Shoal gateway passes on busy_seconds as of each worker's heartbeat
+// (every 2 s), sampled every second: the time base is the heartbeat, and a
+// sample whose heartbeat has not advanced measured nothing. A fully busy
+// worker read 1, 0, 1, 0 (2 s of busy time in one 1 s interval, clamped,
+// then none) and a half-busy one the same.
+TEST(UtilisationTracker, UsesEachWorkersHeartbeatAsItsTimeBase) {
+  UtilisationTracker t;
+  // Half busy, heartbeat every 2 s; samples every second, arriving 0.3 s
+  // after a heartbeat or 1.3 s after it.
+  const int64_t hb0 = 1'700'000'000'000;
+  for (int i = 0; i <= 8; ++i) {
+    WorkerBusy w{"w", 0.5 * 2 * (i / 2), 1, hb0 + 2000 * (i / 2)};
+    t.Add(0.3 + i, {w});
+  }
+  const auto& s = t.series().at("w");
+  ASSERT_EQ(s.size(), 4u);  // one per new heartbeat
+  for (const auto& p : s) EXPECT_DOUBLE_EQ(p.utilisation, 0.5);
+  EXPECT_DOUBLE_EQ(t.MeanOver(0, 9).at("w"), 0.5);
+  // Without heartbeats (another server), the samples' own times.
+  UtilisationTracker plain;
+  plain.Add(0, {{"w", 0, 1}});
+  plain.Add(2, {{"w", 1, 1}});
+  EXPECT_DOUBLE_EQ(plain.series().at("w").at(0).utilisation, 0.5);
 }
 
 }  // namespace
