@@ -441,8 +441,13 @@ def dump_reference(ref):
 
 def stamp_text(name, arch, vocab_lines):
     digest = hashlib.sha256("\n".join(vocab_lines).encode()).hexdigest()
+    # Any change to this script (weights, tracing, heads, the reference
+    # inputs) makes every model again, not only a bumped version.
+    with open(os.path.abspath(__file__), "rb") as f:
+        generator = hashlib.sha256(f.read()).hexdigest()
     return json.dumps({"generator_version": GENERATOR_VERSION, "name": name,
-                       "arch": arch, "vocab_sha256": digest}, sort_keys=True)
+                       "arch": arch, "vocab_sha256": digest,
+                       "generator_sha256": generator}, sort_keys=True)
 
 
 def reference_matches(mdir, spec):
