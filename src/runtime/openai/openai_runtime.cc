@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/bounded_json.h"
+#include "common/clock.h"
 #include "common/json_text.h"
 #include "common/log.h"
 #include "runtime/openai/sse_parser.h"
@@ -127,11 +128,24 @@ Result<Embeddings> OpenAiRuntime::Run(const TokenBatch&) {
 
 Result<std::vector<std::string>> OpenAiRuntime::RunItems(const std::vector<std::string>& items,
                                                          const PartialSink& partial) {
+  return RunItemsBefore(items, {}, partial);
+}
+
+Result<std::vector<std::string>> OpenAiRuntime::RunItemsBefore(const std::vector<std::string>& items,
+                                                               const std::vector<int64_t>& deadlines_unix_ms,
+                                                               const PartialSink& partial) {
   if (!client_) return Unavailable("model '" + config_.name + "' is not loaded");
   if (items.empty()) return std::vector<std::string>{};
   if (config_.task == "embed") return Embed(items);
+  // Whether item i's caller has stopped waiting.
+  auto expired = [&](size_t i) {
+    return i < deadlines_unix_ms.size() && deadlines_unix_ms[i] > 0 &&
+           SystemClock::Get()->NowUnixMs() >= deadlines_unix_ms[i];
+  };
+  const Status too_late = DeadlineExceeded("the request's deadline passed before a connection to the upstream was free");
 
   if (items.size() == 1) {
+    if (expired(0)) return std::vector<std::string>{ItemError(too_late)};
     ASSIGN_OR_RETURN(std::string out, Generate(items[0], [&](std::string chunk) {
                        if (partial) partial(0, chunk);
                      }));
@@ -147,11 +161,15 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItems(const std::vector<std::
   std::vector<Result<std::string>> results(items.size(), Result<std::string>(Internal("not run")));
   auto work = [&] {
     for (size_t i; (i = next.fetch_add(1)) < items.size();) {
-      results[i] = Generate(items[i], [&, i](std::string chunk) {
-        std::lock_guard<std::mutex> lock(mu);
-        events.emplace_back(i, std::move(chunk));
-        cv.notify_one();
-      });
+      if (expired(i)) {
+        results[i] = too_late;
+      } else {
+        results[i] = Generate(items[i], [&, i](std::string chunk) {
+          std::lock_guard<std::mutex> lock(mu);
+          events.emplace_back(i, std::move(chunk));
+          cv.notify_one();
+        });
+      }
       std::lock_guard<std::mutex> lock(mu);
       ++finished;
       cv.notify_one();

@@ -46,6 +46,13 @@ class OpenAiRuntime final : public Runtime {
   // to `partial`, each one MessagePack map). Blocks for the upstream calls.
   Result<std::vector<std::string>> RunItems(const std::vector<std::string>& items,
                                             const PartialSink& partial) override;
+  // Generate: a request whose deadline has passed by the time a connection
+  // is free for it is not sent (ItemError(DeadlineExceeded)): a batch
+  // larger than max_connections runs in waves, and its later requests may
+  // wait out their callers.
+  Result<std::vector<std::string>> RunItemsBefore(const std::vector<std::string>& items,
+                                                  const std::vector<int64_t>& deadlines_unix_ms,
+                                                  const PartialSink& partial) override;
   void Unload() override { client_.reset(); }
   int64_t MemoryBytes() const override { return 0; }
   int Dim() const override { return dim_; }

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/clock.h"
 #include "runtime/openai/sse_parser.h"
 #include "support/fake_openai_server.h"
 
@@ -250,6 +251,36 @@ Status OnlyError(const Result<std::vector<std::string>>& out) {
 // How a stream ends: [DONE] (what follows it is ignored) or a finish_reason
 // without [DONE] complete it; a stream that just stops (the connection
 // closed mid-generation) is an upstream error, not a complete answer.
+// A batch larger than max_connections runs in waves: a request whose
+// caller's deadline passed while it waited for a connection is not sent.
+TEST(OpenAiRuntime, ARequestPastItsDeadlineIsNotSent) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
+    json out = {{"object", "text_completion"}, {"choices", json::array()}, {"prompt", json::parse(r.body)["prompt"]}};
+    FakeOpenAiServer::Reply reply{200, out.dump()};
+    reply.delay_ms = 300;
+    return reply;
+  });
+  auto rt = Loaded(Config("generate", server.url() + "/v1", R"(,"max_connections":1)"));
+  auto request = [](const std::string& prompt) {
+    return Msgpack({{"endpoint", "completions"}, {"model", "remote"}, {"prompt", prompt}});
+  };
+  const int64_t now = SystemClock::Get()->NowUnixMs();
+  auto out = rt->RunItemsBefore({request("first"), request("late"), request("open")}, {now + 60000, now + 100, 0},
+                                [](size_t, std::string_view) {});
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_TRUE(ParseItemError((*out)[0]).ok());
+  EXPECT_EQ(ParseItemError((*out)[1]).code(), StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(ParseItemError((*out)[2]).ok());  // 0: no deadline
+  const auto reqs = server.requests();
+  ASSERT_EQ(reqs.size(), 2u);
+  for (const auto& r : reqs) EXPECT_NE(json::parse(r.body)["prompt"], "late");
+  // One request alone, already late: not sent either.
+  out = rt->RunItemsBefore({request("alone")}, {now - 1}, {});
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ(ParseItemError((*out)[0]).code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(server.requests().size(), 2u);
+}
+
 TEST(OpenAiRuntime, AStreamIsCompleteOnlyWithDoneOrAFinishReason) {
   std::vector<std::string> events;
   FakeOpenAiServer server([&](const FakeOpenAiServer::Request&) {
