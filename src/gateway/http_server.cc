@@ -41,52 +41,6 @@ constexpr int64_t kAcceptRetryMs = 50;
 // descriptor while the answer drains); more are closed unanswered.
 constexpr int kMaxRefusing = 64;
 
-// A request body read into a std::string that grows as its bytes arrive
-// (doubling, never past its Content-Length), so the memory it holds is what
-// has come, at most twice over. Beast's string_body reserves the whole
-// Content-Length once the headers are read: a client that declared
-// max_body_bytes and then sent a byte now and then held all of it.
-struct ArrivingBody {
-  using value_type = std::string;
-
-  class reader {
-   public:
-    template <bool isRequest, class Fields>
-    reader(http::header<isRequest, Fields>&, value_type& body) : body_(body) {}
-
-    void init(const boost::optional<std::uint64_t>& length, error_code& ec) {
-      declared_ = length.value_or(0);
-      ec = {};
-    }
-
-    template <class ConstBufferSequence>
-    size_t put(const ConstBufferSequence& buffers, error_code& ec) {
-      const size_t extra = beast::buffer_bytes(buffers);
-      const size_t size = body_.size();
-      if (extra > body_.max_size() - size) {
-        ec = http::error::buffer_overflow;
-        return 0;
-      }
-      const size_t need = size + extra;
-      if (need > body_.capacity()) {
-        size_t grown = std::max(need, body_.capacity() * 2);
-        if (declared_ >= need) grown = static_cast<size_t>(std::min<std::uint64_t>(grown, declared_));
-        body_.reserve(grown);
-      }
-      for (const auto b : beast::buffers_range_ref(buffers))
-        body_.append(static_cast<const char*>(b.data()), b.size());
-      ec = {};
-      return extra;
-    }
-
-    void finish(error_code& ec) { ec = {}; }
-
-   private:
-    value_type& body_;
-    std::uint64_t declared_ = 0;  // its Content-Length; 0 when chunked
-  };
-};
-
 // The OpenAI error shape the rest of the gateway answers with.
 std::string ErrorBody(const Status& status) {
   nlohmann::ordered_json j;
@@ -261,9 +215,9 @@ class HttpServer::Impl::Connection
   void OnWritten(error_code ec, size_t);
   // `retry_after_s` > 0 adds a Retry-After header.
   void FailRequest(int http_status, const Status& status, int retry_after_s = 0);
-  // Counts the memory of the body arriving (see ArrivingBody) against the
-  // server's max_receiving_bytes. False, with the request answered 503, when
-  // there is no room for it.
+  // Counts what has arrived of the body against the server's
+  // max_receiving_bytes. False, with the request answered 503, when there
+  // is no room for it.
   bool ReserveBody();
   // Stops counting it (handed to the handler, refused or the connection gone).
   void ReleaseBody();
@@ -279,7 +233,7 @@ class HttpServer::Impl::Connection
   beast::tcp_stream stream_;
   const net::any_io_executor executor_;
   beast::flat_buffer buffer_;
-  std::optional<http::request_parser<ArrivingBody>> parser_;
+  std::optional<http::request_parser<http::string_body>> parser_;
   http::response<http::string_body> response_;
   unsigned version_ = 11;
   bool keep_alive_ = true;
@@ -475,7 +429,11 @@ void HttpServer::Impl::Connection::OnContinueWritten(error_code ec, size_t) {
 
 bool HttpServer::Impl::Connection::ReserveBody() {
   if (!parser_->is_header_done()) return true;
-  const size_t want = parser_->get().body().capacity();
+  // What has arrived, not the Content-Length: Beast reserves that up front,
+  // but as address space, which takes no memory until bytes are written
+  // into it. Counted by the declared length, a client that declared a
+  // large body and trickled it held that much of the bound.
+  const size_t want = parser_->get().body().size();
   if (want <= body_reserved_) return true;
   if (!server_.ReserveReceiving(want - body_reserved_)) {
     FailRequest(503,
@@ -496,7 +454,7 @@ void HttpServer::Impl::Connection::ReleaseBody() {
 void HttpServer::Impl::Connection::Dispatch() {
   stream_.expires_never();
   ReleaseBody();  // the handler holds it now
-  http::request<ArrivingBody> msg = parser_->release();
+  http::request<http::string_body> msg = parser_->release();
   version_ = msg.version();
   keep_alive_ = msg.keep_alive();
   head_ = msg.method() == http::verb::head;

@@ -22,15 +22,14 @@ struct HttpServerOptions {
   int threads = 2;                 // io threads sharing one io_context
   // A larger body is answered 413 and the connection closed.
   size_t max_body_bytes = size_t{256} << 20;
-  // Request bodies still arriving, all connections together: the memory
-  // each holds (what has come so far, grown by doubling up to its
-  // Content-Length) counts until it is handed to the handler. A request
+  // Request bodies still arriving, all connections together: what has
+  // come of each so far counts until it is handed to the handler. A request
   // that would pass this is answered 503 "server_busy" (Retry-After: 1) and
   // its connection closed, so many uploads at once cannot hold memory
-  // without bound. A body's declared Content-Length is not held before its
-  // bytes come: a client that declares a large body and trickles it holds
-  // only what it sent. A value under max_body_bytes counts as
-  // max_body_bytes.
+  // without bound. A body's declared Content-Length is reserved as address
+  // space only, which takes no memory until its bytes come: a client that
+  // declares a large body and trickles it holds only what it sent. A value
+  // under max_body_bytes counts as max_body_bytes.
   size_t max_receiving_bytes = size_t{1} << 30;
   // Open connections, idle ones included. One more is answered 503
   // "server_busy" (Retry-After: 1) and closed at once, so idle connections

@@ -504,9 +504,8 @@ TEST(HttpServer, BodyOverTheLimitIs413AndCloses) {
 }
 
 // Bodies still arriving count against max_receiving_bytes, all connections
-// together, by the memory they hold: what has come (grown by doubling, never
-// past the Content-Length), not what their headers declare, so a client that
-// declares a large body and trickles it holds little. A request with no room
+// together, by what has come of them, not what their headers declare, so a
+// client that declares a large body and trickles it holds little. A request with no room
 // left is 503 server_busy with Retry-After and closes; room comes back once
 // a body is handed over or its connection goes.
 TEST(HttpServer, BodiesArrivingPastTheServersBoundAre503) {
@@ -532,7 +531,7 @@ TEST(HttpServer, BodiesArrivingPastTheServersBoundAre503) {
   const auto settle = [] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); };
 
   // Two uploads that each declare the largest body and have sent 10 bytes
-  // hold a few bytes each, not 100000: both go on and are served.
+  // hold 10 bytes each, not 100000: both go on and are served.
   Client slow(server->port());
   ASSERT_FALSE(slow.WriteRaw(head(100000) + std::string(10, 'a')));
   settle();

@@ -2,11 +2,7 @@
 #include "queue/nats_client.h"
 #include "queue/nats_server_process.h"
 
-#include <arpa/inet.h>
 #include <nats/nats.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -94,21 +90,13 @@ TEST(NatsServerProcess, StartsWithTheSbinDirectoriesOffPath) {
 // fails (the server could not bind) instead of handing back a server that
 // is someone else's.
 TEST(NatsServerProcess, APortSomeoneElseHoldsIsNotTakenForTheServer) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  ASSERT_EQ(::listen(fd, 16), 0);
-  socklen_t len = sizeof addr;
-  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  shoal::testing::HeldPort held;
+  ASSERT_GT(held.port(), 0);
   shoal::testing::TempDir dir;
   NatsServerOptions o;
   o.data_dir = dir.path() + "/js";
-  o.port = ntohs(addr.sin_port);
+  o.port = held.port();
   auto s = NatsServerProcess::Start(o);
-  ::close(fd);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kUnavailable);
   EXPECT_NE(s.status().message().find("exited during start-up"), std::string::npos) << s.status().ToString();

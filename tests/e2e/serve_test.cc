@@ -1,9 +1,6 @@
 // End to end: the built `shoal serve` (private nats-server -js, worker with
 // libtorch and tiny-bert, gateway) driven over real HTTP.
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -651,16 +648,9 @@ TEST(E2eServeShutdown, ASecondServeOnTheSameDataDirectoryExitsAtOnce) {
 // An HTTP port in use is found before the nats-server starts or any model
 // loads, not after.
 TEST(E2eServeShutdown, APortInUseExitsBeforeStartingNatsServer) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  ASSERT_EQ(::listen(fd, 4), 0);
-  socklen_t len = sizeof addr;
-  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  const std::string port = std::to_string(ntohs(addr.sin_port));
+  shoal::testing::HeldPort held;
+  ASSERT_GT(held.port(), 0);
+  const std::string port = std::to_string(held.port());
   shoal::testing::TempDir dir;
   ChildOptions o;
   o.argv = {shoal::testing::ShoalBinary(), "serve", "--data-dir", dir.path() + "/data", "--port", port,
@@ -668,7 +658,6 @@ TEST(E2eServeShutdown, APortInUseExitsBeforeStartingNatsServer) {
   o.stderr_path = dir.path() + "/stderr.log";
   auto child = ChildProcess::Spawn(o);
   auto status = child->Wait(30s);
-  ::close(fd);
   ASSERT_TRUE(status.has_value()) << "shoal serve did not exit";
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 1) << DescribeWaitStatus(*status);
   std::ifstream err(o.stderr_path);

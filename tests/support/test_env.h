@@ -37,6 +37,22 @@ class TempDir {
   std::string path_;
 };
 
+// A loopback TCP port held by a listening socket that accepts nothing
+// (for a port in use), closed by the destructor; port() is -1 when it
+// could not be opened.
+class HeldPort {
+ public:
+  HeldPort();
+  ~HeldPort();
+  HeldPort(const HeldPort&) = delete;
+  HeldPort& operator=(const HeldPort&) = delete;
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = -1;
+};
+
 // Starts nats-server -js on a free port; aborts the test on failure.
 class TestNatsServer {
  public:
