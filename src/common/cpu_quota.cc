@@ -165,7 +165,9 @@ int CgroupCpuLimit(const fs::path& mountinfo, const fs::path& self_cgroup) {
     dir = dir.parent_path();
   }
   if (!cpus) return 0;
-  return std::max(1, static_cast<int>(std::ceil(*cpus - 1e-9)));
+  // A quota of the kernel's largest (2^44 µs a period) is no limit on any
+  // machine, not an int overflow.
+  return static_cast<int>(std::clamp(std::ceil(*cpus - 1e-9), 1.0, 1e6));
 }
 
 }  // namespace shoal

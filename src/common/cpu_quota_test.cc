@@ -54,6 +54,10 @@ TEST_F(CpuQuotaTest, V2QuotaRoundsUpToWholeCpus) {
   EXPECT_EQ(Limit(), 4);
   Write("cg/kubepods/pod1/c1/cpu.max", "20000 100000\n");  // a fifth of a CPU is still one
   EXPECT_EQ(Limit(), 1);
+  // The kernel's largest quota is no limit worth the name, not an int
+  // overflow that read as one CPU.
+  Write("cg/kubepods/pod1/c1/cpu.max", "17592186044415 1000\n");
+  EXPECT_EQ(Limit(), 1000000);
 }
 
 TEST_F(CpuQuotaTest, V2WithoutAQuotaIsZero) {

@@ -23,7 +23,7 @@ TEST(ParseDevice, AcceptsTheCpuAndCudaOrdinals) {
 }
 
 TEST(ParseDevice, RejectsEverythingElseAsInvalidDevice) {
-  for (const char* bad : {"", "gpu", "CUDA", "cuda:", "cuda:x", "cuda:-1", "cuda:+1", "cuda:1x", "cuda:256",
+  for (const char* bad : {"", "gpu", "CUDA", "cuda:", "cuda:x", "cuda:-1", "cuda:-0", "cuda:+1", "cuda:1x", "cuda:256",
                           "cuda: 1", "cuda:99999999999", "cpu:0", "mps"}) {
     auto d = ParseDevice(bad);
     ASSERT_FALSE(d.ok()) << bad;

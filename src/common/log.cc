@@ -33,6 +33,36 @@ bool ParseLogLevel(std::string_view t, LogLevel* out) {
   return true;
 }
 
+namespace {
+
+// A message may quote what came from outside (a runtime's or an upstream's
+// error text, a client's input): control characters are written escaped,
+// so it cannot end its line and forge others, or send terminal escapes.
+std::string OneLine(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c >= 0x20 && c != 0x7f) {
+      out += ch;
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += ch;
+    } else {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 void LogLine(LogLevel level, std::string_view component, const std::string& message) {
   auto now = std::chrono::system_clock::now();
   std::time_t secs = std::chrono::system_clock::to_time_t(now);
@@ -42,9 +72,10 @@ void LogLine(LogLevel level, std::string_view component, const std::string& mess
   gmtime_r(&secs, &tm);
   char ts[32];
   std::strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
+  const std::string text = OneLine(message);
   std::lock_guard<std::mutex> lock(g_mu);
-  std::fprintf(stderr, "%s.%03dZ %-5s [%.*s] %s\n", ts, ms, Name(level),
-               static_cast<int>(component.size()), component.data(), message.c_str());
+  std::fprintf(stderr, "%s.%03dZ %-5s [%.*s] %.*s\n", ts, ms, Name(level),
+               static_cast<int>(component.size()), component.data(), static_cast<int>(text.size()), text.data());
 }
 
 }  // namespace shoal

@@ -1,6 +1,7 @@
 #include "common/metrics.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 
@@ -43,11 +44,16 @@ std::string RenderLabels(const Labels& labels) {
   return s + "}";
 }
 
+// The shortest text that reads back as `v` ("0.1", not
+// "0.10000000000000001": a bucket's le label is matched as text), and the
+// exposition format's spellings of infinities and NaN ("-nan" fails a
+// whole scrape).
 std::string Num(double v) {
+  if (std::isnan(v)) return "NaN";
   if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  return ec == std::errc() ? std::string(buf, end) : std::string("NaN");
 }
 
 // Adds one label to an already rendered label set.
@@ -68,6 +74,7 @@ Histogram::Histogram(std::vector<double> upper_bounds) : bounds_(std::move(upper
 }
 
 void Histogram::Observe(double v) {
+  if (std::isnan(v)) return;  // in no bucket, and it would make the sum NaN for good
   size_t i = std::lower_bound(bounds_.begin(), bounds_.end(), v) - bounds_.begin();
   buckets_[i].fetch_add(1, std::memory_order_relaxed);
   count_.fetch_add(1, std::memory_order_relaxed);

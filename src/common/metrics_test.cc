@@ -17,9 +17,28 @@ TEST(Metrics, RendersPrometheusText) {
   EXPECT_NE(text.find("# TYPE shoal_requests_total counter"), std::string::npos);
   EXPECT_NE(text.find("shoal_requests_total{route=\"/v1/embeddings\",code=\"200\"} 3"), std::string::npos);
   EXPECT_NE(text.find("shoal_queue_depth 7"), std::string::npos);
-  EXPECT_NE(text.find("shoal_latency_seconds_bucket{route=\"x\",le=\"0.10000000000000001\"} 1"), std::string::npos);
+  // Bounds in their shortest form: a query selects a bucket by its le text.
+  EXPECT_NE(text.find("shoal_latency_seconds_bucket{route=\"x\",le=\"0.1\"} 1"), std::string::npos) << text;
   EXPECT_NE(text.find("shoal_latency_seconds_bucket{route=\"x\",le=\"+Inf\"} 3"), std::string::npos);
   EXPECT_NE(text.find("shoal_latency_seconds_count{route=\"x\"} 3"), std::string::npos);
+  EXPECT_NE(text.find("shoal_latency_seconds_sum{route=\"x\"} 5.55"), std::string::npos) << text;
+}
+
+// NaN is written as the exposition format spells it (a computed 0/0 printed
+// "-nan", which fails the scrape of the whole page), and a NaN observation
+// is dropped instead of making the histogram's sum NaN for good.
+TEST(Metrics, NaNIsSpelledNaNAndNotObserved) {
+  MetricsRegistry reg;
+  volatile double zero = 0;
+  reg.GetGauge("shoal_ratio", "Ratio.")->Set(-(zero / zero));
+  auto* h = reg.GetHistogram("shoal_h_seconds", "H.", {}, {1});
+  h->Observe(zero / zero);
+  h->Observe(0.5);
+  const std::string text = reg.Render();
+  EXPECT_NE(text.find("shoal_ratio NaN\n"), std::string::npos) << text;
+  EXPECT_EQ(text.find("nan"), std::string::npos) << text;
+  EXPECT_NE(text.find("shoal_h_seconds_count 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("shoal_h_seconds_sum 0.5\n"), std::string::npos) << text;
 }
 
 // Label values from outside (a runtime's error code) are escaped and made

@@ -211,6 +211,12 @@ Result<ModelConfig> ParseModelConfig(const std::string& json_text, const std::st
       if (const json* e = Block(*p, "process.", "env")) {
         for (const auto& [k, v] : e->items()) {
           if (!v.is_string()) throw ConfigError("'process.env." + k + "' must be a string, not " + v.dump());
+          // The worker sets these itself; a name with '=' or NUL would
+          // set a variable other than the one it names.
+          if (k.empty() || k.find_first_of(std::string("=\0", 2)) != std::string::npos)
+            throw ConfigError("'process.env' has a variable name that is empty or holds '=' or NUL");
+          if (k == "SHOAL_RUNTIME_SOCKET" || k == "SHOAL_MODEL_DIR")
+            throw ConfigError("'process.env." + k + "' is set by the worker, not the config");
           c.process.env.emplace_back(k, v.get<std::string>());
         }
       }

@@ -127,6 +127,23 @@ TEST(ModelConfig, ProcessRuntimeGivesUpAfterMaxFailedStarts) {
             StatusCode::kInvalidArgument);
 }
 
+// The worker sets its runtime's socket and model directory; a config's
+// variable of that name (or one whose name holds '=') would set another.
+TEST(ModelConfig, ProcessEnvNamesAreTheirOwnAndNotTheWorkers) {
+  const auto parse = [](const std::string& env) {
+    return ParseModelConfig(R"({"name":"m","runtime":"process","dim":4,"process":{"command":["run"],"env":)" +
+                                env + "}}",
+                            "/d");
+  };
+  EXPECT_TRUE(parse(R"({"PATH":"/opt/venv/bin:/usr/bin"})").ok());
+  for (const char* bad : {R"({"SHOAL_RUNTIME_SOCKET":"/tmp/s"})", R"({"SHOAL_MODEL_DIR":"/x"})", R"({"A=B":"c"})",
+                          R"({"":"c"})", "{\"A\\u0000B\":\"c\"}"}) {
+    auto c = parse(bad);
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(c.status().message().find("process.env"), std::string::npos) << c.status().ToString();
+  }
+}
+
 TEST(ModelConfig, ScoreAndClassifyTasksDefaultTheirActivation) {
   auto score = ParseModelConfig(R"({"name":"r","task":"score","runtime":"null"})", "/d");
   ASSERT_TRUE(score.ok()) << score.status().ToString();
