@@ -171,4 +171,33 @@ std::string MetricsRegistry::Render() const {
   return out;
 }
 
+bool ErrorCodeKeepsOwnSeries(std::string_view code) {
+  static constexpr std::string_view kCodes[] = {
+      "queue_full",        "deadline_exceeded", "queue_unavailable",      "server_busy",  "shutting_down",
+      "model_load_failed", "model_loading",     "no_worker",              "worker_lost",  "worker_stopping",
+      "blob_not_found",    "blob_corrupt",      "blob_store_unavailable", "blob_store_full", "blob_store_missing",
+      "blob_store_mismatch", "blob_ref_invalid", "runtime_error",         "internal_error", "reply_failed",
+      "upstream_error",    "upstream_timeout",  "upstream_busy",          "upstream_auth",  "upstream_not_found",
+      "payload_too_large"};
+  return std::find(std::begin(kCodes), std::end(kCodes), code) != std::end(kCodes);
+}
+
+ErrorCodeCounters::ErrorCodeCounters(MetricsRegistry* metrics, std::string name, std::string help, Labels labels,
+                                     size_t max_codes)
+    : metrics_(metrics), name_(std::move(name)), help_(std::move(help)), labels_(std::move(labels)),
+      max_codes_(max_codes) {}
+
+Counter* ErrorCodeCounters::Get(std::string_view code) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = by_code_.find(code); it != by_code_.end()) return it->second;
+  const bool room = by_code_.size() < max_codes_ || ErrorCodeKeepsOwnSeries(code);
+  if (!room && other_ != nullptr) return other_;
+  Labels labels = labels_;
+  labels.emplace_back("code", room ? std::string(code) : "other");
+  Counter* c = metrics_->GetCounter(name_, help_, labels);
+  if (room) by_code_.emplace(code, c);
+  else other_ = c;
+  return c;
+}
+
 }  // namespace shoal

@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -95,6 +96,32 @@ class MetricsRegistry {
   mutable std::mutex mu_;  // guards families_, refreshers_
   std::map<std::string, Family> families_;
   std::vector<std::function<void()>> refreshers_;
+};
+
+// Whether an error code is one of those operations.md tells operators to
+// watch: it keeps its own series however many other codes came first.
+bool ErrorCodeKeepsOwnSeries(std::string_view code);
+
+// Counters of one family labelled by error code, where codes come from
+// outside (a runtime's or an upstream's own strings): past `max_codes`
+// distinct codes a new one counts as code="other", except those
+// ErrorCodeKeepsOwnSeries names, so a stream of made-up codes cannot grow
+// the page without bound. Thread-safe; each code's counter is made once.
+class ErrorCodeCounters {
+ public:
+  static constexpr size_t kDefaultMaxCodes = 128;
+  ErrorCodeCounters(MetricsRegistry* metrics, std::string name, std::string help, Labels labels = {},
+                    size_t max_codes = kDefaultMaxCodes);
+  Counter* Get(std::string_view code);
+
+ private:
+  MetricsRegistry* const metrics_;
+  const std::string name_, help_;
+  const Labels labels_;
+  const size_t max_codes_;
+  std::mutex mu_;
+  std::map<std::string, Counter*, std::less<>> by_code_;  // guarded by mu_
+  Counter* other_ = nullptr;                              // guarded by mu_
 };
 
 }  // namespace shoal

@@ -24,6 +24,24 @@ TEST(Metrics, RendersPrometheusText) {
   EXPECT_NE(text.find("shoal_latency_seconds_sum{route=\"x\"} 5.55"), std::string::npos) << text;
 }
 
+// Codes from outside are bounded: past the cap a new code counts as
+// "other", except the codes operators are told to watch.
+TEST(Metrics, ErrorCodeCountersAreBounded) {
+  MetricsRegistry reg;
+  ErrorCodeCounters errors(&reg, "shoal_x_errors_total", "X.", {{"model", "m"}}, 2);
+  errors.Get("made_up_1")->Inc();
+  errors.Get("made_up_2")->Inc();
+  errors.Get("made_up_3")->Inc();
+  errors.Get("made_up_4")->Inc();
+  errors.Get("runtime_error")->Inc();
+  errors.Get("made_up_1")->Inc();
+  const std::string text = reg.Render();
+  EXPECT_NE(text.find("shoal_x_errors_total{model=\"m\",code=\"made_up_1\"} 2"), std::string::npos) << text;
+  EXPECT_NE(text.find("shoal_x_errors_total{model=\"m\",code=\"other\"} 2"), std::string::npos) << text;
+  EXPECT_NE(text.find("shoal_x_errors_total{model=\"m\",code=\"runtime_error\"} 1"), std::string::npos) << text;
+  EXPECT_EQ(text.find("made_up_3"), std::string::npos) << text;
+}
+
 // NaN is written as the exposition format spells it (a computed 0/0 printed
 // "-nan", which fails the scrape of the whole page), and a NaN observation
 // is dropped instead of making the histogram's sum NaN for good.

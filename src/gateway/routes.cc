@@ -330,7 +330,8 @@ HttpResponse ErrorResponse(const Status& status, int64_t retry_after_s) {
 Router::Router(const RouterOptions& options, WorkSubmitter* submitter, FleetSnapshotFn fleet,
                MetricsRegistry* metrics, const Clock* clock)
     : options_(options), submitter_(submitter), fleet_(std::move(fleet)), metrics_(metrics),
-      clock_(clock ? clock : SystemClock::Get()) {
+      clock_(clock ? clock : SystemClock::Get()),
+      errors_(metrics, "shoal_http_errors_total", "HTTP error responses by error code.") {
   for (const char* route : {"/v1/embeddings", "/v1/encode", "/v1/rerank", "/v1/score", "/v1/classify",
                             "/v1/ocr", "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
                             "/v1/workers"}) {
@@ -357,42 +358,13 @@ Counter* Router::RouteMetrics::Requests(MetricsRegistry& metrics, int status) {
   return c;
 }
 
-namespace {
-
-// Codes operations.md has operators watch: never counted as "other", however
-// many codes an upstream has passed on before them.
-bool AlwaysOwnSeries(std::string_view code) {
-  static constexpr std::string_view kCodes[] = {
-      "queue_full",        "deadline_exceeded", "queue_unavailable",      "server_busy",  "shutting_down",
-      "model_load_failed", "model_loading",     "no_worker",              "worker_lost",  "worker_stopping",
-      "blob_not_found",    "blob_corrupt",      "blob_store_unavailable", "blob_store_full", "blob_store_missing",
-      "blob_store_mismatch", "blob_ref_invalid", "runtime_error",         "internal_error", "reply_failed",
-      "upstream_error",    "upstream_timeout",  "upstream_busy",          "upstream_auth",  "upstream_not_found",
-      "payload_too_large"};
-  return std::find(std::begin(kCodes), std::end(kCodes), code) != std::end(kCodes);
-}
-
-}  // namespace
-
-Counter* Router::ErrorCounter(std::string_view code) {
-  std::lock_guard<std::mutex> lock(errors_mu_);
-  if (auto it = errors_by_code_.find(code); it != errors_by_code_.end()) return it->second;
-  const bool room = errors_by_code_.size() < kMaxErrorCodes || AlwaysOwnSeries(code);
-  if (!room && other_errors_ != nullptr) return other_errors_;
-  Counter* c = metrics_->GetCounter("shoal_http_errors_total", "HTTP error responses by error code.",
-                                    {{"code", room ? std::string(code) : "other"}});
-  if (room) errors_by_code_.emplace(code, c);
-  else other_errors_ = c;
-  return c;
-}
-
 HttpResponder Router::Instrument(const std::string& route, HttpResponder respond) {
   const int64_t start = clock_->NowMonoUs();
   RouteMetrics* m = route_metrics_.at(route).get();
   return [this, start, m, respond = std::move(respond)](HttpResponse r) {
     m->latency->Observe(static_cast<double>(clock_->NowMonoUs() - start) / 1e6);
     m->Requests(*metrics_, r.status)->Inc();
-    if (r.status >= 400) ErrorCounter(r.error_code.empty() ? std::string_view("unknown") : r.error_code)->Inc();
+    if (r.status >= 400) errors_.Get(r.error_code.empty() ? std::string_view("unknown") : r.error_code)->Inc();
     respond(std::move(r));
   };
 }

@@ -58,7 +58,7 @@ class Router {
   // Counts an error answered outside any route (shoal_http_errors_total):
   // what the HTTP server refuses itself, a MessagePack body that does not
   // decode.
-  void CountError(std::string_view code) { ErrorCounter(code)->Inc(); }
+  void CountError(std::string_view code) { errors_.Get(code)->Inc(); }
 
  private:
   void Embeddings(HttpRequest&& req, HttpResponder respond);
@@ -104,14 +104,9 @@ class Router {
     Counter* Requests(MetricsRegistry& metrics, int status);
   };
   std::map<std::string, std::unique_ptr<RouteMetrics>> route_metrics_;  // by route, made once
-  // shoal_http_errors_total by error code, made on first use. A runtime
-  // passes on an upstream's own codes, any strings: past kMaxErrorCodes
-  // series, further codes count as "other".
-  static constexpr size_t kMaxErrorCodes = 128;
-  Counter* ErrorCounter(std::string_view code);
-  std::mutex errors_mu_;
-  std::map<std::string, Counter*, std::less<>> errors_by_code_;  // guarded by errors_mu_
-  Counter* other_errors_ = nullptr;                              // guarded by errors_mu_
+  // shoal_http_errors_total by error code. A runtime passes on an
+  // upstream's own codes, any strings: bounded (see ErrorCodeCounters).
+  ErrorCodeCounters errors_;
 };
 
 // The OpenAI-shaped error body and status for `status`; adds Retry-After on

@@ -93,7 +93,11 @@ Status ParseWorkHeaders(const Delivery& d, wire::WorkHeaders* h) {
 }
 
 ModelServer::ModelServer(ModelServerDeps deps)
-    : d_(std::move(deps)), batcher_(d_.config.batching, d_.clock), activation_(d_.config.EffectiveActivation()) {
+    : d_(std::move(deps)),
+      batcher_(d_.config.batching, d_.clock),
+      activation_(d_.config.EffectiveActivation()),
+      errors_(d_.metrics, "shoal_worker_errors_total", "Work answered with an error, by code.",
+              {{"model", d_.config.name}}) {
   gated_poll_ms_ = d_.idle_poll_ms;
   Labels l = {{"model", d_.config.name}};
   auto* m = d_.metrics;
@@ -291,8 +295,7 @@ void ModelServer::Fail(Delivery& delivery, const wire::WorkHeaders& headers, con
   PublishErrorReply(*d_.client, headers, status, d_.worker_id);
   // Terminal: bad input or a failed run is never retried in a loop.
   (void)delivery.Term();
-  d_.metrics->GetCounter("shoal_worker_errors_total", "Work answered with an error, by code.",
-                         {{"model", d_.config.name}, {"code", status.ReasonOrDefault()}})->Inc();
+  errors_.Get(status.ReasonOrDefault())->Inc();
 }
 
 bool ModelServer::FailIfExpired(Delivery& delivery, const wire::WorkHeaders& headers, int64_t now_unix_ms) {

@@ -241,6 +241,9 @@ class ModelServer final : public ModelAttachment {
   Counter* tokens_total_ = nullptr;
   Counter* expired_ = nullptr;
   Counter* redelivered_ = nullptr;
+  // shoal_worker_errors_total{model, code}: codes may be a runtime's or an
+  // upstream's own strings, so bounded.
+  ErrorCodeCounters errors_;
   Counter* handed_back_ = nullptr;
   Counter* load_waits_ = nullptr;
   Histogram* load_wait_seconds_ = nullptr;
