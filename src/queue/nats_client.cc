@@ -69,6 +69,9 @@ Status FromNats(int s, const std::string& what, int js_err) {
 Status NatsOptions::Validate() const {
   if (url.empty()) return InvalidArgument("nats url is empty");
   if (connect_timeout_ms <= 0) return InvalidArgument("connect_timeout_ms must be > 0");
+  if (write_deadline_ms < 0) return InvalidArgument("write_deadline_ms must be >= 0 (0: none)");
+  if (ping_interval_ms <= 0 || ping_max_out < 1)
+    return InvalidArgument("ping_interval_ms must be > 0 and ping_max_out >= 1");
   return Status::Ok();
 }
 
@@ -82,6 +85,9 @@ Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& o) {
   natsOptions_SetName(opts, o.name.c_str());
   natsOptions_SetTimeout(opts, o.connect_timeout_ms);
   natsOptions_SetSendAsap(opts, o.send_asap);
+  natsOptions_SetWriteDeadline(opts, o.write_deadline_ms);
+  natsOptions_SetPingInterval(opts, o.ping_interval_ms);
+  natsOptions_SetMaxPingsOut(opts, o.ping_max_out);
   if (o.retry_forever) {
     natsOptions_SetMaxReconnect(opts, -1);
     natsOptions_SetReconnectWait(opts, 250);
@@ -222,9 +228,11 @@ Result<std::string> NatsClient::Request(const std::string& subject, std::string_
     natsMsg* reply = nullptr;
     s = natsSubscription_NextMsg(&reply, raw, std::min<int64_t>(left, 100));
     if (s == NATS_TIMEOUT) continue;
+    // nats.c takes the server's 503 "no responders" message itself and
+    // says NATS_NO_RESPONDERS.
+    if (s == NATS_NO_RESPONDERS) return Unavailable("nobody answers on " + subject, "no_responders");
     if (s != NATS_OK) return FromNats(s, "request " + subject);
     NatsMsgPtr owned(reply);
-    if (natsMsg_IsNoResponders(reply)) return Unavailable("nobody answers on " + subject, "no_responders");
     return std::string(natsMsg_GetData(reply), static_cast<size_t>(natsMsg_GetDataLength(reply)));
   }
 }
@@ -564,6 +572,9 @@ std::vector<Delivery> PullConsumer::TakeQueued(int64_t max_wait_ms) {
       if (PullStatus(raw) == nullptr) out.emplace_back(msg.release(), conn_);
       continue;
     }
+    // An earlier pull's 503, which nats.c takes itself: the deliveries
+    // queued behind it are still to be handed back.
+    if (s == NATS_NO_RESPONDERS) continue;
     // NATS_TIMEOUT: nothing queued now; anything else: the drain has
     // completed and closed the subscription. Interrupted while offline:
     // nothing more comes.
@@ -699,12 +710,14 @@ Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait
     natsMsg* raw = nullptr;
     const natsStatus s = natsSubscription_NextMsg(&raw, sub_.get(), left);
     if (s == NATS_TIMEOUT) break;
-    if (s != NATS_OK) {
+    if (s != NATS_OK && s != NATS_NO_RESPONDERS) {
       if (out.empty()) return FromNats(s, "fetch from " + durable_);
       break;
     }
-    NatsMsgPtr msg(raw);
-    const char* status = PullStatus(raw);
+    // nats.c takes a 503 status message itself and says NATS_NO_RESPONDERS
+    // (its subject is lost with it): nobody answers for the durable.
+    NatsMsgPtr msg(s == NATS_OK ? raw : nullptr);
+    const char* status = s == NATS_OK ? PullStatus(raw) : "503";
     if (status == nullptr) {
       out.emplace_back(msg.release(), conn_);
       // A plain pull stays open for its whole batch: return what has come
@@ -712,12 +725,12 @@ Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait
       if (!one_shot && Undelivered() == 0) break;
       continue;
     }
-    const char* subject = natsMsg_GetSubject(raw);
+    const char* subject = s == NATS_OK ? natsMsg_GetSubject(raw) : reply.c_str();
     if (subject != nullptr && wake_subject_ == subject) break;  // Wake
     if (subject == nullptr || reply != subject) continue;       // an earlier pull's status
     if (std::strcmp(status, "100") == 0) continue;              // heartbeat
     const char* description = nullptr;
-    (void)natsMsgHeader_Get(raw, "Description", &description);
+    if (s == NATS_OK) (void)natsMsgHeader_Get(raw, "Description", &description);
     if (std::strcmp(status, "408") == 0 && description != nullptr && std::strcmp(description, "Requests Pending") == 0 &&
         out.empty() && one_shot) {
       // Other pulls already ask for more than is waiting, and the server

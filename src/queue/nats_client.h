@@ -47,6 +47,18 @@ struct NatsOptions {
   int64_t js_api_timeout_ms = 5000;
   // Keep reconnecting forever (a NATS restart must not kill gateways/workers).
   bool retry_forever = true;
+  // A write the link has not taken within this long fails the connection,
+  // and nats.c reconnects. With none, a server that stops reading (frozen,
+  // or cut off without a reset) blocks a publish inside send() while it
+  // holds the connection's lock, and with it every NATS call of the
+  // process, until TCP gives up (many minutes).
+  int64_t write_deadline_ms = 10000;
+  // A server that has not answered ping_max_out pings, sent every
+  // ping_interval_ms, is taken as gone and reconnected to (nats.c's
+  // defaults, 2 minutes x 2, leave a half-open connection looking alive for
+  // minutes while pulls, acks and replies vanish).
+  int64_t ping_interval_ms = 10000;
+  int ping_max_out = 3;
   Status Validate() const;
 };
 

@@ -3,6 +3,7 @@
 #include "queue/nats_server_process.h"
 
 #include <nats/nats.h>
+#include <signal.h>
 
 #include <atomic>
 #include <chrono>
@@ -53,6 +54,31 @@ TEST(NatsServerProcess, MissingBinaryIsUnavailableWithTheReason) {
     EXPECT_EQ(s.status().code(), StatusCode::kUnavailable);
     EXPECT_NE(s.status().message().find("No such file or directory"), std::string::npos) << s.status().ToString();
   }
+}
+
+// A server that stops reading (here SIGSTOP, as a frozen or cut-off host)
+// does not block publishers for good: past write_deadline_ms the write
+// fails, nats.c reconnects, and Publish returns (an error once its
+// reconnect buffer is full). Without a deadline it blocked inside send()
+// until the server read again.
+TEST(NatsClient, AServerThatStopsReadingDoesNotBlockPublishesForGood) {
+  shoal::testing::TestNatsServer server;
+  NatsOptions o;
+  o.url = server.url();
+  o.write_deadline_ms = 300;
+  auto c = NatsClient::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ASSERT_EQ(::kill(server.process().pid(), SIGSTOP), 0);
+  const std::string body(512 * 1024, 'x');
+  auto publishing = std::async(std::launch::async, [&] {
+    for (int i = 0; i < 4096; ++i)  // 2 GiB: far past any socket or reconnect buffer
+      if (!(*c)->Publish("shoal.test.fill", body).ok()) return true;
+    return false;
+  });
+  const bool returned = publishing.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+  ::kill(server.process().pid(), SIGCONT);  // lets a blocked publish go on, so the test ends either way
+  EXPECT_TRUE(returned) << "a publish blocked while the server did not read";
+  EXPECT_TRUE(publishing.get()) << "every publish succeeded";
 }
 
 // A name that is nowhere says so, before anything is spawned.

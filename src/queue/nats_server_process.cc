@@ -49,8 +49,10 @@ Result<int> PickFreePort() {
 std::string FindExecutable(const std::string& binary) {
   if (binary.empty()) return "";
   if (binary.find('/') != std::string::npos) return binary;
+  // PATH unset: what execvp searches then; an empty entry within it is the
+  // working directory, as for execvp, but none is added.
   const char* path = std::getenv("PATH");
-  std::string dirs = path ? path : "";
+  std::string dirs = path != nullptr && *path != '\0' ? path : "/bin:/usr/bin";
   dirs += ":/usr/local/sbin:/usr/sbin:/sbin";
   size_t start = 0;
   for (;;) {
