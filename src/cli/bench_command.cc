@@ -416,10 +416,7 @@ int RunBenchCommand(const BenchCommandFlags& flags, std::ostream& out, std::ostr
   }
   if (api_key.find_first_of("\r\n") != std::string::npos) return Usage(err, "--api-key contains a line break");
   if (!api_key.empty()) client->SetHeader("Authorization", "Bearer " + api_key);
-  std::vector<std::string> models;
-  for (const auto& m : SplitList(flags.models, ',')) {
-    if (!m.empty()) models.push_back(m);
-  }
+  std::vector<std::string> models = cli::SplitNonEmpty(flags.models, ',');
 
   if (Status s = lg::PrepareReportDir(flags.out_dir); !s.ok()) {
     err << "error: " << s.message() << "\n";

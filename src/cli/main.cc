@@ -226,12 +226,7 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
 }
 
 // Items trimmed of spaces ("a, b" is a and b); empty ones dropped.
-std::vector<std::string> SplitCsv(const std::string& s) {
-  std::vector<std::string> out;
-  for (std::string& item : cli::SplitList(s, ','))
-    if (!item.empty()) out.push_back(std::move(item));
-  return out;
-}
+std::vector<std::string> SplitCsv(const std::string& s) { return cli::SplitNonEmpty(s, ','); }
 
 // "2GiB", "512MiB", "1.5GB", "3000000000" -> bytes.
 Result<int64_t> ParseBytes(const std::string& text) {

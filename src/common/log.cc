@@ -41,9 +41,19 @@ namespace {
 std::string OneLine(std::string_view text) {
   std::string out;
   out.reserve(text.size());
-  for (const char ch : text) {
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char ch = text[i];
     const auto c = static_cast<unsigned char>(ch);
-    if (c >= 0x20 && c != 0x7f) {
+    // C1 controls (U+0080..U+009F, 0xC2 0x80..0x9F in UTF-8): xterm acts
+    // on them as on ESC sequences.
+    if (c == 0xc2 && i + 1 < text.size() && static_cast<unsigned char>(text[i + 1]) >= 0x80 &&
+        static_cast<unsigned char>(text[i + 1]) <= 0x9f) {
+      static constexpr char kHex[] = "0123456789abcdef";
+      const auto next = static_cast<unsigned char>(text[++i]);
+      out += "\\u00";
+      out += kHex[next >> 4];
+      out += kHex[next & 15];
+    } else if (c >= 0x20 && c != 0x7f) {
       out += ch;
     } else if (c == '\n') {
       out += "\\n";

@@ -19,6 +19,11 @@ TEST(Log, AMessageIsOneLineWithControlCharactersEscaped) {
   EXPECT_NE(out.find("WARN  [runtime] bad input\\n2026-01-01T00:00:00.000Z ERROR [gateway] forged\\r\\x1b[2J\tend\\x00after"),
             std::string::npos)
       << out;
+  // C1 controls (CSI as U+009B) are escaped too; other UTF-8 is kept.
+  ::testing::internal::CaptureStderr();
+  LogLine(LogLevel::kInfo, "x", "a\xc2\x9b" "2J caf\xc3\xa9 \xc2\xa0");
+  const std::string c1 = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(c1.find("[x] a\\u009b2J caf\xc3\xa9 \xc2\xa0\n"), std::string::npos) << c1;
 }
 
 }  // namespace

@@ -178,8 +178,17 @@ bool ErrorCodeKeepsOwnSeries(std::string_view code) {
       "blob_not_found",    "blob_corrupt",      "blob_store_unavailable", "blob_store_full", "blob_store_missing",
       "blob_store_mismatch", "blob_ref_invalid", "runtime_error",         "internal_error", "reply_failed",
       "upstream_error",    "upstream_timeout",  "upstream_busy",          "upstream_auth",  "upstream_not_found",
-      "payload_too_large"};
+      "payload_too_large", "stream_interrupted", "bad_worker_reply",       "headers_too_large", "malformed_request",
+      "unsupported_transfer_encoding", "invalid_msgpack", "result_too_large"};
   return std::find(std::begin(kCodes), std::end(kCodes), code) != std::end(kCodes);
+}
+
+ErrorCodeCounters* MetricsRegistry::GetErrorCodeCounters(const std::string& name, const std::string& help,
+                                                          const Labels& labels) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& slot = error_codes_[name + RenderLabels(labels)];
+  if (!slot) slot = std::make_unique<ErrorCodeCounters>(this, name, help, labels);
+  return slot.get();
 }
 
 ErrorCodeCounters::ErrorCodeCounters(MetricsRegistry* metrics, std::string name, std::string help, Labels labels,

@@ -59,6 +59,37 @@ std::vector<double> LatencyBuckets();
 // Power-of-two buckets 1 .. 1024, for batch sizes and token counts.
 std::vector<double> SizeBuckets();
 
+class MetricsRegistry;
+
+// Whether an error code is one of those operations.md tells operators to
+// watch: it keeps its own series however many other codes came first.
+bool ErrorCodeKeepsOwnSeries(std::string_view code);
+
+// Counters of one family labelled by error code, where codes come from
+// outside (a runtime's or an upstream's own strings): past `max_codes`
+// distinct codes a new one counts as code="other", except those
+// ErrorCodeKeepsOwnSeries names, so a stream of made-up codes cannot grow
+// the page without bound. Thread-safe; each code's counter is made once.
+// Get one from MetricsRegistry::GetErrorCodeCounters, so that everything
+// counting one family with the same labels (a model loaded again) shares
+// its bound.
+class ErrorCodeCounters {
+ public:
+  static constexpr size_t kDefaultMaxCodes = 128;
+  ErrorCodeCounters(MetricsRegistry* metrics, std::string name, std::string help, Labels labels = {},
+                    size_t max_codes = kDefaultMaxCodes);
+  Counter* Get(std::string_view code);
+
+ private:
+  MetricsRegistry* const metrics_;
+  const std::string name_, help_;
+  const Labels labels_;
+  const size_t max_codes_;
+  std::mutex mu_;
+  std::map<std::string, Counter*, std::less<>> by_code_;  // guarded by mu_
+  Counter* other_ = nullptr;                              // guarded by mu_
+};
+
 class MetricsRegistry {
  public:
   MetricsRegistry() = default;
@@ -73,6 +104,9 @@ class MetricsRegistry {
   Gauge* GetGauge(const std::string& name, const std::string& help, const Labels& labels = {});
   Histogram* GetHistogram(const std::string& name, const std::string& help, const Labels& labels,
                           std::vector<double> bounds);
+  // The bounded error-code counters of `name` with `labels` (plus a "code"
+  // label), made on first use and the same object after.
+  ErrorCodeCounters* GetErrorCodeCounters(const std::string& name, const std::string& help, const Labels& labels = {});
   // Called on every render, before the text is produced; use it to refresh
   // gauges that are sampled (queue depth, workers alive).
   void AddRefresher(std::function<void()> fn);
@@ -93,35 +127,10 @@ class MetricsRegistry {
   MetricsRegistry* parent_ = nullptr;
   Labels const_labels_;
 
-  mutable std::mutex mu_;  // guards families_, refreshers_
+  mutable std::mutex mu_;  // guards families_, refreshers_, error_codes_
   std::map<std::string, Family> families_;
   std::vector<std::function<void()>> refreshers_;
-};
-
-// Whether an error code is one of those operations.md tells operators to
-// watch: it keeps its own series however many other codes came first.
-bool ErrorCodeKeepsOwnSeries(std::string_view code);
-
-// Counters of one family labelled by error code, where codes come from
-// outside (a runtime's or an upstream's own strings): past `max_codes`
-// distinct codes a new one counts as code="other", except those
-// ErrorCodeKeepsOwnSeries names, so a stream of made-up codes cannot grow
-// the page without bound. Thread-safe; each code's counter is made once.
-class ErrorCodeCounters {
- public:
-  static constexpr size_t kDefaultMaxCodes = 128;
-  ErrorCodeCounters(MetricsRegistry* metrics, std::string name, std::string help, Labels labels = {},
-                    size_t max_codes = kDefaultMaxCodes);
-  Counter* Get(std::string_view code);
-
- private:
-  MetricsRegistry* const metrics_;
-  const std::string name_, help_;
-  const Labels labels_;
-  const size_t max_codes_;
-  std::mutex mu_;
-  std::map<std::string, Counter*, std::less<>> by_code_;  // guarded by mu_
-  Counter* other_ = nullptr;                              // guarded by mu_
+  std::map<std::string, std::unique_ptr<ErrorCodeCounters>> error_codes_;  // key: name + rendered labels
 };
 
 }  // namespace shoal

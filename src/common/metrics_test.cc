@@ -29,6 +29,11 @@ TEST(Metrics, RendersPrometheusText) {
 TEST(Metrics, ErrorCodeCountersAreBounded) {
   MetricsRegistry reg;
   ErrorCodeCounters errors(&reg, "shoal_x_errors_total", "X.", {{"model", "m"}}, 2);
+  // The registry's are made once per family and labels (a model loaded
+  // again shares its bound with its earlier loads).
+  ErrorCodeCounters* shared = reg.GetErrorCodeCounters("shoal_y_errors_total", "Y.", {{"model", "m"}});
+  EXPECT_EQ(reg.GetErrorCodeCounters("shoal_y_errors_total", "Y.", {{"model", "m"}}), shared);
+  EXPECT_NE(reg.GetErrorCodeCounters("shoal_y_errors_total", "Y.", {{"model", "n"}}), shared);
   errors.Get("made_up_1")->Inc();
   errors.Get("made_up_2")->Inc();
   errors.Get("made_up_3")->Inc();

@@ -39,6 +39,13 @@ Result<json> ResultDoc(std::string_view doc, const std::string& model) {
   return j;
 }
 
+// A reply with other than the one result a generate request has (the
+// dispatcher refuses those already; kept so that this route does not index
+// past them).
+Status NotOneResult(size_t n) {
+  return Status(StatusCode::kBadGateway, "expected one result, got " + std::to_string(n), "bad_worker_reply");
+}
+
 // One streamed answer: the HTTP response starts with the first event, so an
 // error before any output still gets its own status code.
 struct SseAnswer {
@@ -52,6 +59,12 @@ struct SseAnswer {
   std::string model;
   int64_t retry_after_s = 1;
 
+  // Answers with `r`, once. Requires mu.
+  void RespondLocked(HttpResponse r) {
+    HttpResponder once = std::move(respond);
+    respond = nullptr;
+    once(std::move(r));
+  }
   // Requires mu.
   void StartLocked() {
     if (body) return;
@@ -59,9 +72,7 @@ struct SseAnswer {
     HttpResponse r;
     r.content_type = "text/event-stream";
     r.stream = body;
-    HttpResponder once = std::move(respond);
-    respond = nullptr;
-    once(std::move(r));
+    RespondLocked(std::move(r));
   }
   // Events written so far; guarded by mu. The worker's end marker says
   // how many it sent, so events lost on the way (an event too large to
@@ -82,11 +93,7 @@ struct SseAnswer {
   // an error event in OpenAI's shape and no [DONE]. Requires mu.
   void FailLocked(const Status& status) {
     finished = true;
-    if (!body) {
-      HttpResponder once = std::move(respond);
-      respond = nullptr;
-      return once(ErrorResponse(status, retry_after_s));
-    }
+    if (!body) return RespondLocked(ErrorResponse(status, retry_after_s));
     body->Write("data: " + ErrorResponse(status, retry_after_s).body + "\n\n");
     body->Close();
   }
@@ -94,11 +101,7 @@ struct SseAnswer {
     std::lock_guard<std::mutex> lock(mu);
     if (finished) return;
     if (!result.ok()) return FailLocked(result.status());
-    if (result->items.size() != 1) {
-      return FailLocked(Status(StatusCode::kBadGateway,
-                               "expected one result, got " + std::to_string(result->items.size()),
-                               "bad_worker_reply"));
-    }
+    if (result->items.size() != 1) return FailLocked(NotOneResult(result->items.size()));
     auto doc = ResultDoc(result->items[0], model);
     if (!doc.ok()) return FailLocked(doc.status());
     auto object = doc->find("object");
@@ -106,9 +109,7 @@ struct SseAnswer {
     if (!stream_end && !body) {
       // The upstream did not stream: answer its whole response.
       finished = true;
-      HttpResponder once = std::move(respond);
-      respond = nullptr;
-      return once(JsonResponse(200, DumpJson(*doc)));
+      return RespondLocked(JsonResponse(200, DumpJson(*doc)));
     }
     if (stream_end) {
       auto sent = doc->find("events");
@@ -164,8 +165,7 @@ void Router::Generate(const std::string& endpoint, HttpRequest&& req, HttpRespon
   if (!stream) {
     submitter_->SubmitItems(std::move(job), [respond = std::move(respond), model, retry](Result<ItemResult> result) {
       if (!result.ok()) return respond(ErrorResponse(result.status(), retry));
-      if (result->items.size() != 1)
-        return respond(ErrorResponse(Internal("expected one result, got " + std::to_string(result->items.size()))));
+      if (result->items.size() != 1) return respond(ErrorResponse(NotOneResult(result->items.size())));
       auto doc = ResultDoc(result->items[0], model);
       if (!doc.ok()) return respond(ErrorResponse(doc.status(), retry));
       respond(JsonResponse(200, DumpJson(*doc)));

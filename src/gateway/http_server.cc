@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <exception>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -40,6 +41,52 @@ constexpr int64_t kAcceptRetryMs = 50;
 // Connections past max_connections answered 503 at once (each holds its
 // descriptor while the answer drains); more are closed unanswered.
 constexpr int kMaxRefusing = 64;
+
+// A request body read into a std::string. Beast's string_body reserves a
+// body's whole Content-Length once the headers are read: address space
+// only, but as much as a client declares (a limit on address space, or
+// strict overcommit, then fails that reserve). This one reserves at most
+// kFirstReserve at first, and the rest of the declared length once that
+// much has come: a client that declares a large body and trickles it holds
+// little, and a large upload is copied once, within its first MiB. A
+// chunked body grows as std::string does.
+struct ArrivingBody {
+  using value_type = std::string;
+  static constexpr std::uint64_t kFirstReserve = std::uint64_t{1} << 20;
+
+  class reader {
+   public:
+    template <bool isRequest, class Fields>
+    reader(http::header<isRequest, Fields>&, value_type& body) : body_(body) {}
+
+    void init(const boost::optional<std::uint64_t>& length, error_code& ec) {
+      declared_ = length.value_or(0);
+      if (declared_ > 0) body_.reserve(static_cast<size_t>(std::min(declared_, kFirstReserve)));
+      ec = {};
+    }
+
+    template <class ConstBufferSequence>
+    size_t put(const ConstBufferSequence& buffers, error_code& ec) {
+      const size_t extra = beast::buffer_bytes(buffers);
+      if (extra > body_.max_size() - body_.size()) {
+        ec = http::error::buffer_overflow;
+        return 0;
+      }
+      if (body_.size() + extra > body_.capacity() && body_.size() + extra <= declared_)
+        body_.reserve(static_cast<size_t>(declared_));
+      for (const auto b : beast::buffers_range_ref(buffers))
+        body_.append(static_cast<const char*>(b.data()), b.size());
+      ec = {};
+      return extra;
+    }
+
+    void finish(error_code& ec) { ec = {}; }
+
+   private:
+    value_type& body_;
+    std::uint64_t declared_ = 0;  // its Content-Length; 0 when chunked
+  };
+};
 
 // The OpenAI error shape the rest of the gateway answers with.
 std::string ErrorBody(const Status& status) {
@@ -233,7 +280,7 @@ class HttpServer::Impl::Connection
   beast::tcp_stream stream_;
   const net::any_io_executor executor_;
   beast::flat_buffer buffer_;
-  std::optional<http::request_parser<http::string_body>> parser_;
+  std::optional<http::request_parser<ArrivingBody>> parser_;
   http::response<http::string_body> response_;
   unsigned version_ = 11;
   bool keep_alive_ = true;
@@ -360,7 +407,14 @@ void HttpServer::Impl::Connection::OnRead(error_code ec, size_t bytes) {
 void HttpServer::Impl::Connection::Parse() {
   for (;;) {
     error_code ec;
-    size_t used = parser_->put(buffer_.data(), ec);
+    size_t used = 0;
+    try {
+      used = parser_->put(buffer_.data(), ec);
+    } catch (const std::bad_alloc&) {  // no room for the body: refused, not the end of the process
+      return FailRequest(503, Unavailable("the gateway has no memory for this request's body; retry shortly",
+                                          "server_busy"),
+                         1);
+    }
     buffer_.consume(used);
     if (ec == http::error::body_limit) {
       return FailRequest(413, Status(StatusCode::kPayloadTooLarge,
@@ -429,10 +483,9 @@ void HttpServer::Impl::Connection::OnContinueWritten(error_code ec, size_t) {
 
 bool HttpServer::Impl::Connection::ReserveBody() {
   if (!parser_->is_header_done()) return true;
-  // What has arrived, not the Content-Length: Beast reserves that up front,
-  // but as address space, which takes no memory until bytes are written
-  // into it. Counted by the declared length, a client that declared a
-  // large body and trickled it held that much of the bound.
+  // What has arrived, not the Content-Length (see ArrivingBody): counted
+  // by the declared length, a client that declared a large body and
+  // trickled it held that much of the bound.
   const size_t want = parser_->get().body().size();
   if (want <= body_reserved_) return true;
   if (!server_.ReserveReceiving(want - body_reserved_)) {
@@ -454,7 +507,7 @@ void HttpServer::Impl::Connection::ReleaseBody() {
 void HttpServer::Impl::Connection::Dispatch() {
   stream_.expires_never();
   ReleaseBody();  // the handler holds it now
-  http::request<http::string_body> msg = parser_->release();
+  http::request<ArrivingBody> msg = parser_->release();
   version_ = msg.version();
   keep_alive_ = msg.keep_alive();
   head_ = msg.method() == http::verb::head;
@@ -768,6 +821,8 @@ void HttpServer::Impl::OnAccept(error_code ec, tcp::socket socket) {
     }
     if (what != kDrop) connections_.emplace(c.get(), c);
   }
+  // Closed unanswered, but counted as refused all the same.
+  if (what == kDrop && options_.on_refused) options_.on_refused(503, "server_busy");
   if (what == kServe) c->Start();
   if (what == kRefuse) c->Refuse();
   Accept();

@@ -26,10 +26,10 @@ struct HttpServerOptions {
   // come of each so far counts until it is handed to the handler. A request
   // that would pass this is answered 503 "server_busy" (Retry-After: 1) and
   // its connection closed, so many uploads at once cannot hold memory
-  // without bound. A body's declared Content-Length is reserved as address
-  // space only, which takes no memory until its bytes come: a client that
-  // declares a large body and trickles it holds only what it sent. A value
-  // under max_body_bytes counts as max_body_bytes.
+  // without bound. A body's declared Content-Length is not reserved until
+  // its first MiB has come: a client that declares a large body and
+  // trickles it holds only what it sent (at most 1 MiB of address space
+  // more). A value under max_body_bytes counts as max_body_bytes.
   size_t max_receiving_bytes = size_t{1} << 30;
   // Open connections, idle ones included. One more is answered 503
   // "server_busy" (Retry-After: 1) and closed at once, so idle connections
@@ -45,8 +45,10 @@ struct HttpServerOptions {
   int64_t read_timeout_ms = 30000;
   // Called for each request the server answers itself, without the handler
   // (503 server_busy, 413 over max_body_bytes, 431, 400 malformed_request,
-  // 400/501 unsupported_transfer_encoding), with the status and error code:
-  // for the caller's metrics. On an io thread; must not block. May be empty.
+  // 400/501 unsupported_transfer_encoding), and for each connection past
+  // max_connections closed unanswered (503 server_busy), with the status
+  // and error code: for the caller's metrics. On an io thread; must not
+  // block. May be empty.
   std::function<void(int status, std::string_view code)> on_refused;
 
   Status Validate() const;

@@ -331,7 +331,7 @@ Router::Router(const RouterOptions& options, WorkSubmitter* submitter, FleetSnap
                MetricsRegistry* metrics, const Clock* clock)
     : options_(options), submitter_(submitter), fleet_(std::move(fleet)), metrics_(metrics),
       clock_(clock ? clock : SystemClock::Get()),
-      errors_(metrics, "shoal_http_errors_total", "HTTP error responses by error code.") {
+      errors_(metrics->GetErrorCodeCounters("shoal_http_errors_total", "HTTP error responses by error code.")) {
   for (const char* route : {"/v1/embeddings", "/v1/encode", "/v1/rerank", "/v1/score", "/v1/classify",
                             "/v1/ocr", "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
                             "/v1/workers"}) {
@@ -364,7 +364,7 @@ HttpResponder Router::Instrument(const std::string& route, HttpResponder respond
   return [this, start, m, respond = std::move(respond)](HttpResponse r) {
     m->latency->Observe(static_cast<double>(clock_->NowMonoUs() - start) / 1e6);
     m->Requests(*metrics_, r.status)->Inc();
-    if (r.status >= 400) errors_.Get(r.error_code.empty() ? std::string_view("unknown") : r.error_code)->Inc();
+    if (r.status >= 400) errors_->Get(r.error_code.empty() ? std::string_view("unknown") : r.error_code)->Inc();
     respond(std::move(r));
   };
 }

@@ -58,7 +58,7 @@ class Router {
   // Counts an error answered outside any route (shoal_http_errors_total):
   // what the HTTP server refuses itself, a MessagePack body that does not
   // decode.
-  void CountError(std::string_view code) { errors_.Get(code)->Inc(); }
+  void CountError(std::string_view code) { errors_->Get(code)->Inc(); }
 
  private:
   void Embeddings(HttpRequest&& req, HttpResponder respond);
@@ -106,7 +106,7 @@ class Router {
   std::map<std::string, std::unique_ptr<RouteMetrics>> route_metrics_;  // by route, made once
   // shoal_http_errors_total by error code. A runtime passes on an
   // upstream's own codes, any strings: bounded (see ErrorCodeCounters).
-  ErrorCodeCounters errors_;
+  ErrorCodeCounters* errors_;
 };
 
 // The OpenAI-shaped error body and status for `status`; adds Retry-After on

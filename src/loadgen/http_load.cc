@@ -29,9 +29,10 @@ using tcp = asio::ip::tcp;
 using Clock = std::chrono::steady_clock;
 using Time = Clock::time_point;
 
-double ThreadCpuSeconds(clockid_t id) {
+// nullopt once the thread has ended (its clock is gone with it).
+std::optional<double> ThreadCpuSeconds(clockid_t id) {
   timespec ts{};
-  if (clock_gettime(id, &ts) != 0) return 0;
+  if (clock_gettime(id, &ts) != 0) return std::nullopt;
   return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) / 1e9;
 }
 
@@ -515,14 +516,8 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
   double cpu_start = 0, cpu_end = 0;
   auto all_cpu = [&] {
     double s = 0;
-    for (auto& t : ts) {
-      timespec now{};
-      if (clock_gettime(t->cpu_clock, &now) == 0) {
-        s += static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec) / 1e9;
-      } else {
-        s += std::max(t->cpu_at_exit.load(), 0.0);  // it has ended, and stored this first
-      }
-    }
+    // A thread that has ended stored its time first.
+    for (auto& t : ts) s += ThreadCpuSeconds(t->cpu_clock).value_or(std::max(t->cpu_at_exit.load(), 0.0));
     return s;
   };
   asio::steady_timer start_timer(ts[0]->io, sh.window_start), end_timer(ts[0]->io, sh.window_end);
@@ -545,7 +540,7 @@ Result<LoadResult> RunLoad(const LoadOptions& options) {
       pthread_getcpuclockid(pthread_self(), &t->cpu_clock);
       ready.arrive_and_wait();
       t->io.run();
-      t->cpu_at_exit.store(ThreadCpuSeconds(CLOCK_THREAD_CPUTIME_ID));
+      t->cpu_at_exit.store(ThreadCpuSeconds(CLOCK_THREAD_CPUTIME_ID).value_or(0));
       finished.fetch_add(1);
     });
   }

@@ -370,7 +370,9 @@ Status PrepareReportDir(const std::string& dir) {
 }
 
 Status WriteReport(const BenchReport& report, const std::string& dir, std::vector<std::string>* written) {
-  RETURN_IF_ERROR(PrepareReportDir(dir));
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);  // checked by PrepareReportDir already; made again if removed since
+  if (ec) return Unavailable("cannot create " + dir + ": " + ec.message());
   auto write = [&](const std::string& name, const std::string& text) -> Status {
     const std::string path = (std::filesystem::path(dir) / name).string();
     std::ofstream f(path, std::ios::binary | std::ios::trunc);
@@ -387,8 +389,7 @@ Status WriteReport(const BenchReport& report, const std::string& dir, std::vecto
   if (!util.empty()) {
     RETURN_IF_ERROR(write("utilisation.svg", util));
   } else {
-    std::error_code ec;  // an earlier run's, into the same directory
-    std::filesystem::remove(std::filesystem::path(dir) / "utilisation.svg", ec);
+    std::filesystem::remove(std::filesystem::path(dir) / "utilisation.svg", ec);  // an earlier run's
   }
   return Status::Ok();
 }

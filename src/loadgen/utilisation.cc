@@ -78,14 +78,17 @@ void UtilisationTracker::Add(double t_s, std::vector<WorkerBusy> sample) {
 std::map<std::string, double> UtilisationTracker::MeanOver(double t0_s, double t1_s) const {
   std::map<std::string, double> out;
   for (const auto& [id, entries] : entries_) {
+    // From the last entry at or before t0 (else the first after it) to the
+    // last at or before t1: with a heartbeat every 2 s, a short window
+    // holds fewer entries than samples.
     const Entry* first = nullptr;
     const Entry* last = nullptr;
     for (const auto& e : entries) {
-      if (e.t_s < t0_s || e.t_s > t1_s) continue;
-      if (!first) first = &e;
+      if (e.t_s > t1_s) break;
+      if (e.t_s <= t0_s || first == nullptr) first = &e;
       last = &e;
     }
-    if (!first || first == last) continue;
+    if (!first || first == last || last->t_s < t0_s) continue;
     if (auto u = Between(first->busy, last->busy, last->t_s - first->t_s)) out[id] = *u;
   }
   return out;

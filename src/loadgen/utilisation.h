@@ -52,9 +52,10 @@ class UtilisationTracker {
   // worker reports, its busy time would read as all or nothing.
   void Add(double t_s, std::vector<WorkerBusy> sample);
   const std::map<std::string, std::vector<Point>>& series() const { return series_; }
-  // Mean utilisation per worker over its entries taken within [t0, t1]
-  // (busy time over elapsed time, not a mean of points); workers with fewer
-  // than two entries in the interval are left out.
+  // Mean utilisation per worker from its last entry at or before t0 (else
+  // its first after) to its last at or before t1 (busy time over elapsed
+  // time, not a mean of points); workers with no two such entries are left
+  // out.
   std::map<std::string, double> MeanOver(double t0_s, double t1_s) const;
 
  private:

@@ -83,9 +83,14 @@ TEST(UtilisationTracker, UsesEachWorkersHeartbeatAsItsTimeBase) {
     t.Add(0.3 + i, {w});
   }
   const auto& s = t.series().at("w");
-  ASSERT_EQ(s.size(), 4u);  // one per new heartbeat
-  for (const auto& p : s) EXPECT_DOUBLE_EQ(p.utilisation, 0.5);
+  ASSERT_EQ(s.size(), 4u);  // one per new heartbeat, between the samples that brought them
+  for (size_t k = 0; k < s.size(); ++k) {
+    EXPECT_DOUBLE_EQ(s[k].utilisation, 0.5);
+    EXPECT_DOUBLE_EQ(s[k].t_s, 1.3 + 2 * static_cast<double>(k));
+  }
   EXPECT_DOUBLE_EQ(t.MeanOver(0, 9).at("w"), 0.5);
+  // A window of 1.5 s holds one new heartbeat: measured from the one before.
+  EXPECT_DOUBLE_EQ(t.MeanOver(3, 4.5).at("w"), 0.5);
   // Without heartbeats (another server), the samples' own times.
   UtilisationTracker plain;
   plain.Add(0, {{"w", 0, 1}});

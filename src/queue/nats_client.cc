@@ -687,7 +687,9 @@ Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait
   // consumer was parked): these first, without a pull.
   while (out.size() < want && Undelivered() > 0) {
     natsMsg* raw = nullptr;
-    if (natsSubscription_NextMsg(&raw, sub_.get(), 1) != NATS_OK) break;
+    const natsStatus s = natsSubscription_NextMsg(&raw, sub_.get(), 1);
+    if (s == NATS_NO_RESPONDERS) continue;  // an earlier pull's 503, taken by nats.c: stale
+    if (s != NATS_OK) break;
     NatsMsgPtr msg(raw);
     if (PullStatus(raw) == nullptr) out.emplace_back(msg.release(), conn_);  // stale statuses are dropped
   }
@@ -710,14 +712,24 @@ Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait
     natsMsg* raw = nullptr;
     const natsStatus s = natsSubscription_NextMsg(&raw, sub_.get(), left);
     if (s == NATS_TIMEOUT) break;
-    if (s != NATS_OK && s != NATS_NO_RESPONDERS) {
+    if (s == NATS_NO_RESPONDERS) {
+      // A 503 status, which nats.c takes itself (its subject, and so which
+      // pull it answered, is lost with it): nobody answers for the durable,
+      // or JetStream is gone. Whether the durable is there is asked, not
+      // assumed (at most once a second).
+      if (SteadyNowMs() - checked_ms_ >= 1000) {
+        checked_ms_ = SteadyNowMs();
+        RecreateIfGone("");
+      }
+      if (out.empty()) return FromNats(s, "pull from " + durable_, kJetStreamNotEnabled);
+      break;
+    }
+    if (s != NATS_OK) {
       if (out.empty()) return FromNats(s, "fetch from " + durable_);
       break;
     }
-    // nats.c takes a 503 status message itself and says NATS_NO_RESPONDERS
-    // (its subject is lost with it): nobody answers for the durable.
-    NatsMsgPtr msg(s == NATS_OK ? raw : nullptr);
-    const char* status = s == NATS_OK ? PullStatus(raw) : "503";
+    NatsMsgPtr msg(raw);
+    const char* status = PullStatus(raw);
     if (status == nullptr) {
       out.emplace_back(msg.release(), conn_);
       // A plain pull stays open for its whole batch: return what has come
@@ -725,12 +737,12 @@ Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait
       if (!one_shot && Undelivered() == 0) break;
       continue;
     }
-    const char* subject = s == NATS_OK ? natsMsg_GetSubject(raw) : reply.c_str();
+    const char* subject = natsMsg_GetSubject(raw);
     if (subject != nullptr && wake_subject_ == subject) break;  // Wake
     if (subject == nullptr || reply != subject) continue;       // an earlier pull's status
     if (std::strcmp(status, "100") == 0) continue;              // heartbeat
     const char* description = nullptr;
-    if (s == NATS_OK) (void)natsMsgHeader_Get(raw, "Description", &description);
+    (void)natsMsgHeader_Get(raw, "Description", &description);
     if (std::strcmp(status, "408") == 0 && description != nullptr && std::strcmp(description, "Requests Pending") == 0 &&
         out.empty() && one_shot) {
       // Other pulls already ask for more than is waiting, and the server

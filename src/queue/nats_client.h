@@ -51,7 +51,7 @@ struct NatsOptions {
   // and nats.c reconnects. With none, a server that stops reading (frozen,
   // or cut off without a reset) blocks a publish inside send() while it
   // holds the connection's lock, and with it every NATS call of the
-  // process, until TCP gives up (many minutes).
+  // process, until TCP gives up (many minutes); with it, for this long.
   int64_t write_deadline_ms = 10000;
   // A server that has not answered ping_max_out pings, sent every
   // ping_interval_ms, is taken as gone and reconnected to (nats.c's

