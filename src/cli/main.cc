@@ -19,7 +19,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <string_view>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -225,8 +224,6 @@ void AddWorker(CLI::App* app, WorkerFlags& w) {
       "Long-poll of an idle model's pull (returns as soon as work arrives)");
 }
 
-// Items trimmed of spaces ("a, b" is a and b); empty ones dropped.
-std::vector<std::string> SplitCsv(const std::string& s) { return cli::SplitNonEmpty(s, ','); }
 
 // "2GiB", "512MiB", "1.5GB", "3000000000" -> bytes.
 Result<int64_t> ParseBytes(const std::string& text) {
@@ -254,11 +251,11 @@ Result<int64_t> ParseBytes(const std::string& text) {
 
 // Fills the worker options that need parsing from their flags.
 Status ApplyWorkerFlags(WorkerFlags& w) {
-  w.options.models = SplitCsv(w.models_csv);
+  w.options.models = cli::SplitNonEmpty(w.models_csv, ',');
   ASSIGN_OR_RETURN(w.options.memory_budget_bytes, ParseBytes(w.memory_budget));
   ASSIGN_OR_RETURN(w.options.host_memory_budget_bytes, ParseBytes(w.host_memory_budget));
-  w.options.pinned = SplitCsv(w.pin_csv);
-  w.options.preload = w.preload_csv == "none" ? std::vector<std::string>{} : SplitCsv(w.preload_csv);
+  w.options.pinned = cli::SplitNonEmpty(w.pin_csv, ',');
+  w.options.preload = w.preload_csv == "none" ? std::vector<std::string>{} : cli::SplitNonEmpty(w.preload_csv, ',');
   // A GPU this build cannot use fails before anything starts.
   return CheckComputeDevice(w.options.device);
 }
@@ -527,7 +524,7 @@ int main(int argc, char** argv) {
     const int code = app.exit(e);  // prints the message, or the help asked for
     // `shoal models` and `shoal bench` end every bad value with 2, as they
     // do the values they check themselves.
-    const bool reports_with_2 = argc > 1 && (std::string_view(argv[1]) == "models" || std::string_view(argv[1]) == "bench");
+    const bool reports_with_2 = models->parsed() || bench->parsed();
     return code != 0 && reports_with_2 ? 2 : code;
   }
   if (models->parsed()) return RunModelsCommand(models_flags);

@@ -15,7 +15,7 @@ Result<Device> ParseDevice(std::string_view text) {
   const std::string_view digits = text.substr(kPrefix.size());
   int index = -1;
   const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), index);
-  if (digits.empty() || digits[0] < '0' || digits[0] > '9' || ec != std::errc() || end != digits.data() + digits.size() || index < 0 || index > 255)
+  if (digits.empty() || digits[0] < '0' || digits[0] > '9' || ec != std::errc() || end != digits.data() + digits.size() || index > 255)
     return bad();
   return Device{true, index};
 }

@@ -39,8 +39,14 @@ namespace {
 // error text, a client's input): control characters are written escaped,
 // so it cannot end its line and forge others, or send terminal escapes.
 std::string OneLine(std::string_view text) {
+  static constexpr char kHex[] = "0123456789abcdef";
   std::string out;
   out.reserve(text.size());
+  const auto hex = [&](const char* prefix, unsigned char b) {
+    out += prefix;
+    out += kHex[b >> 4];
+    out += kHex[b & 15];
+  };
   for (size_t i = 0; i < text.size(); ++i) {
     const char ch = text[i];
     const auto c = static_cast<unsigned char>(ch);
@@ -48,24 +54,15 @@ std::string OneLine(std::string_view text) {
     // on them as on ESC sequences.
     if (c == 0xc2 && i + 1 < text.size() && static_cast<unsigned char>(text[i + 1]) >= 0x80 &&
         static_cast<unsigned char>(text[i + 1]) <= 0x9f) {
-      static constexpr char kHex[] = "0123456789abcdef";
-      const auto next = static_cast<unsigned char>(text[++i]);
-      out += "\\u00";
-      out += kHex[next >> 4];
-      out += kHex[next & 15];
-    } else if (c >= 0x20 && c != 0x7f) {
+      hex("\\u00", static_cast<unsigned char>(text[++i]));
+    } else if ((c >= 0x20 && c != 0x7f) || c == '\t') {
       out += ch;
     } else if (c == '\n') {
       out += "\\n";
     } else if (c == '\r') {
       out += "\\r";
-    } else if (c == '\t') {
-      out += ch;
     } else {
-      static constexpr char kHex[] = "0123456789abcdef";
-      out += "\\x";
-      out += kHex[c >> 4];
-      out += kHex[c & 15];
+      hex("\\x", c);
     }
   }
   return out;

@@ -717,10 +717,7 @@ Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait
       // pull it answered, is lost with it): nobody answers for the durable,
       // or JetStream is gone. Whether the durable is there is asked, not
       // assumed (at most once a second).
-      if (SteadyNowMs() - checked_ms_ >= 1000) {
-        checked_ms_ = SteadyNowMs();
-        RecreateIfGone("");
-      }
+      CheckGoneEvery(1000);
       if (out.empty()) return FromNats(s, "pull from " + durable_, kJetStreamNotEnabled);
       break;
     }
@@ -769,11 +766,15 @@ Result<std::vector<Delivery>> PullConsumer::Fetch(int max_msgs, int64_t max_wait
   }
   // Pulls to a deleted durable are answered by nobody, and nats-server
   // sends no status for them: they look like an idle model's.
-  if (out.empty() && SteadyNowMs() - checked_ms_ >= options_.existence_check_ms) {
-    checked_ms_ = SteadyNowMs();
-    RecreateIfGone("");
-  }
+  if (out.empty()) CheckGoneEvery(options_.existence_check_ms);
   return out;
+}
+
+void PullConsumer::CheckGoneEvery(int64_t every_ms) {
+  const int64_t now = SteadyNowMs();
+  if (now - checked_ms_ < every_ms) return;
+  checked_ms_ = now;
+  RecreateIfGone("");
 }
 
 void PullConsumer::RecreateIfGone(const std::string& why) {

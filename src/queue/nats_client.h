@@ -325,9 +325,11 @@ class PullConsumer {
   ConsumerOptions options_;
   int64_t recreated_ms_ = 0;        // fetcher thread only: when the durable was last created again
   int64_t checked_ms_ = 0;          // fetcher thread only: when an empty Fetch last checked that it exists
-  // After an empty Fetch: creates the durable again if it no longer exists
-  // (checked at most every options_.existence_check_ms).
+  // Creates the durable again if it no longer exists (`why` empty: asks
+  // first; else known gone, for that reason).
   void RecreateIfGone(const std::string& why);
+  // RecreateIfGone("") at most once every `every_ms`.
+  void CheckGoneEvery(int64_t every_ms);
   Status SendPull(const std::string& reply, size_t batch, int64_t wait_ms, bool no_wait);
 };
 

@@ -6,7 +6,6 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,6 +19,7 @@
 #include <vector>
 
 #include "common/child_process.h"
+#include "common/search_path.h"
 
 namespace shoal {
 
@@ -54,18 +54,7 @@ std::string FindExecutable(const std::string& binary) {
   const char* path = std::getenv("PATH");
   std::string dirs = path != nullptr && *path != '\0' ? path : "/bin:/usr/bin";
   dirs += ":/usr/local/sbin:/usr/sbin:/sbin";
-  size_t start = 0;
-  for (;;) {
-    const size_t end = dirs.find(':', start);
-    const std::string dir = dirs.substr(start, end == std::string::npos ? std::string::npos : end - start);
-    // An empty PATH entry is the working directory.
-    const std::string candidate = (dir.empty() ? std::string(".") : dir) + "/" + binary;
-    struct stat st {};
-    if (::stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(candidate.c_str(), X_OK) == 0)
-      return candidate;
-    if (end == std::string::npos) return "";
-    start = end + 1;
-  }
+  return SearchPath(dirs, binary);
 }
 
 bool PortAcceptsConnections(const std::string& host, int port) {
@@ -197,7 +186,7 @@ Result<std::unique_ptr<NatsServerProcess>> NatsServerProcess::Start(const NatsSe
         exited = true;
         break;
       }
-      if (LogSaysReady(log, log_offset) && PortAcceptsConnections(o.host, proc->port_)) return proc;
+      if (PortAcceptsConnections(o.host, proc->port_) && LogSaysReady(log, log_offset)) return proc;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     if (exited && o.port == 0 && attempt < kPickedPortTries) continue;

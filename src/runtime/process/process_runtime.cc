@@ -18,6 +18,7 @@
 
 #include "common/child_process.h"
 #include "common/log.h"
+#include "common/search_path.h"
 #include "runtime/process/frame.h"
 
 extern char** environ;
@@ -93,15 +94,7 @@ Result<std::string> FindProgram(const std::string& name, const std::vector<std::
     if (e.rfind("PATH=", 0) == 0) path = &e;
   if (path == nullptr) return name;
   const std::string dirs = path->substr(5);
-  for (size_t start = 0; start <= dirs.size();) {
-    size_t end = dirs.find(':', start);
-    if (end == std::string::npos) end = dirs.size();
-    std::filesystem::path full = std::filesystem::path(end > start ? dirs.substr(start, end - start) : ".") / name;
-    if (full.is_relative()) full = std::filesystem::path(cwd) / full;
-    std::error_code ec;
-    if (::access(full.c_str(), X_OK) == 0 && !std::filesystem::is_directory(full, ec)) return full.string();
-    start = end + 1;
-  }
+  if (std::string found = SearchPath(dirs, name, cwd); !found.empty()) return found;
   return Status(StatusCode::kBadGateway, "runtime command '" + name + "' is not on the runtime's PATH (" + dirs + ")",
                 "runtime_start_failed");
 }
