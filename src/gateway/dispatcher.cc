@@ -183,11 +183,14 @@ void Dispatcher::SubmitEmbed(EmbedJob job, EmbedCallback done) {
       // The routes index rows by input: a reply (from a worker of another
       // version, say) with rows for other inputs than the chunk's is an error.
       if (part.rows != chunk_rows[c] || part.dim <= 0)
-        return done(Internal("a worker returned " + std::to_string(part.rows) + " rows of width " +
-                             std::to_string(part.dim) + " for a chunk of " + std::to_string(chunk_rows[c]) +
-                             " inputs"));
+        return done(Status(StatusCode::kBadGateway,
+                           "a worker returned " + std::to_string(part.rows) + " rows of width " +
+                               std::to_string(part.dim) + " for a chunk of " + std::to_string(chunk_rows[c]) +
+                               " inputs",
+                           "bad_worker_reply"));
       if (r.dim == 0) r.dim = part.dim;
-      if (part.dim != r.dim) return done(Internal("workers returned different embedding widths"));
+      if (part.dim != r.dim)
+        return done(Status(StatusCode::kBadGateway, "workers returned different embedding widths", "bad_worker_reply"));
       r.rows += part.rows;
       for (int32_t t : part.token_counts) r.prompt_tokens += t;
       r.truncated_any = r.truncated_any || part.truncated_any;

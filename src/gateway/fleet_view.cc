@@ -148,21 +148,14 @@ void FleetView::Refresh() {
         }
     }
     if (models_kv_) {
-      auto keys = models_kv_->Keys();
-      catalog_read = keys.ok();
-      if (keys.ok())
-        for (const auto& k : *keys) {
-          auto v = models_kv_->Get(k);
-          if (v.status().code() == StatusCode::kNotFound) continue;  // removed since the listing
-          if (!v.ok()) {
-            // Unreadable for now (a timeout, the connection lost): the last
-            // catalog stands, and the other keys are not tried, each of
-            // which could take the JetStream API timeout too.
-            catalog_read = false;
-            break;
-          }
+      // All or nothing: unreadable for now (a timeout, the connection
+      // lost), the last catalog stands.
+      auto entries = models_kv_->Entries();
+      catalog_read = entries.ok();
+      if (entries.ok())
+        for (auto& [k, v] : *entries) {
           try {
-            auto j = nlohmann::json::parse(*v);
+            auto j = nlohmann::json::parse(v);
             CatalogModel m;
             m.name = Field<std::string>(j, "name", "");
             m.task = Field<std::string>(j, "task", "embed");
@@ -171,7 +164,7 @@ void FleetView::Refresh() {
             m.normalize = Field<bool>(j, "normalize", true);
             m.labels = Field<std::vector<std::string>>(j, "labels", {});
             m.runtime = Field<std::string>(j, "runtime", "torchscript");
-            m.config_json = *v;
+            m.config_json = v;
             if (!m.name.empty()) s->models[m.name] = std::move(m);
           } catch (const std::exception& e) {
             LOG_WARN("gateway", "bad catalog entry " << k << ": " << e.what());

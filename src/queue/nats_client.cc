@@ -948,31 +948,48 @@ Result<bool> KvBucket::DeleteAtRevision(const std::string& key, uint64_t revisio
   return FromNats(s, "kv delete " + key, jerr);
 }
 
-Result<std::vector<std::pair<std::string, std::string>>> KvBucket::Entries() {
-  ASSIGN_OR_RETURN(std::vector<std::string> keys, Keys());
-  std::vector<std::pair<std::string, std::string>> out;
-  for (std::string& key : keys) {
-    auto value = Get(key);
-    if (!value.ok() && value.status().code() == StatusCode::kNotFound) continue;  // expired between Keys and Get
-    if (!value.ok()) return value.status();
-    out.emplace_back(std::move(key), std::move(value).value());
+Status KvBucket::ForEachLive(bool with_values, const std::function<void(kvEntry*)>& visit) {
+  // A watcher over the bucket's last value per key, read until its
+  // "initial values done" marker under one deadline for the whole listing.
+  // Not kvStore_Keys: nats.c 3.4 takes the time since the listing began off
+  // its timeout once per key, so a listing of a few hundred keys timed out
+  // falsely. Delete markers are skipped here, not by the watcher, which
+  // does the same per skipped marker within one kvWatcher_Next.
+  kvWatchOptions o;
+  kvWatchOptions_Init(&o);
+  o.MetaOnly = !with_values;
+  kvWatcher* raw = nullptr;
+  natsStatus s = kvStore_WatchAll(&raw, kv_.get(), &o);
+  if (s != NATS_OK) return FromNats(s, "kv list");
+  std::unique_ptr<kvWatcher, decltype(&kvWatcher_Destroy)> watcher(raw, &kvWatcher_Destroy);
+  const int64_t deadline = nats_Now() + timeout_ms_;
+  for (;;) {
+    const int64_t left = deadline - nats_Now();
+    if (left <= 0) return FromNats(NATS_TIMEOUT, "kv list");
+    kvEntry* e = nullptr;
+    s = kvWatcher_Next(&e, watcher.get(), left);
+    if (s != NATS_OK) return FromNats(s, "kv list");
+    if (e == nullptr) return Status::Ok();  // every key's last value seen
+    const kvOperation op = kvEntry_Operation(e);
+    if (op != kvOp_Delete && op != kvOp_Purge) visit(e);
+    kvEntry_Destroy(e);
   }
+}
+
+Result<std::vector<std::pair<std::string, std::string>>> KvBucket::Entries() {
+  std::vector<std::pair<std::string, std::string>> out;
+  RETURN_IF_ERROR(ForEachLive(true, [&](kvEntry* e) {
+    out.emplace_back(kvEntry_Key(e), std::string(static_cast<const char*>(kvEntry_Value(e)),
+                                                 static_cast<size_t>(std::max(kvEntry_ValueLen(e), 0))));
+  }));
+  std::sort(out.begin(), out.end());
   return out;
 }
 
 Result<std::vector<std::string>> KvBucket::Keys() {
-  kvKeysList list{};
-  // Without options the listing waits for its last entry for ever: a server
-  // gone mid-listing (the client reconnects for ever) would hang the caller.
-  kvWatchOptions o;
-  kvWatchOptions_Init(&o);
-  o.Timeout = timeout_ms_;
-  natsStatus s = kvStore_Keys(&list, kv_.get(), &o);
   std::vector<std::string> out;
-  if (s == NATS_NOT_FOUND) return out;  // no keys
-  if (s != NATS_OK) return FromNats(s, "kv keys");
-  for (int i = 0; i < list.Count; ++i) out.emplace_back(list.Keys[i]);
-  kvKeysList_Destroy(&list);
+  RETURN_IF_ERROR(ForEachLive(false, [&](kvEntry* e) { out.emplace_back(kvEntry_Key(e)); }));
+  std::sort(out.begin(), out.end());
   return out;
 }
 

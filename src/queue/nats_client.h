@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -22,6 +23,7 @@ typedef struct __natsMsg natsMsg;
 typedef struct __natsSubscription natsSubscription;
 typedef struct __jsCtx jsCtx;
 typedef struct __kvStore kvStore;
+typedef struct __kvEntry kvEntry;
 
 namespace shoal {
 
@@ -366,21 +368,25 @@ class KvBucket {
   // Delete, one that times out and reaches the server later (nats.c sends
   // what it buffered once reconnected) cannot remove a value written since.
   Result<bool> DeleteAtRevision(const std::string& key, uint64_t revision);
-  // All live keys (may be empty).
+  // All live keys (may be empty), in key order.
   Result<std::vector<std::string>> Keys();
-  // Every live key with its value, in key order. A key that expires while
-  // they are read is left out; any other failed read fails the whole call
-  // (a view without that entry would be wrong, not just old).
+  // Every live key with its value, in key order, read in one pass over the
+  // bucket. Either all of them or an error (a view without some entries
+  // would be wrong, not just old). Both take at most the client's
+  // js_api_timeout_ms in all, however many keys there are.
   Result<std::vector<std::pair<std::string, std::string>>> Entries();
 
  private:
   KvBucket() = default;
   // Takes `kv` (owned from here on) and reads its TTL.
   static Result<std::unique_ptr<KvBucket>> Wrap(NatsClient& client, kvStore* kv, const std::string& bucket);
+  // Calls `visit` with each live key's last entry (values left out unless
+  // `with_values`), all within timeout_ms_.
+  Status ForEachLive(bool with_values, const std::function<void(kvEntry*)>& visit);
 
   KvStorePtr kv_;
   jsCtx* js_ = nullptr;  // the client's
-  int64_t timeout_ms_ = 5000;  // Keys(): the client's js_api_timeout_ms
+  int64_t timeout_ms_ = 5000;  // listings: the client's js_api_timeout_ms
   int64_t ttl_ms_ = 0;
 };
 

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <future>
 #include <thread>
@@ -431,6 +432,36 @@ TEST_F(NatsClientTest, KvPutGetKeysAndTtl) {
   auto keys = (*kv)->Keys();
   ASSERT_TRUE(keys.ok());
   EXPECT_EQ(*keys, std::vector<std::string>{"w1"});
+}
+
+// A listing of many keys takes one deadline for all of them. nats.c's own
+// kvStore_Keys took the time since the listing began off its timeout once
+// per key and failed here with a timeout; the fleet view and the workers'
+// peer views list buckets like this one.
+TEST_F(NatsClientTest, KvListsThousandsOfKeysWithinOneDeadline) {
+  auto kv = KvBucket::Open(*client_, "SHOAL_TEST_MANY", 0);
+  ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+  constexpr int kKeys = 3000;
+  std::vector<std::pair<std::string, std::string>> live;
+  for (int i = 0; i < kKeys; ++i) {
+    char key[16];
+    std::snprintf(key, sizeof key, "k%05d", i);
+    ASSERT_TRUE((*kv)->Put(key, "v" + std::to_string(i)).ok());
+    // Every third key deleted, the last one included: delete markers are
+    // not keys, at the end of the listing either.
+    if (i % 3 == 2 || i == kKeys - 1) {
+      ASSERT_TRUE((*kv)->Delete(key).ok());
+    } else {
+      live.emplace_back(key, "v" + std::to_string(i));
+    }
+  }
+  auto keys = (*kv)->Keys();
+  ASSERT_TRUE(keys.ok()) << keys.status().ToString();
+  ASSERT_EQ(keys->size(), live.size());
+  for (size_t i = 0; i < live.size(); ++i) EXPECT_EQ((*keys)[i], live[i].first);
+  auto entries = (*kv)->Entries();
+  ASSERT_TRUE(entries.ok()) << entries.status().ToString();
+  EXPECT_EQ(*entries, live);
 }
 
 TEST_F(NatsClientTest, KvCreateOnlyOnceUntilDeletedOrExpired) {

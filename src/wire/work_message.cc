@@ -398,14 +398,15 @@ Result<WorkReply> DecodeWorkReply(std::string_view data) {
   const msgpack::object& root = handle.get();
   RETURN_IF_ERROR(ExpectType(root, msgpack::type::MAP, "reply"));
   WorkReply r;
-  const Status fields = DecodeWorkReplyFields(root, r);
-  if (fields.ok()) {
-    if (r.request_id.empty()) return InvalidArgument("wire: reply has no id");
-    return r;
-  }
+  r.chunk_index = -1;  // none: a reply must say which chunk it answers
+  Status fields = DecodeWorkReplyFields(root, r);
+  if (fields.ok() && r.request_id.empty()) return InvalidArgument("wire: reply has no id");
+  if (fields.ok() && r.chunk_index < 0) fields = InvalidArgument("wire: reply has no chunk");
+  if (fields.ok()) return r;
   // Its request and chunk, when they can be read, get the error at once
   // rather than their deadline: the worker has settled the work.
   WorkReply failed;
+  failed.chunk_index = -1;  // unknown unless it reads
   for (uint32_t i = 0; i < root.via.map.size; ++i) {
     const auto& kv = root.via.map.ptr[i];
     const auto key = KeyOf(kv.key);

@@ -282,6 +282,16 @@ TEST(WorkReply, AnUnusableReplyWithAnIdIsItsChunksFailure) {
   EXPECT_EQ(d->request_id, "y");
   EXPECT_FALSE(d->partial);
   EXPECT_EQ(d->status.reason(), "bad_worker_reply");
+  EXPECT_EQ(d->chunk_index, -1);  // it names none: not taken as chunk 0's
+
+  // {"id": "z"}: well-formed but for no chunk; taken as chunk 0's answer,
+  // it would put its rows in chunk 0's place.
+  d = DecodeWorkReply(std::string("\x81\xa2id\xa1z", 6));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->request_id, "z");
+  EXPECT_EQ(d->chunk_index, -1);
+  EXPECT_EQ(d->status.reason(), "bad_worker_reply");
+  EXPECT_NE(d->status.message().find("no chunk"), std::string::npos) << d->status.message();
 
   r.request_id.clear();
   EXPECT_EQ(DecodeWorkReply(EncodeWorkReply(r)).status().code(), StatusCode::kInvalidArgument);

@@ -441,8 +441,9 @@ TEST_F(WorkerTest, AStoppedDispatcherTakesNoMoreReplies) {
 
 // A reply the gateway cannot use ends its request at once, not at its
 // deadline: rows that are not the chunk's inputs' (a worker of another
-// version) get 500, a reply by reference at a gateway without a blob store
-// 502 blob_store_missing. Here the test answers the work itself.
+// version) get 502 bad_worker_reply, a reply by reference at a gateway
+// without a blob store 502 blob_store_missing. Here the test answers the
+// work itself.
 TEST_F(WorkerTest, RepliesTheGatewayCannotUseEndTheirRequestAtOnce) {
   worker_->Stop();
   auto consumer = PullConsumer::Create(*client_, "SHOAL_WORK", wire::WorkSubject("tiny-bert"),
@@ -475,7 +476,8 @@ TEST_F(WorkerTest, RepliesTheGatewayCannotUseEndTheirRequestAtOnce) {
   three.token_counts = {3, 3, 3};
   answer(three, nullptr);
   auto r = two.get();
-  EXPECT_EQ(r.status().code(), StatusCode::kInternal) << r.status().ToString();
+  EXPECT_EQ(r.status().code(), StatusCode::kBadGateway) << r.status().ToString();
+  EXPECT_EQ(r.status().reason(), "bad_worker_reply");
   EXPECT_NE(r.status().message().find("3 rows of width 2 for a chunk of 2 inputs"), std::string::npos)
       << r.status().message();
 

@@ -456,6 +456,30 @@ TEST(E2eCluster, TwoWorkersStartedAtOnceWithOneIdOneIsRefused) {
   EXPECT_TRUE(twins[1 - refused_index]->WaitForLine(R"(shoal worker twin ready)", 60s));
 }
 
+// A --metrics-port in use fails the worker before it connects to NATS or
+// loads a model: no NATS server listens here, so a worker that bound the
+// port later would report the connection instead.
+TEST(E2eCluster, WorkerWithItsMetricsPortInUseFailsBeforeConnecting) {
+  shoal::testing::HeldPort taken;
+  ASSERT_GE(taken.port(), 0);
+  auto nobody = PickFreePort();
+  ASSERT_TRUE(nobody.ok());
+  shoal::testing::TempDir logs;
+  ChildOptions o;
+  o.argv = {shoal::testing::ShoalBinary(), "worker", "--nats-url", "nats://127.0.0.1:" + std::to_string(*nobody),
+            "--models-dir", shoal::testing::ModelsDir(), "--models", "tiny-bert", "--threads", "1",
+            "--metrics-port", std::to_string(taken.port())};
+  o.stderr_path = logs.path() + "/worker.log";
+  auto worker = ChildProcess::Spawn(o);
+  const auto status = worker->Wait(60s);
+  ASSERT_TRUE(status) << "the worker did not exit";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) != 0) << *status;
+  std::ifstream in(o.stderr_path);
+  const std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(err.find(std::to_string(taken.port())), std::string::npos) << err;
+  EXPECT_EQ(err.find("nats"), std::string::npos) << err;
+}
+
 // --omp-wait-policy re-executes the worker with OMP_WAIT_POLICY set (libgomp
 // reads it only at load time); the worker then serves as usual.
 TEST(E2eCluster, OmpWaitPolicyFlagReachesTheWorkerProcess) {

@@ -77,6 +77,10 @@ TEST(SseParser, FinishDeliversAnUnterminatedEvent) {
   EXPECT_TRUE(got.empty());
   ASSERT_TRUE(p.Finish());
   EXPECT_EQ(got, (std::vector<std::string>{"tail"}));
+  // A stream cut between the CR and the LF of its last line.
+  ASSERT_TRUE(p.Feed("data: [DONE]\r"));
+  ASSERT_TRUE(p.Finish());
+  EXPECT_EQ(got, (std::vector<std::string>{"tail", "[DONE]"}));
 }
 
 // A line fed a byte at a time is still one line (each piece is scanned
@@ -397,6 +401,20 @@ TEST(OpenAiRuntime, MapsUpstreamErrors) {
   EXPECT_EQ(out.status().reason(), "upstream_error");
   status = 503;
   EXPECT_EQ(rt->RunItems({"x"}, {}).status().code(), StatusCode::kBadGateway);
+}
+
+// An error body past 64 KiB is not parsed (a 256 MiB array of numbers
+// would take gigabytes as a tree): its start is the message.
+TEST(OpenAiRuntime, LargeErrorBodiesAreReadAsText) {
+  const std::string big = R"({"error":{"message":"short","pad":")" + std::string(70 * 1024, 'x') + R"("}})";
+  const Status large = UpstreamError(400, big);
+  EXPECT_EQ(large.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(large.message().find(R"(upstream answered 400: {"error":{"message":"short")"), std::string::npos)
+      << large.message().substr(0, 100);
+  EXPECT_LT(large.message().size(), 1000u);
+  const Status small = UpstreamError(400, R"({"error":{"message":"short","pad":"xx"}})");
+  EXPECT_EQ(small.message().find("{"), std::string::npos) << small.message();
+  EXPECT_NE(small.message().find("short"), std::string::npos) << small.message();
 }
 
 TEST(OpenAiRuntime, ConnectionRefusedIsBadGateway) {

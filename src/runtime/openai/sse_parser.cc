@@ -27,6 +27,7 @@ bool SseParser::Finish() {
   if (!pending_.empty()) {
     std::string last = std::move(pending_);
     pending_.clear();
+    if (!last.empty() && last.back() == '\r') last.pop_back();  // a CRLF cut after its CR
     if (!Line(last)) return false;
   }
   return Line({});

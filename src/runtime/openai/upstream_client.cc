@@ -301,7 +301,11 @@ Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& 
 Status UpstreamError(int http_status, std::string_view body) {
   std::string message;
   std::string code;
-  auto j = nlohmann::json::parse(body, nullptr, false);
+  // An error document is small; a larger body (up to max_response_bytes)
+  // is read as text, not parsed into a tree many times its size.
+  constexpr size_t kMaxErrorDocument = 64 * 1024;
+  auto j = body.size() <= kMaxErrorDocument ? nlohmann::json::parse(body, nullptr, false)
+                                            : nlohmann::json(nlohmann::json::value_t::discarded);
   if (!j.is_discarded() && j.is_object()) {
     // OpenAI {"error":{"message","code"}}; some servers put a string in
     // "error" or use {"message"} / {"detail"}.

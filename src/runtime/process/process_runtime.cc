@@ -59,6 +59,7 @@ void KillGroupAndReap(pid_t pid) {
   // Reaped already (never here): its group's id may be another's by now.
   if (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 && errno == ECHILD) return;
   ::kill(-pid, SIGKILL);
+  ::kill(pid, SIGKILL);  // also when it has left its group (or not yet joined it)
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
@@ -73,6 +74,19 @@ int OpenPidFd(pid_t pid) {
   (void)pid;
   return -1;
 #endif
+}
+
+// The reason for a runtime's refusal: its own error code where it is one the
+// protocol names, else `fallback`. A runtime's code never becomes one the
+// worker acts on itself (device_fault would take the whole worker out of the
+// fleet).
+std::string RuntimeReason(const std::string& code, const char* fallback) {
+  static constexpr std::string_view kProtocolCodes[] = {
+      "unsupported_protocol", "unsupported_task", "unknown_op", "not_loaded",
+      "invalid_batch",        "bad_output",       "model_load_failed", "runtime_error"};
+  for (std::string_view known : kProtocolCodes)
+    if (code == known) return code;
+  return fallback;
 }
 
 // Resolves a path given in the model config: absolute as is, else relative
@@ -127,6 +141,9 @@ Result<pid_t> Spawn(const std::vector<std::string>& argv, const std::vector<std:
     ::execvpe(program.c_str(), args.data(), envp.data());
     ::_exit(127);
   }
+  // Here too, so the group exists before anything kills it: the child may
+  // not have run yet.
+  ::setpgid(pid, pid);
   return pid;
 }
 
@@ -158,6 +175,13 @@ void ProcessRuntime::Unload() {
     stop_ = true;
   }
   sup_cv_.notify_all();
+  // A restart waiting for the runtime's hello or load (up to the start
+  // timeout) ends at once when the process does: what it started is not
+  // wanted any more. (The connect loop sees stop_ itself.)
+  if (restarting_) {
+    const pid_t pid = pid_.load();
+    if (pid > 0) ::kill(pid, SIGKILL);
+  }
   if (supervisor_.joinable()) supervisor_.join();
 }
 
@@ -241,7 +265,7 @@ Status ProcessRuntime::Start() {
   auto hello = CallLocked(runtime_protocol::EncodeHello(hello_id, "shoal-worker"), hello_id, left_ms);
   if (!hello.ok()) return fail(hello.status());
   if (!hello->ok) return fail(Status(StatusCode::kBadGateway, "runtime refused hello: " + hello->error_message,
-                                     hello->error_code.empty() ? "runtime_start_failed" : hello->error_code));
+                                     RuntimeReason(hello->error_code, "runtime_start_failed")));
   if (hello->protocol != runtime_protocol::kProtocolVersion) {
     return fail(Status(StatusCode::kBadGateway,
                        "runtime speaks protocol " + std::to_string(hello->protocol) + ", this worker speaks " +
@@ -360,7 +384,7 @@ Result<Embeddings> ProcessRuntime::Run(const TokenBatch& batch) {
   }
   if (!reply->ok) {
     return Status(StatusCode::kInternal, "runtime: " + reply->error_message,
-                  reply->error_code.empty() ? "runtime_error" : reply->error_code);
+                  RuntimeReason(reply->error_code, "runtime_error"));
   }
   const int dim = dim_.load();
   if (reply->rows != batch.rows || reply->embeddings.size() != static_cast<size_t>(batch.rows) * dim * sizeof(float)) {

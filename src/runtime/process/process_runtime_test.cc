@@ -9,12 +9,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <memory>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -93,6 +95,16 @@ TEST(RuntimeMessages, RepliesAreCheckedField_by_field) {
   EXPECT_EQ(r->dim, 3);
   // {"id": 1, "ok": true, "embeddings": "text"}: embeddings must be bin.
   EXPECT_EQ(rp::DecodeReply(std::string("\x83\xa2id\x01\xa2ok\xc3\xaa" "embeddings\xa4text", 26)).status().reason(),
+            "malformed_frame");
+  // {<an array claiming 2^32-1 elements>: ...}: refused before the decoder
+  // reserves 64 GiB for it.
+  auto huge = rp::DecodeReply(std::string("\x81\xdd\xff\xff\xff\xff", 6));
+  EXPECT_EQ(huge.status().reason(), "malformed_frame");
+  EXPECT_NE(huge.status().message().find("a header claims 4294967295"), std::string::npos) << huge.status().ToString();
+  // {"id": 1, "ok": true, "rows": 2^32 + 1}: not read as 1 row.
+  EXPECT_EQ(rp::DecodeReply(std::string("\x83\xa2id\x01\xa2ok\xc3\xa4rows\xcf\x00\x00\x00\x01\x00\x00\x00\x01", 23))
+                .status()
+                .reason(),
             "malformed_frame");
 }
 
@@ -202,6 +214,14 @@ TEST(ProcessRuntime, RuntimesThatFailToStartFailTheLoadQuickly) {
     ProcessRuntime rt;
     Status s = rt.Load(BadModel("wrong-version"));
     EXPECT_EQ(s.reason(), "unsupported_protocol") << s.ToString();
+  }
+  {
+    // A runtime's own code is not one the worker acts on (device_fault
+    // would take the whole worker out of the fleet).
+    ProcessRuntime rt;
+    Status s = rt.Load(BadModel("refuse-device"));
+    EXPECT_EQ(s.reason(), "runtime_start_failed") << s.ToString();
+    EXPECT_NE(s.message().find("its device broke"), std::string::npos) << s.ToString();
   }
   {
     ProcessRuntime rt;
@@ -316,6 +336,28 @@ TEST(ProcessRuntime, UnloadDoesNotWaitForARestartStillStarting) {
   auto unloaded = std::async(std::launch::async, [&] { rt.Unload(); });
   EXPECT_EQ(unloaded.wait_for(std::chrono::seconds(20)), std::future_status::ready)
       << "Unload waited for the restart's start timeout";
+  unloaded.wait();
+  std::filesystem::remove_all(dir);
+}
+
+// The same once the restarted runtime listens and its `load` is slow: the
+// unload kills it rather than wait for the answer.
+TEST(ProcessRuntime, UnloadDoesNotWaitForARestartsSlowLoad) {
+  std::string dir = (std::filesystem::temp_directory_path() / "shoal-slowload-XXXXXX").string();
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  ModelConfig m = BadModel("slow-reload");
+  m.process.env.emplace_back("SHOAL_TEST_MARK", dir + "/loaded");
+  m.process.start_timeout_ms = 40000;
+  ProcessRuntime rt;
+  ASSERT_TRUE(rt.Load(m).ok());
+  const pid_t first = rt.pid();
+  ASSERT_EQ(::kill(first, SIGKILL), 0);
+  ASSERT_TRUE(Eventually([&] { return rt.pid() > 0 && rt.pid() != first; })) << "no restart began";
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // it listens and sleeps in `load`
+  ASSERT_FALSE(rt.Available());
+  auto unloaded = std::async(std::launch::async, [&] { rt.Unload(); });
+  EXPECT_EQ(unloaded.wait_for(std::chrono::seconds(20)), std::future_status::ready)
+      << "Unload waited for the restart's load";
   unloaded.wait();
   std::filesystem::remove_all(dir);
 }
@@ -439,12 +481,33 @@ TEST(ProcessRuntime, ARuntimeThatDiesWhileItsHelperHoldsTheSocketFailsTheBatchAt
   std::filesystem::remove_all(dir);
 }
 
+// A runtime that left the process group it was started in is still
+// stopped: the group kill misses it, and the wait for it would never end.
+TEST(ProcessRuntime, UnloadStopsARuntimeThatLeftItsProcessGroup) {
+  ProcessRuntime rt;
+  ASSERT_TRUE(rt.Load(BadModel("leave-group")).ok());
+  const pid_t pid = rt.pid();
+  ASSERT_GT(pid, 0);
+  ASSERT_NE(::getpgid(pid), pid);  // it did leave
+  auto unloaded = std::make_shared<std::atomic<bool>>(false);
+  std::thread unload([&rt, unloaded] {
+    rt.Unload();
+    *unloaded = true;
+  });
+  const bool in_time = Eventually([&] { return unloaded->load(); }, 10s);
+  if (!in_time) ::kill(pid, SIGKILL);  // lets the stuck Unload end
+  unload.join();
+  EXPECT_TRUE(in_time) << "Unload waited for a runtime it did not kill";
+  EXPECT_TRUE(Gone(pid));
+}
+
 TEST(ProcessRuntime, AnErrorReplyFailsOnlyThatBatch) {
   ProcessRuntime rt;
   ASSERT_TRUE(rt.Load(BadModel("error")).ok());
   const pid_t pid = rt.pid();
   auto out = rt.Run(ReferenceBatch(TorchScriptReference()));
   EXPECT_EQ(out.status().code(), StatusCode::kInternal);
+  EXPECT_EQ(out.status().reason(), "runtime_error") << out.status().ToString();  // its code was device_fault
   EXPECT_NE(out.status().message().find("refuses every batch"), std::string::npos);
   std::this_thread::sleep_for(300ms);  // a few health checks
   EXPECT_TRUE(rt.up());

@@ -1,5 +1,7 @@
 #include "runtime/process/protocol.h"
 
+#include "common/bounded_json.h"
+
 #include <msgpack.hpp>
 
 namespace shoal::runtime_protocol {
@@ -121,6 +123,11 @@ std::string EncodeSimple(uint64_t id, std::string_view op) {
 }
 
 Result<Reply> DecodeReply(std::string_view data) {
+  // msgpack-c reserves what an array or map header claims before reading
+  // its elements: 6 bytes could ask for 64 GiB.
+  if (Status bounded = CheckBoundedMsgpack(data, "the runtime's reply", {8, uint64_t{1} << 20}, true);
+      !bounded.ok())
+    return Malformed(bounded.message());
   msgpack::object_handle handle;
   try {
     handle = msgpack::unpack(data.data(), data.size());
@@ -151,7 +158,7 @@ Result<Reply> DecodeReply(std::string_view data) {
         if (ek == "message") r.error_message = std::string(View(v.via.map.ptr[k].val));
       }
     } else if (key == "protocol") {
-      if (!Int(v, &n)) return Malformed("protocol must be an integer");
+      if (!Int(v, &n) || n < 0 || n > INT32_MAX) return Malformed("protocol must be a non-negative integer");
       r.protocol = static_cast<int>(n);
     } else if (key == "runtime") {
       r.runtime = std::string(View(v));
@@ -165,7 +172,7 @@ Result<Reply> DecodeReply(std::string_view data) {
       if (!Int(v, &n) || n < 0) return Malformed("memory_bytes must be a non-negative integer");
       r.memory_bytes = n;
     } else if (key == "rows") {
-      if (!Int(v, &n) || n < 0) return Malformed("rows must be a non-negative integer");
+      if (!Int(v, &n) || n < 0 || n > INT32_MAX) return Malformed("rows out of range");
       r.rows = static_cast<int>(n);
     } else if (key == "embeddings") {
       if (v.type != msgpack::type::BIN) return Malformed("embeddings must be bin (float32 little-endian)");

@@ -2,14 +2,20 @@
 """Misbehaving runtimes for ProcessRuntime's tests (--mode picks how).
 
   wrong-version  answers hello with protocol 2
+  refuse-device  refuses hello with error code device_fault
   exit           exits with code 3 before listening
   silent         never listens on the socket
   oversized      answers `run` with a frame header of 1 GiB
   garbage        answers `run` with bytes that are not MessagePack
   hang           never answers `run`
-  error          answers `run` with ok:false, keeps serving
+  error          answers `run` with ok:false (code device_fault), keeps
+                 serving
   crash-once     like the real runtime, but dies (SIGKILL-like exit) on the
                  first `run` while $CRASH_MARKER does not exist; creates it
+  slow-reload    the first `load` creates $SHOAL_TEST_MARK; a later one
+                 (a restart's) finds it and sleeps
+  leave-group    moves into its parent's process group, then serves, and
+                 stays after `shutdown`
   fork-then-die  on `run`, forks a helper that sleeps holding the socket
                  (as forked multiprocessing workers do), writes its pid to
                  $HELPER_PID_FILE, then exits
@@ -32,10 +38,20 @@ class BadServer(shoal_runtime.Server):
         self.mode = mode
 
     def hello(self, req):
+        if self.mode == "refuse-device":
+            return shoal_runtime.error("device_fault", "this runtime says its device broke")
         reply = super().hello(req)
         if self.mode == "wrong-version":
             reply["protocol"] = 2
         return reply
+
+    def load(self, req):
+        if self.mode == "slow-reload":
+            marker = os.environ["SHOAL_TEST_MARK"]
+            if os.path.exists(marker):
+                time.sleep(600)
+            open(marker, "w").close()
+        return super().load(req)
 
     def run(self, req):
         if self.mode == "crash-once":
@@ -52,7 +68,7 @@ class BadServer(shoal_runtime.Server):
                 f.write(str(helper))
             os._exit(7)
         if self.mode == "error":
-            return shoal_runtime.error("boom", "this runtime refuses every batch")
+            return shoal_runtime.error("device_fault", "this runtime refuses every batch")
         return super().run(req)
 
 
@@ -64,6 +80,8 @@ def main():
         sys.exit(3)
     if mode == "silent":
         time.sleep(3600)
+    if mode == "leave-group":
+        os.setpgid(0, os.getpgid(os.getppid()))
     server = BadServer(mode)
     raw_write = shoal_runtime.write_frame
 
@@ -82,6 +100,8 @@ def main():
 
     shoal_runtime.write_frame = write_frame
     shoal_runtime.serve(server, os.environ["SHOAL_RUNTIME_SOCKET"])
+    if mode == "leave-group":
+        time.sleep(3600)
 
 
 if __name__ == "__main__":
