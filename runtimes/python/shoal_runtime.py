@@ -84,8 +84,12 @@ class Server:
                 "runtime": f"shoal-python/1 (python {sys.version.split()[0]}, torch {torch.__version__})"}
 
     def load(self, req):
+        global MAX_FRAME
         m = req["model"]
         config = json.loads(m.get("config_json") or "{}")
+        # The worker's limit on frames both ways (process.max_frame_bytes),
+        # which it has checked a full batch against.
+        MAX_FRAME = int(config.get("process", {}).get("max_frame_bytes", MAX_FRAME))
         threads = int(m.get("intra_op_threads") or 0)
         if threads > 0:
             torch.set_num_threads(threads)

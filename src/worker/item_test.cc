@@ -3,6 +3,7 @@
 // -js, the real Worker and the gateway's Dispatcher, over a scripted item
 // runtime so that every path (results, float rows, streamed partials, one
 // caller's bad input, a failed runtime) can be driven.
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -24,6 +25,11 @@ namespace {
 using shoal::testing::TempDir;
 using shoal::testing::TestNatsServer;
 
+// How many "busy" inputs the runtime has been given, and the most in one
+// call (whether the worker batched them).
+std::atomic<int> busy_inputs{0};
+std::atomic<int> most_busy_in_one_call{0};
+
 std::string PackStr(std::string_view s) {
   msgpack::sbuffer buf;
   msgpack::pack(buf, std::string(s));
@@ -36,6 +42,7 @@ std::string Unpacked(std::string_view doc) {
 }
 
 // Each input is text: "bad..." fails the batch with a client error,
+// "busy" fails it as an overloaded backend does (429),
 // "stream:N" emits N partials first, "slow:N" takes N ms, "alone:..."
 // fails on its own, "row:a,b" (token task) returns floats, anything else
 // comes back upper-cased.
@@ -48,6 +55,14 @@ class ScriptedItemRuntime final : public Runtime {
   bool TakesItems() const override { return true; }
   Result<std::vector<std::string>> RunItems(const std::vector<std::string>& items,
                                             const PartialSink& partial) override {
+    const int busy = static_cast<int>(std::count(items.begin(), items.end(), "busy"));
+    if (busy > 0) {
+      busy_inputs += busy;
+      int most = most_busy_in_one_call.load();
+      while (busy > most && !most_busy_in_one_call.compare_exchange_weak(most, busy)) {
+      }
+      return ResourceExhausted("the backend is overloaded", "upstream_busy");
+    }
     std::vector<std::string> out;
     for (size_t i = 0; i < items.size(); ++i) {
       const std::string& in = items[i];
@@ -218,6 +233,28 @@ TEST_F(ItemPathTest, OneCallersBadInputFailsOnlyThatCaller) {
       EXPECT_EQ(Unpacked(r->items[0]), "OK" + std::to_string(i));
     }
   }
+}
+
+// A backend that answers 429 is overloaded, whichever input it was given:
+// every caller of the batch gets the 429, and the batch is not sent again
+// one message at a time (more requests to a backend that asked for fewer).
+TEST_F(ItemPathTest, AnOverloadedBackendIsNotAskedAgainMessageByMessage) {
+  busy_inputs = 0;
+  most_busy_in_one_call = 0;
+  // The first keeps the executor busy, so the others wait and batch.
+  auto first = std::async(std::launch::async, [this] { return Submit({"slow:400"}); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::vector<std::future<Result<ItemResult>>> futures;
+  for (int i = 0; i < 6; ++i) futures.push_back(std::async(std::launch::async, [this] { return Submit({"busy"}); }));
+  ASSERT_TRUE(first.get().ok());
+  for (auto& f : futures) {
+    auto r = f.get();
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status().ToString();
+    EXPECT_EQ(r.status().reason(), "upstream_busy");
+  }
+  ASSERT_GT(most_busy_in_one_call.load(), 1) << "the worker did not batch them; the test shows nothing";
+  EXPECT_EQ(busy_inputs.load(), 6);  // each input once
 }
 
 TEST_F(ItemPathTest, AnInputThatFailsAloneFailsOnlyItsCaller) {

@@ -1029,10 +1029,12 @@ void ModelServer::RunItemBatch(std::vector<std::unique_ptr<PendingWork>> live) {
     return;
   }
   const int code = HttpStatusFor(s.code());
-  if (!s.ok() && ((code >= 400 && code < 500) || s.code() == StatusCode::kInternal) && live.size() > 1) {
+  if (!s.ok() && ((code >= 400 && code < 500) || s.code() == StatusCode::kInternal) &&
+      s.code() != StatusCode::kResourceExhausted && live.size() > 1) {
     // One caller's bad input (an undecodable image, one the model fails
     // on) must not fail the others batched with it: rerun each message on
-    // its own.
+    // its own. Not an overloaded backend's 429: no input caused it, and
+    // rerunning would send it more requests.
     return RunEachAlone(std::move(live));
   }
   if (!s.ok() && s.code() == StatusCode::kInternal)
