@@ -45,6 +45,12 @@ struct Embeddings {
 // Called on the executor thread.
 using PartialSink = std::function<void(size_t item, std::string_view chunk)>;
 
+// Receives one input's result document (as RunItems returns it, an
+// ItemError included) as soon as that input is done, while others of the
+// batch still run: after all of its partial output, on the executor
+// thread. RunItems still returns every result.
+using ResultSink = std::function<void(size_t item, const std::string& result)>;
+
 class Runtime {
  public:
   virtual ~Runtime() = default;
@@ -79,6 +85,15 @@ class Runtime {
                                                           const PartialSink& partial) {
     (void)deadlines_unix_ms;
     return RunItems(items, partial);
+  }
+  // RunItemsBefore that hands each input's result to `done` as soon as it
+  // is ready, so a caller whose answer came first need not wait for the
+  // batch's longest (generation). The default hands over nothing early.
+  virtual Result<std::vector<std::string>> RunItemsAsReady(const std::vector<std::string>& items,
+                                                           const std::vector<int64_t>& deadlines_unix_ms,
+                                                           const PartialSink& partial, const ResultSink& done) {
+    (void)done;
+    return RunItemsBefore(items, deadlines_unix_ms, partial);
   }
   // Whether batches run on this worker's device. False for a runtime that
   // forwards to a remote server: its batches take no turn on the device

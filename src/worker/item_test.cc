@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -30,6 +31,18 @@ using shoal::testing::TestNatsServer;
 std::atomic<int> busy_inputs{0};
 std::atomic<int> most_busy_in_one_call{0};
 
+// How often each input was given to the runtime, and the most inputs in
+// one call (whether the worker batched them).
+std::mutex runs_mu;
+std::map<std::string, int> runs;  // guarded by runs_mu
+std::atomic<int> most_in_one_call{0};
+
+void NoteMost(std::atomic<int>& most, int n) {
+  int seen = most.load();
+  while (n > seen && !most.compare_exchange_weak(seen, n)) {
+  }
+}
+
 std::string PackStr(std::string_view s) {
   msgpack::sbuffer buf;
   msgpack::pack(buf, std::string(s));
@@ -42,7 +55,8 @@ std::string Unpacked(std::string_view doc) {
 }
 
 // Each input is text: "bad..." fails the batch with a client error,
-// "busy" fails it as an overloaded backend does (429),
+// "busy" fails it as an overloaded backend does (429), "late-bad" fails it
+// (400) after the others were handed over (RunItemsAsReady),
 // "stream:N" emits N partials first, "slow:N" takes N ms, "alone:..."
 // fails on its own, "row:a,b" (token task) returns floats, anything else
 // comes back upper-cased.
@@ -55,14 +69,19 @@ class ScriptedItemRuntime final : public Runtime {
   bool TakesItems() const override { return true; }
   Result<std::vector<std::string>> RunItems(const std::vector<std::string>& items,
                                             const PartialSink& partial) override {
+    NoteMost(most_in_one_call, static_cast<int>(items.size()));
     const int busy = static_cast<int>(std::count(items.begin(), items.end(), "busy"));
     if (busy > 0) {
       busy_inputs += busy;
-      int most = most_busy_in_one_call.load();
-      while (busy > most && !most_busy_in_one_call.compare_exchange_weak(most, busy)) {
-      }
+      NoteMost(most_busy_in_one_call, busy);
       return ResourceExhausted("the backend is overloaded", "upstream_busy");
     }
+    {
+      std::lock_guard<std::mutex> lock(runs_mu);
+      for (const auto& in : items) ++runs[in];
+    }
+    if (std::count(items.begin(), items.end(), "late-bad") > 0)
+      return InvalidArgument("this batch failed after its other inputs were done", "late_failure");
     std::vector<std::string> out;
     for (size_t i = 0; i < items.size(); ++i) {
       const std::string& in = items[i];
@@ -97,6 +116,44 @@ class ScriptedItemRuntime final : public Runtime {
     for (size_t i = 0; i < items.size(); ++i)
       if (items[i] == "deadline")
         (*out)[i] = PackStr(i < deadlines_unix_ms.size() ? std::to_string(deadlines_unix_ms[i]) : "none");
+    return out;
+  }
+  // Hands over each input's result at once, except "slow:N" ones (after
+  // their sleep) and "late-bad", which fails the whole call after the
+  // others were handed over.
+  Result<std::vector<std::string>> RunItemsAsReady(const std::vector<std::string>& items,
+                                                   const std::vector<int64_t>& deadlines_unix_ms,
+                                                   const PartialSink& partial, const ResultSink& done) override {
+    NoteMost(most_in_one_call, static_cast<int>(items.size()));
+    if (std::count(items.begin(), items.end(), "busy") > 0) return RunItemsBefore(items, deadlines_unix_ms, partial);
+    const auto alone = [&](size_t i) {
+      return RunItemsBefore({items[i]}, {i < deadlines_unix_ms.size() ? deadlines_unix_ms[i] : 0},
+                            [&](size_t, std::string_view c) { partial(i, c); });
+    };
+    std::vector<std::string> out(items.size());
+    std::vector<size_t> later;
+    bool fail_late = false;
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (items[i].rfind("slow:", 0) == 0) {
+        later.push_back(i);
+        continue;
+      }
+      if (items[i] == "late-bad") {
+        fail_late = true;
+        continue;
+      }
+      auto one = alone(i);
+      if (!one.ok()) return one.status();
+      out[i] = std::move((*one)[0]);
+      done(i, out[i]);
+    }
+    if (fail_late) return RunItems({"late-bad"}, {}).status();
+    for (size_t i : later) {
+      auto one = alone(i);
+      if (!one.ok()) return one.status();
+      out[i] = std::move((*one)[0]);
+      done(i, out[i]);
+    }
     return out;
   }
   Result<Embeddings> Run(const TokenBatch&) override { return Internal("token batches are not expected"); }
@@ -255,6 +312,63 @@ TEST_F(ItemPathTest, AnOverloadedBackendIsNotAskedAgainMessageByMessage) {
   }
   ASSERT_GT(most_busy_in_one_call.load(), 1) << "the worker did not batch them; the test shows nothing";
   EXPECT_EQ(busy_inputs.load(), 6);  // each input once
+}
+
+// A message whose inputs are all done is answered then, not when the
+// batch's slowest input is (a short generation does not wait for a long
+// one batched with it).
+TEST_F(ItemPathTest, AMessageIsAnsweredWhenItsOwnInputsAreDone) {
+  most_in_one_call = 0;
+  // The first keeps the executor busy, so the next two wait and batch.
+  auto first = std::async(std::launch::async, [this] { return Submit({"slow:400"}); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::mutex mu;
+  std::vector<std::string> answered;  // in the order the answers came
+  auto submit = [&](std::string in) {
+    return std::async(std::launch::async, [&, in] {
+      auto r = Submit({in});
+      std::lock_guard<std::mutex> lock(mu);
+      answered.push_back(in);
+      return r;
+    });
+  };
+  auto slow = submit("slow:1200");
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto quick = submit("quick");
+  ASSERT_TRUE(first.get().ok());
+  auto q = quick.get();
+  auto sl = slow.get();
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  ASSERT_TRUE(sl.ok()) << sl.status().ToString();
+  EXPECT_EQ(Unpacked(q->items[0]), "QUICK");
+  EXPECT_EQ(Unpacked(sl->items[0]), "slow");
+  ASSERT_GE(most_in_one_call.load(), 2) << "the worker did not batch them; the test shows nothing";
+  EXPECT_EQ(answered, (std::vector<std::string>{"quick", "slow:1200"}));
+}
+
+// A message answered early is done: when the rest of its batch fails
+// after it, the rerun of the others one by one leaves it out.
+TEST_F(ItemPathTest, AMessageAnsweredEarlyIsNotRunAgainWhenItsBatchFails) {
+  most_in_one_call = 0;
+  {
+    std::lock_guard<std::mutex> lock(runs_mu);
+    runs.clear();
+  }
+  auto first = std::async(std::launch::async, [this] { return Submit({"slow:400"}); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto good = std::async(std::launch::async, [this] { return Submit({"fine once"}); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto bad = std::async(std::launch::async, [this] { return Submit({"late-bad"}); });
+  ASSERT_TRUE(first.get().ok());
+  auto g = good.get();
+  auto b = bad.get();
+  ASSERT_GE(most_in_one_call.load(), 2) << "the worker did not batch them; the test shows nothing";
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  EXPECT_EQ(Unpacked(g->items[0]), "FINE ONCE");
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().reason(), "late_failure");
+  std::lock_guard<std::mutex> lock(runs_mu);
+  EXPECT_EQ(runs["fine once"], 1);
 }
 
 TEST_F(ItemPathTest, AnInputThatFailsAloneFailsOnlyItsCaller) {

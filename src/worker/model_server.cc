@@ -3,6 +3,7 @@
 #include "worker/model_server.h"
 
 #include <algorithm>
+#include <optional>
 #include <charconv>
 #include <cmath>
 
@@ -883,55 +884,113 @@ void ModelServer::RunLive(std::vector<std::unique_ptr<PendingWork>> live) {
 
 void ModelServer::Finish(std::vector<std::unique_ptr<PendingWork>>& live, std::vector<wire::WorkReply>& replies,
                          const Status& failure) {
-  for (size_t i = 0; i < live.size(); ++i) {
-    if (!failure.ok() || !replies[i].status.ok()) {
-      Fail(live[i]->delivery, live[i]->headers, failure.ok() ? replies[i].status : failure);
-      continue;
-    }
-    if (live[i]->items.empty()) tokens_total_->Inc(live[i]->tokens);
-    // Reply first, then ack: a crash in between redelivers, never loses.
-    if (Status sent = Reply(replies[i], live[i]->headers.reply_to); !sent.ok()) {
-      // The answer did not go out (e.g. over the server's max payload): say
-      // so rather than ack work whose caller would never hear of it.
-      Fail(live[i]->delivery, live[i]->headers,
-           sent.code() == StatusCode::kPayloadTooLarge
-               ? Status(StatusCode::kPayloadTooLarge,
-                        "the result is larger than a NATS message may be and this worker has no blob store "
-                        "(--blob-store); send fewer inputs per request: " +
-                            sent.message(),
-                        "result_too_large")
-               : Internal("the reply could not be sent: " + sent.message(), "reply_failed"));
-      continue;
-    }
-    (void)live[i]->delivery.Ack();
+  static const wire::WorkReply kNone;  // failed: no reply to send
+  for (size_t i = 0; i < live.size(); ++i) FinishOne(*live[i], failure.ok() ? replies[i] : kNone, failure);
+}
+
+void ModelServer::FinishOne(PendingWork& work, const wire::WorkReply& reply, const Status& failure) {
+  if (!failure.ok() || !reply.status.ok()) {
+    Fail(work.delivery, work.headers, failure.ok() ? reply.status : failure);
+    return;
   }
+  if (work.items.empty()) tokens_total_->Inc(work.tokens);
+  // Reply first, then ack: a crash in between redelivers, never loses.
+  if (Status sent = Reply(reply, work.headers.reply_to); !sent.ok()) {
+    // The answer did not go out (e.g. over the server's max payload): say
+    // so rather than ack work whose caller would never hear of it.
+    Fail(work.delivery, work.headers,
+         sent.code() == StatusCode::kPayloadTooLarge
+             ? Status(StatusCode::kPayloadTooLarge,
+                      "the result is larger than a NATS message may be and this worker has no blob store "
+                      "(--blob-store); send fewer inputs per request: " +
+                          sent.message(),
+                      "result_too_large")
+             : Internal("the reply could not be sent: " + sent.message(), "reply_failed"));
+    return;
+  }
+  (void)work.delivery.Ack();
+}
+
+Status ModelServer::AddItemResult(std::string result, Status item_error, size_t input, wire::WorkReply* reply) const {
+  const ModelConfig& c = d_.config;
+  wire::WorkReply& r = *reply;
+  if (!r.status.ok()) return Status::Ok();  // another input of this message failed
+  if (!item_error.ok()) {
+    r.status = std::move(item_error);  // only this input's caller gets it
+    return Status::Ok();
+  }
+  if (c.ItemTask()) {
+    r.items.push_back(std::move(result));
+    return Status::Ok();
+  }
+  // A token task served by an item runtime: each result is one row of floats.
+  auto row = wire::DecodeFloatRow(result);
+  if (!row.ok() || row->empty() || (r.dim != 0 && static_cast<int>(row->size()) != r.dim) ||
+      (c.task == "score" && row->size() != 1))
+    return Internal("model '" + c.name + "' returned a malformed row for input " + std::to_string(input) +
+                        (row.ok() ? "" : ": " + row.status().message()),
+                    "runtime_error");
+  Embeddings e{1, static_cast<int>(row->size()), std::move(*row)};
+  ApplyActivation(activation_, &e);
+  r.dim = e.dim;
+  r.embeddings.insert(r.embeddings.end(), e.data.begin(), e.data.end());
+  return Status::Ok();
 }
 
 Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& work,
-                             std::vector<wire::WorkReply>* replies) {
+                             std::vector<wire::WorkReply>* replies, std::vector<bool>* answered) {
   const ModelConfig& c = d_.config;
+  answered->assign(work.size(), false);
+  const auto reply_for = [&](size_t i) {
+    wire::WorkReply r;
+    r.request_id = work[i]->headers.request_id;
+    r.chunk_index = work[i]->headers.chunk_index;
+    r.worker_id = d_.worker_id;
+    r.rows = static_cast<int>(work[i]->items.size());
+    return r;
+  };
   std::vector<std::string> inputs;
   std::vector<int64_t> deadlines;                // per input: its message's
   std::vector<std::pair<size_t, size_t>> owner;  // input -> (work, index within its message)
-  for (size_t i = 0; i < work.size(); ++i)
+  std::vector<size_t> first_input(work.size());  // per work: the index of its first input
+  for (size_t i = 0; i < work.size(); ++i) {
+    first_input[i] = inputs.size();
     for (size_t k = 0; k < work[i]->items.size(); ++k) {
       inputs.push_back(work[i]->items[k]);
       deadlines.push_back(work[i]->headers.deadline_unix_ms);
       owner.emplace_back(i, k);
     }
+  }
   std::vector<int> seq(work.size(), 0);
   PartialSink partial = [&](size_t item, std::string_view chunk) {
     if (item >= owner.size()) return;
     const auto [i, k] = owner[item];
-    wire::WorkReply r;
-    r.request_id = work[i]->headers.request_id;
-    r.chunk_index = work[i]->headers.chunk_index;
-    r.worker_id = d_.worker_id;
+    wire::WorkReply r = reply_for(i);
+    r.rows = 0;
     r.partial = true;
     r.seq = seq[i]++;
     r.item = static_cast<int>(k);
     r.items.emplace_back(chunk);
     (void)Reply(r, work[i]->headers.reply_to);
+  };
+  // Results handed over early, per input, and how many inputs of each
+  // message are still out: a message whose last input is done is answered
+  // then, not when the batch's longest input is.
+  std::vector<std::optional<std::string>> early(inputs.size());
+  std::vector<size_t> left(work.size());
+  for (size_t i = 0; i < work.size(); ++i) left[i] = work[i]->items.size();
+  ResultSink done = [&](size_t item, const std::string& result) {
+    if (item >= owner.size() || early[item]) return;
+    const size_t i = owner[item].first;
+    early[item] = result;
+    if (--left[i] > 0) return;
+    wire::WorkReply r = reply_for(i);
+    Status failure;
+    for (size_t n = first_input[i]; n < first_input[i] + work[i]->items.size() && failure.ok(); ++n)
+      failure = AddItemResult(*early[n], ParseItemError(*early[n]), n, &r);
+    FinishOne(*work[i], r, failure);
+    work[i]->progress = ProgressKeeper::Watch();  // answered: no more progress notes
+    (*answered)[i] = true;
   };
   // A batch always takes its first message whole, so one message (an
   // OpenAI embed chunk of 32 texts, say) can hold more inputs than
@@ -949,10 +1008,11 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
     const PartialSink pass_partial = [&partial, begin](size_t item, std::string_view chunk) {
       partial(begin + item, chunk);
     };
+    const ResultSink pass_done = [&done, begin](size_t item, const std::string& result) { done(begin + item, result); };
     const std::vector<int64_t> pass_deadlines(deadlines.begin() + static_cast<std::ptrdiff_t>(begin),
                                               deadlines.begin() + static_cast<std::ptrdiff_t>(end));
     const int64_t t0 = d_.clock->NowMonoUs();
-    auto out = RunGuarded([&] { return d_.runtime->RunItemsBefore(pass, pass_deadlines, pass_partial); });
+    auto out = RunGuarded([&] { return d_.runtime->RunItemsAsReady(pass, pass_deadlines, pass_partial, pass_done); });
     const int64_t run_us = d_.clock->NowMonoUs() - t0;
     if (out.ok()) {
       // Inputs that failed on their own (an undecodable image, a deadline
@@ -981,36 +1041,12 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
                       "runtime_error");
     for (auto& r : *out) results.push_back(std::move(r));
   }
-  replies->assign(work.size(), {});
-  for (size_t i = 0; i < work.size(); ++i) {
-    auto& r = (*replies)[i];
-    r.request_id = work[i]->headers.request_id;
-    r.chunk_index = work[i]->headers.chunk_index;
-    r.worker_id = d_.worker_id;
-    r.rows = static_cast<int>(work[i]->items.size());
-  }
+  replies->clear();
+  for (size_t i = 0; i < work.size(); ++i) replies->push_back(reply_for(i));
   for (size_t n = 0; n < results.size(); ++n) {
-    auto& r = (*replies)[owner[n].first];
-    if (!r.status.ok()) continue;  // another input of this message failed
-    if (!item_errors[n].ok()) {
-      r.status = std::move(item_errors[n]);  // only this input's caller gets it
-      continue;
-    }
-    if (c.ItemTask()) {
-      r.items.push_back(std::move(results[n]));
-      continue;
-    }
-    // A token task served by an item runtime: each result is one row of floats.
-    auto row = wire::DecodeFloatRow(results[n]);
-    if (!row.ok() || row->empty() || (r.dim != 0 && static_cast<int>(row->size()) != r.dim) ||
-        (c.task == "score" && row->size() != 1))
-      return Internal("model '" + c.name + "' returned a malformed row for input " + std::to_string(n) +
-                          (row.ok() ? "" : ": " + row.status().message()),
-                      "runtime_error");
-    Embeddings e{1, static_cast<int>(row->size()), std::move(*row)};
-    ApplyActivation(activation_, &e);
-    r.dim = e.dim;
-    r.embeddings.insert(r.embeddings.end(), e.data.begin(), e.data.end());
+    const size_t i = owner[n].first;
+    if ((*answered)[i]) continue;
+    RETURN_IF_ERROR(AddItemResult(std::move(results[n]), std::move(item_errors[n]), n, &(*replies)[i]));
   }
   return Status::Ok();
 }
@@ -1018,7 +1054,22 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
 void ModelServer::RunItemBatch(std::vector<std::unique_ptr<PendingWork>> live) {
   const ModelConfig& c = d_.config;
   std::vector<wire::WorkReply> replies;
-  Status s = RunItems(live, &replies);
+  std::vector<bool> answered;
+  Status s = RunItems(live, &replies, &answered);
+  // Messages answered while the others ran are done: whatever happens to
+  // the rest (handed back, rerun, failed) is not theirs.
+  if (std::find(answered.begin(), answered.end(), true) != answered.end()) {
+    std::vector<std::unique_ptr<PendingWork>> rest;
+    std::vector<wire::WorkReply> rest_replies;
+    for (size_t i = 0; i < live.size(); ++i) {
+      if (answered[i]) continue;
+      rest.push_back(std::move(live[i]));
+      if (i < replies.size()) rest_replies.push_back(std::move(replies[i]));
+    }
+    live = std::move(rest);
+    replies = std::move(rest_replies);
+    if (live.empty()) return;
+  }
   if (s.code() == StatusCode::kUnavailable) {
     LOG_WARN("worker", c.name << ": " << s.ToString() << "; returning " << live.size() << " message(s) to the queue");
     runtime_unavailable_->Inc();

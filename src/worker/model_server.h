@@ -175,11 +175,19 @@ class ModelServer final : public ModelAttachment {
   Result<std::unique_ptr<PendingWork>> PrepareItems(wire::WorkBody body) const;
   void RunItemBatch(std::vector<std::unique_ptr<PendingWork>> live);
   // Runs the items of `work` through the runtime, streaming partial output
-  // to each caller. Fills one reply per work on success.
-  Status RunItems(const std::vector<std::unique_ptr<PendingWork>>& work, std::vector<wire::WorkReply>* replies);
+  // to each caller. A message whose every input is done before the others
+  // (Runtime::RunItemsAsReady) is answered and acked at once, and marked in
+  // *answered; the others get one reply each in *replies on success.
+  Status RunItems(const std::vector<std::unique_ptr<PendingWork>>& work, std::vector<wire::WorkReply>* replies,
+                  std::vector<bool>* answered);
+  // Adds one input's result document to its message's reply; an input that
+  // failed on its own (its ItemError) fails the reply. Not OK: a token
+  // task's row that is not one (the model failing).
+  Status AddItemResult(std::string result, Status item_error, size_t input, wire::WorkReply* reply) const;
   // Sends each reply and acks, or fails the work with `failure`.
   void Finish(std::vector<std::unique_ptr<PendingWork>>& live, std::vector<wire::WorkReply>& replies,
               const Status& failure);
+  void FinishOne(PendingWork& work, const wire::WorkReply& reply, const Status& failure);
   // Hands pulled-but-unrun work back to the queue for redelivery, except
   // work on its last allowed delivery: its caller gets `last_chance` (a
   // message past MaxDeliver would sit in the queue unanswered).

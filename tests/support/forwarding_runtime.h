@@ -27,6 +27,11 @@ class ForwardingRuntime : public Runtime {
                                                   const PartialSink& partial) override {
     return inner_->RunItemsBefore(items, deadlines_unix_ms, partial);
   }
+  Result<std::vector<std::string>> RunItemsAsReady(const std::vector<std::string>& items,
+                                                   const std::vector<int64_t>& deadlines_unix_ms,
+                                                   const PartialSink& partial, const ResultSink& done) override {
+    return inner_->RunItemsAsReady(items, deadlines_unix_ms, partial, done);
+  }
   bool UsesDevice() const override { return inner_->UsesDevice(); }
   bool TakesThreadCount() const override { return inner_->TakesThreadCount(); }
   void Unload() override { inner_->Unload(); }

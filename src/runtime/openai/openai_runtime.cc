@@ -134,6 +134,12 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItems(const std::vector<std::
 Result<std::vector<std::string>> OpenAiRuntime::RunItemsBefore(const std::vector<std::string>& items,
                                                                const std::vector<int64_t>& deadlines_unix_ms,
                                                                const PartialSink& partial) {
+  return RunItemsAsReady(items, deadlines_unix_ms, partial, {});
+}
+
+Result<std::vector<std::string>> OpenAiRuntime::RunItemsAsReady(const std::vector<std::string>& items,
+                                                                const std::vector<int64_t>& deadlines_unix_ms,
+                                                                const PartialSink& partial, const ResultSink& done) {
   if (!client_) return Unavailable("model '" + config_.name + "' is not loaded");
   if (items.empty()) return std::vector<std::string>{};
   if (config_.task == "embed") return Embed(items);
@@ -152,11 +158,17 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsBefore(const std::vector
     return std::vector<std::string>{std::move(out)};
   }
   // Several requests: run them concurrently (one connection each), and hand
-  // their stream events to `partial` from this thread, in order per item.
+  // their stream events to `partial`, and each one's result to `done` as it
+  // ends, from this thread, in order per item.
+  struct Event {
+    size_t item;
+    std::string data;
+    bool result;  // the item's result document, after all its events
+  };
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<std::pair<size_t, std::string>> events;  // guarded by mu
-  size_t finished = 0;                                // guarded by mu
+  std::deque<Event> events;  // guarded by mu
+  size_t finished = 0;       // guarded by mu
   std::atomic<size_t> next{0};
   std::vector<Result<std::string>> results(items.size(), Result<std::string>(Internal("not run")));
   auto work = [&] {
@@ -166,11 +178,12 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsBefore(const std::vector
       } else {
         results[i] = Generate(items[i], [&, i](std::string chunk) {
           std::lock_guard<std::mutex> lock(mu);
-          events.emplace_back(i, std::move(chunk));
+          events.push_back({i, std::move(chunk), false});
           cv.notify_one();
         });
       }
       std::lock_guard<std::mutex> lock(mu);
+      if (done) events.push_back({i, results[i].ok() ? *results[i] : ItemError(results[i].status()), true});
       ++finished;
       cv.notify_one();
     }
@@ -189,10 +202,14 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsBefore(const std::vector
     for (;;) {
       cv.wait(lock, [&] { return !events.empty() || finished == items.size(); });
       while (!events.empty()) {
-        auto [i, chunk] = std::move(events.front());
+        Event e = std::move(events.front());
         events.pop_front();
         lock.unlock();
-        if (partial) partial(i, chunk);
+        if (e.result) {
+          done(e.item, e.data);
+        } else if (partial) {
+          partial(e.item, e.data);
+        }
         lock.lock();
       }
       if (finished == items.size()) break;

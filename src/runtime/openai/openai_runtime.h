@@ -53,6 +53,11 @@ class OpenAiRuntime final : public Runtime {
   Result<std::vector<std::string>> RunItemsBefore(const std::vector<std::string>& items,
                                                   const std::vector<int64_t>& deadlines_unix_ms,
                                                   const PartialSink& partial) override;
+  // Generate: each request's result goes to `done` when its upstream call
+  // ends, while the batch's others still run.
+  Result<std::vector<std::string>> RunItemsAsReady(const std::vector<std::string>& items,
+                                                   const std::vector<int64_t>& deadlines_unix_ms,
+                                                   const PartialSink& partial, const ResultSink& done) override;
   void Unload() override { client_.reset(); }
   int64_t MemoryBytes() const override { return 0; }
   int Dim() const override { return dim_; }

@@ -282,6 +282,34 @@ TEST(OpenAiRuntime, ARequestPastItsDeadlineIsNotSent) {
   EXPECT_EQ(server.requests().size(), 2u);
 }
 
+// Each request's result is handed over when its upstream call ends, while
+// the batch's slower ones still run; the batch's results are all returned
+// as well.
+TEST(OpenAiRuntime, EachResultIsHandedOverWhenItsRequestEnds) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
+    const std::string prompt = json::parse(r.body)["prompt"];
+    json out = {{"object", "text_completion"}, {"choices", json::array()}, {"prompt", prompt}};
+    FakeOpenAiServer::Reply reply{200, out.dump()};
+    reply.delay_ms = prompt == "slow" ? 1500 : 0;
+    return reply;
+  });
+  auto rt = Loaded(Config("generate", server.url() + "/v1"));
+  auto request = [](const std::string& prompt) {
+    return Msgpack({{"endpoint", "completions"}, {"model", "remote"}, {"prompt", prompt}});
+  };
+  std::vector<size_t> order;  // items in the order their results came
+  std::vector<std::string> handed(3);
+  auto out = rt->RunItemsAsReady({request("slow"), request("quick"), request("quick too")}, {}, {},
+                                 [&](size_t item, const std::string& result) {
+                                   order.push_back(item);
+                                   handed.at(item) = result;
+                                 });
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  ASSERT_EQ(order.size(), 3u);
+  EXPECT_EQ(order.back(), 0u) << "the slow request's result came before a quick one's";
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(handed[i], (*out)[i]) << i;
+}
+
 // How a stream ends: [DONE] (what follows it is ignored) or a finish_reason
 // without [DONE] complete it; a stream that just stops (the connection
 // closed mid-generation) is an upstream error, not a complete answer.
