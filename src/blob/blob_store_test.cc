@@ -4,11 +4,15 @@
 #include "blob/blob_store.h"
 
 #include <nats/nats.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <future>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -280,6 +284,35 @@ TEST_P(BlobStoreTest, MissingBlobIsNotFound) {
   ref.sha256 = blob_internal::Sha256Of("abc");
   EXPECT_STATUS(store_->Get(ref).status(), StatusCode::kNotFound, kBlobNotFound);
   EXPECT_STATUS(store_->Stat("never-written").status(), StatusCode::kNotFound, kBlobNotFound);
+}
+
+// A FIFO under a blob's name (no blob: put there by hand) is not opened
+// for reading, which would block until someone writes to it.
+TEST_P(BlobStoreTest, AFifoUnderABlobsNameIsNotABlob) {
+  if (local_ == nullptr) GTEST_SKIP() << "local directory stores only";
+  ASSERT_EQ(::mkfifo(local_->PathOf("a-fifo").c_str(), 0600), 0);
+  BlobRef ref;
+  ref.scheme = std::string(store_->scheme());
+  ref.store = store_->store_id();
+  ref.name = "a-fifo";
+  ref.size = 0;
+  ref.sha256 = blob_internal::Sha256Of("");
+  // Waits for `call` up to 10 s; a call still blocked is let go by a
+  // writer opening the FIFO, so a failing test ends.
+  const auto within = [&](auto call) -> std::optional<Status> {
+    auto f = std::async(std::launch::async, call);
+    if (f.wait_for(std::chrono::seconds(10)) == std::future_status::ready) return f.get();
+    const int w = ::open(local_->PathOf("a-fifo").c_str(), O_WRONLY);
+    if (w >= 0) ::close(w);
+    f.wait();
+    return std::nullopt;
+  };
+  auto got = within([&] { return store_->Get(ref).status(); });
+  ASSERT_TRUE(got.has_value()) << "Get blocked on the FIFO";
+  EXPECT_STATUS(*got, StatusCode::kNotFound, kBlobNotFound);
+  auto stat = within([&] { return store_->Stat("a-fifo").status(); });
+  ASSERT_TRUE(stat.has_value()) << "Stat blocked on the FIFO";
+  EXPECT_STATUS(*stat, StatusCode::kNotFound, kBlobNotFound);
 }
 
 TEST_P(BlobStoreTest, DeleteThenGetIsNotFound) {

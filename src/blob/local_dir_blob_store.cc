@@ -115,18 +115,30 @@ Result<BlobRef> LocalDirBlobStore::PutFrom(const BlobSource& source, const std::
   return ref;
 }
 
+namespace {
+
+// Opens blob `name` at `path` for reading: a regular file only. Non-blocking
+// open, so a FIFO of that name (not a blob) is refused instead of blocking
+// the caller until someone writes to it.
+Status OpenBlobFile(const std::string& path, const std::string& name, Fd* f, struct stat* st) {
+  f->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (f->fd < 0) {
+    if (errno == ENOENT) return NotFound("blob " + name + " does not exist (deleted or expired)", kBlobNotFound);
+    return Errno("open " + path);
+  }
+  if (::fstat(f->fd, st) != 0) return Errno("stat " + path);
+  if (!S_ISREG(st->st_mode)) return NotFound("blob " + name + " is not a regular file", kBlobNotFound);
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status LocalDirBlobStore::GetTo(const BlobRef& ref, const BlobSink& sink) {
   RETURN_IF_ERROR(CheckRef(ref));
   const std::string path = PathOf(ref.name);
   Fd f;
-  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  if (f.fd < 0) {
-    if (errno == ENOENT) return NotFound("blob " + ref.ToString() + " does not exist (deleted or expired)", kBlobNotFound);
-    return Errno("open " + path);
-  }
   struct stat st{};
-  if (::fstat(f.fd, &st) != 0) return Errno("stat " + path);
-  if (!S_ISREG(st.st_mode)) return NotFound("blob " + ref.name + " is not a regular file", kBlobNotFound);
+  RETURN_IF_ERROR(OpenBlobFile(path, ref.name, &f, &st));
   if (static_cast<uint64_t>(st.st_size) != ref.size) {
     return Internal("blob " + ref.name + " holds " + std::to_string(st.st_size) + " bytes, its reference says " +
                         std::to_string(ref.size),
@@ -159,11 +171,8 @@ Result<BlobRef> LocalDirBlobStore::Stat(const std::string& name) {
   RETURN_IF_ERROR(ValidateBlobName(name));
   const std::string path = PathOf(name);
   Fd f;
-  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  if (f.fd < 0) {
-    if (errno == ENOENT) return NotFound("blob " + name + " does not exist", kBlobNotFound);
-    return Errno("open " + path);
-  }
+  struct stat st{};
+  RETURN_IF_ERROR(OpenBlobFile(path, name, &f, &st));
   blob_internal::Sha256 sha;
   std::string buf(kIoBytes, '\0');
   BlobRef ref;
