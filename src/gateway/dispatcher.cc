@@ -24,6 +24,7 @@ struct Dispatcher::Pending {
   int64_t deadline_mono_us = 0;  // the request's deadline on this process's steady clock: the timer's
   std::vector<bool> have;
   std::vector<int> next_seq;  // per chunk: the number of the partial reply it expects next
+  bool cancel_sent = false;   // the caller went away and the workers were told (handled as its partials are)
   std::vector<wire::WorkReply> parts;
   std::vector<std::string> blob_refs;  // offloaded chunks, deleted on completion; guarded by mu_
   // Push: per chunk, the worker it went to (empty: the queue) and its rows.
@@ -80,6 +81,8 @@ Result<std::unique_ptr<Dispatcher>> Dispatcher::Create(const DispatcherOptions& 
   d->duplicates_ = metrics->GetCounter("shoal_gateway_duplicate_replies_total",
                                        "Replies dropped as duplicates (redelivered work).");
   d->queue_full_ = metrics->GetCounter("shoal_gateway_queue_full_total", "Requests refused: queue full.");
+  d->cancels_ = metrics->GetCounter("shoal_gateway_cancels_total",
+                                    "Streamed requests whose clients went away; the workers were told.");
   d->timeouts_ = metrics->GetCounter("shoal_gateway_deadline_exceeded_total", "Requests that hit their deadline.");
   d->chunks_per_request_ = metrics->GetHistogram("shoal_gateway_chunks_per_request",
                                                  "Queue messages per client request.", {}, SizeBuckets());
@@ -641,7 +644,13 @@ void Dispatcher::HandleDecodedReply(wire::WorkReply reply) {
   if (forward) {
     const size_t c = static_cast<size_t>(reply.chunk_index);
     const size_t item = (c < p->first_item.size() ? p->first_item[c] : 0) + static_cast<size_t>(reply.item);
-    p->partial(item, reply.items.front());
+    if (!p->partial(item, reply.items.front()) && !p->cancel_sent) {
+      // Its client is gone: the workers stop what they can of it.
+      p->cancel_sent = true;
+      cancels_->Inc();
+      if (Status s = client_->Publish(wire::kCancelSubject, id); !s.ok())
+        LOG_WARN("gateway", "could not announce the cancel of " << id << ": " << s.ToString());
+    }
     return;
   }
   if (!error.ok()) {

@@ -89,8 +89,11 @@ struct ItemResult {
 using ItemCallback = std::function<void(Result<ItemResult>)>;
 // Streamed output before the result: `item` indexes the job's inputs,
 // `chunk` is one MessagePack document. Called in order for each item, on
-// the dispatcher's reply thread; it must not block.
-using PartialCallback = std::function<void(size_t item, std::string_view chunk)>;
+// the dispatcher's reply thread; it must not block. Returns false once the
+// caller is gone (its client disconnected): the dispatcher then tells the
+// workers (wire::kCancelSubject), which stop the request's work where they
+// can; the request still completes as usual.
+using PartialCallback = std::function<bool(size_t item, std::string_view chunk)>;
 
 // What routes need from the queue side; faked in route unit tests.
 class WorkSubmitter {
@@ -251,6 +254,7 @@ class Dispatcher final : public WorkSubmitter {
 
   Counter* published_ = nullptr;
   Counter* duplicates_ = nullptr;
+  Counter* cancels_ = nullptr;
   Counter* queue_full_ = nullptr;
   Counter* timeouts_ = nullptr;
   Histogram* chunks_per_request_ = nullptr;

@@ -80,14 +80,18 @@ struct SseAnswer {
   // [DONE] as if the output were whole.
   int64_t events = 0;
 
-  void Event(std::string_view chunk) {
+  // False once the client is gone (the request may be stopped).
+  bool Event(std::string_view chunk) {
     auto ev = ResultDoc(chunk, model);
     std::lock_guard<std::mutex> lock(mu);
-    if (finished) return;
-    if (!ev.ok()) return FailLocked(ev.status());
+    if (finished) return true;
+    if (!ev.ok()) {
+      FailLocked(ev.status());
+      return true;
+    }
     StartLocked();
-    body->Write("data: " + DumpJson(*ev) + "\n\n");
     ++events;
+    return body->Write("data: " + DumpJson(*ev) + "\n\n");
   }
   // Ends the answer with `status`: its own response before any event, else
   // an error event in OpenAI's shape and no [DONE]. Requires mu.
@@ -178,7 +182,7 @@ void Router::Generate(const std::string& endpoint, HttpRequest&& req, HttpRespon
   answer->retry_after_s = retry;
   submitter_->SubmitItems(
       std::move(job), [answer](Result<ItemResult> result) { answer->Done(std::move(result)); },
-      [answer](size_t, std::string_view chunk) { answer->Event(chunk); });
+      [answer](size_t, std::string_view chunk) { return answer->Event(chunk); });
 }
 
 }  // namespace shoal

@@ -26,6 +26,8 @@ std::string ItemError(const Status& status) {
   return std::string(buf.data(), buf.size());
 }
 
+Status Cancelled() { return DeadlineExceeded("its caller went away before the answer was done", "cancelled"); }
+
 Status ParseItemError(std::string_view doc) {
   // Cheap test first: a one-entry map whose key is "error" (fixmap, fixstr).
   if (doc.size() < 8 || static_cast<unsigned char>(doc[0]) != 0x81 || doc.substr(1, 6) != "\xa5" "error")

@@ -51,6 +51,19 @@ using PartialSink = std::function<void(size_t item, std::string_view chunk)>;
 // thread. RunItems still returns every result.
 using ResultSink = std::function<void(size_t item, const std::string& result)>;
 
+// What a runtime may call while RunItemsAsReady runs; any may be empty.
+struct ItemCalls {
+  PartialSink partial;
+  ResultSink done;
+  // Whether input `item`'s caller has gone (a streamed answer whose client
+  // disconnected): a runtime that can stop part-way stops it and gives it
+  // Cancelled() as its result. Thread-safe; cheap enough to ask per event.
+  std::function<bool(size_t item)> cancelled;
+};
+
+// The result of an input whose caller went away (see ItemCalls::cancelled).
+Status Cancelled();
+
 class Runtime {
  public:
   virtual ~Runtime() = default;
@@ -86,14 +99,14 @@ class Runtime {
     (void)deadlines_unix_ms;
     return RunItems(items, partial);
   }
-  // RunItemsBefore that hands each input's result to `done` as soon as it
-  // is ready, so a caller whose answer came first need not wait for the
-  // batch's longest (generation). The default hands over nothing early.
+  // RunItemsBefore that hands each input's result to `calls.done` as soon
+  // as it is ready, so a caller whose answer came first need not wait for
+  // the batch's longest (generation), and may stop an input whose caller
+  // went away (`calls.cancelled`). The default does neither.
   virtual Result<std::vector<std::string>> RunItemsAsReady(const std::vector<std::string>& items,
                                                            const std::vector<int64_t>& deadlines_unix_ms,
-                                                           const PartialSink& partial, const ResultSink& done) {
-    (void)done;
-    return RunItemsBefore(items, deadlines_unix_ms, partial);
+                                                           const ItemCalls& calls) {
+    return RunItemsBefore(items, deadlines_unix_ms, calls.partial);
   }
   // Whether batches run on this worker's device. False for a runtime that
   // forwards to a remote server: its batches take no turn on the device

@@ -51,6 +51,10 @@ inline constexpr const char* kPushSubjectPrefix = "shoal.push.";
 // models, rows held or running, cumulative busy seconds, device slots.
 inline std::string LoadSubject(const std::string& worker_id) { return "shoal.load." + worker_id; }
 inline constexpr const char* kLoadSubjectPrefix = "shoal.load.";
+// Cancel notices (core NATS): a gateway whose client went away mid-answer
+// (a streamed generation) publishes the request id here, and workers stop
+// that request's work where the runtime can.
+inline constexpr const char* kCancelSubject = "shoal.cancel";
 
 // Body of a work message: {task, model, inputs, params}.
 struct WorkBody {

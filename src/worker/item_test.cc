@@ -123,7 +123,9 @@ class ScriptedItemRuntime final : public Runtime {
   // others were handed over.
   Result<std::vector<std::string>> RunItemsAsReady(const std::vector<std::string>& items,
                                                    const std::vector<int64_t>& deadlines_unix_ms,
-                                                   const PartialSink& partial, const ResultSink& done) override {
+                                                   const ItemCalls& calls) override {
+    const PartialSink& partial = calls.partial;
+    const ResultSink& done = calls.done;
     NoteMost(most_in_one_call, static_cast<int>(items.size()));
     if (std::count(items.begin(), items.end(), "busy") > 0) return RunItemsBefore(items, deadlines_unix_ms, partial);
     const auto alone = [&](size_t i) {
@@ -244,6 +246,7 @@ TEST_F(ItemPathTest, PartialOutputStreamsInOrderBeforeTheResult) {
   auto r = Submit({"plain", "stream:3"}, [&](size_t item, std::string_view chunk) {
     std::lock_guard<std::mutex> lock(mu);
     parts.emplace_back(item, Unpacked(chunk));
+    return true;
   });
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_EQ(r->items.size(), 2u);
@@ -384,7 +387,10 @@ TEST_F(ItemPathTest, AnInputThatFailsAloneFailsOnlyItsCaller) {
   for (int i = 0; i < 6; ++i)
     futures.push_back(std::async(std::launch::async, [this, i, &partials] {
       return Submit({i == 2 ? std::string("alone:y") : "stream:2"},
-                    [&partials](size_t, std::string_view) { ++partials; });
+                    [&partials](size_t, std::string_view) {
+                      ++partials;
+                      return true;
+                    });
     }));
   for (int i = 0; i < 6; ++i) {
     auto got = futures[i].get();

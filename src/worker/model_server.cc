@@ -114,6 +114,8 @@ ModelServer::ModelServer(ModelServerDeps deps)
                                         "Time pulled work waited until its batch was cut, the wait for a device turn included.", l, LatencyBuckets());
   tokens_total_ = m->GetCounter("shoal_worker_tokens_total", "Real (unpadded) tokens embedded.", l);
   expired_ = m->GetCounter("shoal_worker_expired_total", "Work dropped because its deadline passed.", l);
+  cancelled_ = m->GetCounter("shoal_worker_cancelled_total",
+                             "Inputs not run, or stopped part-way, because their callers went away.", l);
   redelivered_ = m->GetCounter("shoal_worker_redelivered_total", "Work delivered more than once.", l);
   errors_ = m->GetErrorCodeCounters("shoal_worker_errors_total", "Work answered with an error, by code.", l);
   handed_back_ = HandedBackCounter(*m, d_.config.name);
@@ -1005,14 +1007,17 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
     const size_t end = std::min(inputs.size(), begin + pass_rows);
     std::vector<std::string> pass(std::make_move_iterator(inputs.begin() + static_cast<std::ptrdiff_t>(begin)),
                                   std::make_move_iterator(inputs.begin() + static_cast<std::ptrdiff_t>(end)));
-    const PartialSink pass_partial = [&partial, begin](size_t item, std::string_view chunk) {
-      partial(begin + item, chunk);
-    };
-    const ResultSink pass_done = [&done, begin](size_t item, const std::string& result) { done(begin + item, result); };
+    ItemCalls calls;
+    calls.partial = [&partial, begin](size_t item, std::string_view chunk) { partial(begin + item, chunk); };
+    calls.done = [&done, begin](size_t item, const std::string& result) { done(begin + item, result); };
+    if (d_.cancelled != nullptr)
+      calls.cancelled = [&, begin](size_t item) {
+        return begin + item < owner.size() && d_.cancelled->Contains(work[owner[begin + item].first]->headers.request_id);
+      };
     const std::vector<int64_t> pass_deadlines(deadlines.begin() + static_cast<std::ptrdiff_t>(begin),
                                               deadlines.begin() + static_cast<std::ptrdiff_t>(end));
     const int64_t t0 = d_.clock->NowMonoUs();
-    auto out = RunGuarded([&] { return d_.runtime->RunItemsAsReady(pass, pass_deadlines, pass_partial, pass_done); });
+    auto out = RunGuarded([&] { return d_.runtime->RunItemsAsReady(pass, pass_deadlines, calls); });
     const int64_t run_us = d_.clock->NowMonoUs() - t0;
     if (out.ok()) {
       // Inputs that failed on their own (an undecodable image, a deadline
@@ -1022,8 +1027,13 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
       for (const std::string& r : *out) {
         item_errors.push_back(ParseItemError(r));
         ran += item_errors.back().ok() ? 1 : 0;
-        // Dropped unrun, or stopped, at its deadline: its caller had its 504.
-        if (item_errors.back().code() == StatusCode::kDeadlineExceeded) expired_->Inc();
+        // Dropped unrun, or stopped, at its deadline (its caller had its
+        // 504), or because its caller went away.
+        if (item_errors.back().reason() == "cancelled") {
+          cancelled_->Inc();
+        } else if (item_errors.back().code() == StatusCode::kDeadlineExceeded) {
+          expired_->Inc();
+        }
       }
       if (ran > 0) {
         batch_run_us_ += run_us * turn_width_;

@@ -25,6 +25,7 @@
 #include "runtime/runtime.h"
 #include "tokenize/wordpiece_tokenizer.h"
 #include "worker/batcher.h"
+#include "worker/cancelled_requests.h"
 #include "worker/device_scheduler.h"
 #include "worker/model_manager.h"
 #include "worker/progress_keeper.h"
@@ -108,6 +109,9 @@ struct ModelServerDeps {
   // neither a pass longer than AckWait nor work waiting behind one is
   // redelivered meanwhile (may be null: nothing keeps long work ours).
   ProgressKeeper* progress = nullptr;
+  // Requests whose callers went away (may be null): item runtimes that can
+  // stop part-way are told (ItemCalls::cancelled).
+  const CancelledRequests* cancelled = nullptr;
   int64_t idle_poll_ms = 20;
   // While other models wait for the device, a batch is cut to about this
   // much of its turn's time (the model's measured cost per token; one item
@@ -248,6 +252,7 @@ class ModelServer final : public ModelAttachment {
   Histogram* batch_wait_seconds_ = nullptr;
   Counter* tokens_total_ = nullptr;
   Counter* expired_ = nullptr;
+  Counter* cancelled_ = nullptr;
   Counter* redelivered_ = nullptr;
   // shoal_worker_errors_total{model, code}: codes may be a runtime's or an
   // upstream's own strings, so bounded (per model, across its loads).

@@ -211,6 +211,7 @@ TEST_F(OcrOffloadTest, RepliesByReferenceStayInOrderAndALostCopyIsIgnored) {
       [&](size_t item, std::string_view chunk) {
         std::lock_guard<std::mutex> lock(mu);
         events.emplace_back(item, std::string(chunk));
+        return true;
       });
   auto got = (*consumer)->Fetch(2, 10000);
   ASSERT_TRUE(got.ok()) << got.status().ToString();

@@ -350,6 +350,7 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   ASSIGN_OR_RETURN(w->control_sub_, client->Subscribe(wire::ControlSubject(w->id_), &Worker::OnControl, self));
   ASSIGN_OR_RETURN(w->push_sub_,
                    client->Subscribe(wire::kPushSubjectPrefix + w->id_ + ".>", &Worker::OnPush, self));
+  ASSIGN_OR_RETURN(w->cancel_sub_, client->Subscribe(wire::kCancelSubject, &Worker::OnCancel, self));
   // The entry ReserveId wrote may have expired during a long start (model
   // loads), and another process taken the id meanwhile: then this one
   // gives it up rather than overwrite the other's entry.
@@ -425,6 +426,7 @@ void Worker::Stop() {
   if (load_report_.joinable()) load_report_.join();
   ReleaseAllClaims();
   control_sub_.reset();
+  cancel_sub_.reset();
   push_sub_.reset();  // no pushed work arrives after this; what was pushed is answered below
   {
     std::lock_guard<std::mutex> lock(push_mu_);  // a push in progress finishes first
@@ -585,6 +587,7 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   deps.held_rows = held_rows_.get();
   deps.pull_gate = pull_gate_.get();
   deps.progress = progress_.get();
+  deps.cancelled = &cancelled_;
   deps.idle_poll_ms = options_.pull_idle_poll_ms;
   deps.turn_quantum_us = options_.turn_quantum_ms * 1000;
   auto server = std::make_unique<ModelServer>(std::move(deps));
@@ -1182,6 +1185,13 @@ Result<std::string> Worker::Control(const std::string& action, const std::string
   PublishHeartbeat();  // the registry shows the change before the caller hears of it
   if (!s.ok()) return s;
   return ModelStatusJson(model);
+}
+
+void Worker::OnCancel(natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
+  NatsMsgPtr owned(msg);
+  auto* self = static_cast<Worker*>(closure);
+  self->cancelled_.Add(std::string_view(natsMsg_GetData(msg), static_cast<size_t>(natsMsg_GetDataLength(msg))),
+                       self->clock_->NowMonoUs());
 }
 
 void Worker::OnControl(natsConnection* nc, natsSubscription*, natsMsg* msg, void* closure) {

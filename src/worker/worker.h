@@ -40,6 +40,7 @@
 #include "common/status.h"
 #include "queue/nats_client.h"
 #include "runtime/runtime.h"
+#include "worker/cancelled_requests.h"
 
 namespace shoal {
 
@@ -279,6 +280,7 @@ class Worker {
   void ParkDrainConsumer(const std::string& model);
   static void OnControl(natsConnection*, natsSubscription*, natsMsg*, void* closure);
   static void OnPush(natsConnection*, natsSubscription*, natsMsg*, void* closure);
+  static void OnCancel(natsConnection*, natsSubscription*, natsMsg*, void* closure);
   void LoadReportLoop();
 
   WorkerOptions options_;
@@ -300,6 +302,7 @@ class Worker {
   std::unique_ptr<HeldRows> held_rows_;       // rows in batchers or running
   std::unique_ptr<PullGate> pull_gate_;       // passes claimed ahead of the device
   std::unique_ptr<ProgressKeeper> progress_;  // keeps long batches ours past AckWait
+  CancelledRequests cancelled_;               // requests whose callers went away (OnCancel)
   std::unique_ptr<DeviceScheduler> scheduler_;
   // Subscriptions of models that stopped here, open until their last pull
   // expires; a load takes its model's back.
@@ -309,6 +312,7 @@ class Worker {
   ModelManager* manager_raw_ = nullptr;  // the same, for threads that outlive manager_'s reset
   SubscriptionPtr control_sub_;
   SubscriptionPtr push_sub_;
+  SubscriptionPtr cancel_sub_;
   // Held by OnPush for its whole run (one subscription: runs are serial
   // anyway); Stop() takes it after unsubscribing, so no push runs later.
   std::mutex push_mu_;

@@ -980,6 +980,7 @@ TEST_F(WorkerTest, StreamedOutputThatStartsAgainFailsInsteadOfRepeating) {
         [&](size_t, std::string_view text) {
           std::lock_guard<std::mutex> lock(mu);
           passed_on.emplace_back(text);
+          return true;
         });
     AnswerByHand(*client_, *consumer, 1, [&](int) {
       std::vector<wire::WorkReply> replies;

@@ -3,6 +3,12 @@
 // with tiny-bert) and must match its direct answer; completions and chat go
 // to a scripted OpenAI-compatible server that streams server-sent events and
 // fails on request (400, 500, slow, refused).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -48,6 +54,12 @@ FakeOpenAiServer::Reply Script(const FakeOpenAiServer::Request& r) {
   if (said == "fail500") return {500, R"({"error":{"message":"CUDA out of memory"}})"};
   FakeOpenAiServer::Reply reply;
   if (said == "slow") reply.delay_ms = 3000;
+  if (said == "long" && req.value("stream", false)) {  // 10 s of events
+    for (int i = 0; i < 200; ++i) reply.events.push_back(Chunk(" word").dump());
+    reply.events.push_back("[DONE]");
+    reply.event_delay_ms = 50;
+    return reply;
+  }
   if (req.value("stream", false)) {
     for (const char* w : {"Hello", " from", " upstream"}) reply.events.push_back(Chunk(w).dump());
     reply.events.push_back("[DONE]");
@@ -92,6 +104,9 @@ class E2eOpenAi : public ::testing::Test {
                {{"name", "fake-embed"}, {"task", "embed"}, {"runtime", "openai"}, {"dim", 2},
                 {"batching", {{"max_batch_size", 4}}},
                 {"openai", {{"base_url", fake_->url() + "/v1"}}}});
+    WriteModel(repo_->path(), "long-chat",
+               {{"name", "long-chat"}, {"task", "generate"}, {"runtime", "openai"},
+                {"openai", {{"base_url", fake_->url() + "/v1"}, {"model", "fake-llm"}, {"timeout_ms", 60000}}}});
     WriteModel(repo_->path(), "remote-down",
                {{"name", "remote-down"}, {"task", "generate"}, {"runtime", "openai"},
                 {"openai", {{"base_url", "http://127.0.0.1:" + std::to_string(dead_port) + "/v1"}}}});
@@ -260,6 +275,51 @@ TEST_F(E2eOpenAi, ChatThroughAnotherShoalStreamsAndAnswers) {
   EXPECT_EQ(last, "[DONE]");
   EXPECT_EQ(events, 4u) << s.body;
   EXPECT_EQ(text, "Hello from upstream");
+}
+
+// A client that goes away mid-stream stops its generation: the gateway
+// tells the workers, and the worker closes its upstream stream at the next
+// event instead of reading the whole answer.
+TEST_F(E2eOpenAi, AClientThatDisconnectsMidStreamStopsItsGeneration) {
+  const int cut_before = fake_->streams_cut();
+  const std::string body =
+      json{{"model", "long-chat"}, {"stream", true}, {"messages", json::array({{{"role", "user"}, {"content", "long"}}})}}
+          .dump();
+  const std::string request = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                              "Content-Type: application/json\r\nContent-Length: " +
+                              std::to_string(body.size()) + "\r\n\r\n" + body;
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(gateway_->port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
+  // Read until two events came, then hang up.
+  std::string got;
+  const auto until = std::chrono::steady_clock::now() + 60s;
+  auto events = [&] {
+    size_t n = 0;
+    for (size_t at = got.find("data: "); at != std::string::npos; at = got.find("data: ", at + 1)) ++n;
+    return n;
+  };
+  while (events() < 2 && std::chrono::steady_clock::now() < until) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 1000) <= 0) continue;
+    char buf[4096];
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    got.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  ASSERT_GE(events(), 2u) << got;
+  EXPECT_NE(got.find("200 OK"), std::string::npos) << got;
+  // The worker closed its upstream stream well before its 200 events.
+  EXPECT_TRUE(shoal::testing::Eventually([&] { return fake_->streams_cut() > cut_before; }, 30s))
+      << "the upstream stream was read to its end";
+  const std::string metrics = HttpGet(gateway_->port, "/metrics").body;
+  EXPECT_NE(metrics.find("shoal_gateway_cancels_total 1"), std::string::npos) << metrics;
 }
 
 TEST_F(E2eOpenAi, UpstreamErrorsReachTheCallerOnceInOpenAiShape) {

@@ -107,7 +107,7 @@ class FakeOpenAiServer::Impl {
     }
   }
 
-  static bool WriteEvents(boost::asio::ip::tcp::socket& sock, const Reply& reply, unsigned version, bool keep) {
+  bool WriteEvents(boost::asio::ip::tcp::socket& sock, const Reply& reply, unsigned version, bool keep) {
     namespace http = boost::beast::http;
     namespace asio = boost::asio;
     http::response<http::empty_body> res{static_cast<http::status>(reply.status), version};
@@ -122,6 +122,7 @@ class FakeOpenAiServer::Impl {
         std::this_thread::sleep_for(std::chrono::milliseconds(reply.event_delay_ms));
       const std::string frame = "data: " + reply.events[i] + "\n\n";
       asio::write(sock, http::make_chunk(asio::buffer(frame)), ec);
+      if (ec && !stop_) ++streams_cut_;  // the client closed the connection mid-stream
     }
     if (!ec && reply.stall_after_events) {
       char byte;
@@ -138,6 +139,11 @@ class FakeOpenAiServer::Impl {
   int port_ = 0;
   std::atomic<bool> stop_{false};
   std::thread accept_thread_;
+
+ public:
+  std::atomic<int> streams_cut_{0};
+
+ private:
   mutable std::mutex mu_;
   std::vector<Request> requests_;                                        // guarded by mu_
   std::vector<std::shared_ptr<boost::asio::ip::tcp::socket>> sockets_;  // guarded by mu_
@@ -166,5 +172,7 @@ FakeOpenAiServer::FakeOpenAiServer(Handler handler) : impl_(std::make_unique<Imp
 FakeOpenAiServer::~FakeOpenAiServer() = default;
 int FakeOpenAiServer::port() const { return impl_->port(); }
 std::vector<FakeOpenAiServer::Request> FakeOpenAiServer::requests() const { return impl_->requests(); }
+
+int FakeOpenAiServer::streams_cut() const { return impl_->streams_cut_.load(); }
 
 }  // namespace shoal::testing

@@ -55,6 +55,8 @@ class FakeOpenAiServer {
   int port() const;
   std::string url() const { return "http://127.0.0.1:" + std::to_string(port()); }
   std::vector<Request> requests() const;
+  // Event streams the client closed before their last event.
+  int streams_cut() const;
 
  private:
   class Impl;

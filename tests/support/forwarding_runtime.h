@@ -29,8 +29,8 @@ class ForwardingRuntime : public Runtime {
   }
   Result<std::vector<std::string>> RunItemsAsReady(const std::vector<std::string>& items,
                                                    const std::vector<int64_t>& deadlines_unix_ms,
-                                                   const PartialSink& partial, const ResultSink& done) override {
-    return inner_->RunItemsAsReady(items, deadlines_unix_ms, partial, done);
+                                                   const ItemCalls& calls) override {
+    return inner_->RunItemsAsReady(items, deadlines_unix_ms, calls);
   }
   bool UsesDevice() const override { return inner_->UsesDevice(); }
   bool TakesThreadCount() const override { return inner_->TakesThreadCount(); }

@@ -134,12 +134,14 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItems(const std::vector<std::
 Result<std::vector<std::string>> OpenAiRuntime::RunItemsBefore(const std::vector<std::string>& items,
                                                                const std::vector<int64_t>& deadlines_unix_ms,
                                                                const PartialSink& partial) {
-  return RunItemsAsReady(items, deadlines_unix_ms, partial, {});
+  return RunItemsAsReady(items, deadlines_unix_ms, ItemCalls{partial, {}, {}});
 }
 
 Result<std::vector<std::string>> OpenAiRuntime::RunItemsAsReady(const std::vector<std::string>& items,
                                                                 const std::vector<int64_t>& deadlines_unix_ms,
-                                                                const PartialSink& partial, const ResultSink& done) {
+                                                                const ItemCalls& calls) {
+  const PartialSink& partial = calls.partial;
+  const ResultSink& done = calls.done;
   if (!client_) return Unavailable("model '" + config_.name + "' is not loaded");
   if (items.empty()) return std::vector<std::string>{};
   if (config_.task == "embed") return Embed(items);
@@ -149,13 +151,17 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsAsReady(const std::vecto
            SystemClock::Get()->NowUnixMs() > deadlines_unix_ms[i];  // as the worker's own check
   };
   const Status too_late = DeadlineExceeded("the request's deadline passed before it was sent upstream");
+  // Whether item i's caller has gone (asked per stream event).
+  auto gone = [&](size_t i) { return static_cast<bool>(calls.cancelled) && calls.cancelled(i); };
 
   if (items.size() == 1) {
     if (expired(0)) return std::vector<std::string>{ItemError(too_late)};
-    ASSIGN_OR_RETURN(std::string out, Generate(items[0], [&](std::string chunk) {
-                       if (partial) partial(0, chunk);
-                     }));
-    return std::vector<std::string>{std::move(out)};
+    if (gone(0)) return std::vector<std::string>{ItemError(Cancelled())};
+    auto out = Generate(
+        items[0], [&](std::string chunk) { if (partial) partial(0, chunk); }, [&] { return gone(0); });
+    if (!out.ok() && out.status().reason() == "cancelled") return std::vector<std::string>{ItemError(out.status())};
+    if (!out.ok()) return out.status();
+    return std::vector<std::string>{std::move(*out)};
   }
   // Several requests: run them concurrently (one connection each), and hand
   // their stream events to `partial`, and each one's result to `done` as it
@@ -175,12 +181,17 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsAsReady(const std::vecto
     for (size_t i; (i = next.fetch_add(1)) < items.size();) {
       if (expired(i)) {
         results[i] = too_late;
+      } else if (gone(i)) {
+        results[i] = Cancelled();
       } else {
-        results[i] = Generate(items[i], [&, i](std::string chunk) {
-          std::lock_guard<std::mutex> lock(mu);
-          events.push_back({i, std::move(chunk), false});
-          cv.notify_one();
-        });
+        results[i] = Generate(
+            items[i],
+            [&, i](std::string chunk) {
+              std::lock_guard<std::mutex> lock(mu);
+              events.push_back({i, std::move(chunk), false});
+              cv.notify_one();
+            },
+            [&, i] { return gone(i); });
       }
       std::lock_guard<std::mutex> lock(mu);
       if (done) events.push_back({i, results[i].ok() ? *results[i] : ItemError(results[i].status()), true});
@@ -264,8 +275,8 @@ Result<std::vector<std::string>> OpenAiRuntime::Embed(const std::vector<std::str
   return out;
 }
 
-Result<std::string> OpenAiRuntime::Generate(const std::string& item,
-                                            const std::function<void(std::string)>& partial) {
+Result<std::string> OpenAiRuntime::Generate(const std::string& item, const std::function<void(std::string)>& partial,
+                                            const std::function<bool()>& cancelled) {
   // Work published to the queue directly has not been through the
   // gateway's checks, and nlohmann's reader recurses once per level. This
   // walk counts map keys, which the gateway's JSON bound does not.
@@ -328,6 +339,10 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item,
   });
   ASSIGN_OR_RETURN(UpstreamReply reply,
                    client_->Post("/" + endpoint, body, [&](std::string_view bytes) {
+                     if (cancelled && cancelled()) {
+                       bad = Cancelled();  // the connection is closed: the upstream stops generating
+                       return StreamStep::kAbandon;
+                     }
                      if (!sse.Feed(bytes)) return StreamStep::kAbandon;
                      return done ? StreamStep::kEnded : StreamStep::kMore;
                    }));

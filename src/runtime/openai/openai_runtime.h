@@ -53,11 +53,12 @@ class OpenAiRuntime final : public Runtime {
   Result<std::vector<std::string>> RunItemsBefore(const std::vector<std::string>& items,
                                                   const std::vector<int64_t>& deadlines_unix_ms,
                                                   const PartialSink& partial) override;
-  // Generate: each request's result goes to `done` when its upstream call
-  // ends, while the batch's others still run.
+  // Generate: each request's result goes to `calls.done` when its upstream
+  // call ends, while the batch's others still run; a request whose caller
+  // went away is not sent, or its stream is closed at its next event.
   Result<std::vector<std::string>> RunItemsAsReady(const std::vector<std::string>& items,
                                                    const std::vector<int64_t>& deadlines_unix_ms,
-                                                   const PartialSink& partial, const ResultSink& done) override;
+                                                   const ItemCalls& calls) override;
   void Unload() override { client_.reset(); }
   int64_t MemoryBytes() const override { return 0; }
   int Dim() const override { return dim_; }
@@ -66,8 +67,11 @@ class OpenAiRuntime final : public Runtime {
 
  private:
   Result<std::vector<std::string>> Embed(const std::vector<std::string>& texts);
-  // One generate request; `partial` receives its stream events.
-  Result<std::string> Generate(const std::string& item, const std::function<void(std::string)>& partial);
+  // One generate request; `partial` receives its stream events. A stream
+  // is closed, and the request is Cancelled(), once `cancelled` (may be
+  // empty) says so.
+  Result<std::string> Generate(const std::string& item, const std::function<void(std::string)>& partial,
+                               const std::function<bool()>& cancelled);
 
   ModelConfig config_;
   OpenAiConfig openai_;

@@ -299,15 +299,56 @@ TEST(OpenAiRuntime, EachResultIsHandedOverWhenItsRequestEnds) {
   };
   std::vector<size_t> order;  // items in the order their results came
   std::vector<std::string> handed(3);
-  auto out = rt->RunItemsAsReady({request("slow"), request("quick"), request("quick too")}, {}, {},
-                                 [&](size_t item, const std::string& result) {
-                                   order.push_back(item);
-                                   handed.at(item) = result;
-                                 });
+  ItemCalls calls;
+  calls.done = [&](size_t item, const std::string& result) {
+    order.push_back(item);
+    handed.at(item) = result;
+  };
+  auto out = rt->RunItemsAsReady({request("slow"), request("quick"), request("quick too")}, {}, calls);
   ASSERT_TRUE(out.ok()) << out.status().ToString();
   ASSERT_EQ(order.size(), 3u);
   EXPECT_EQ(order.back(), 0u) << "the slow request's result came before a quick one's";
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(handed[i], (*out)[i]) << i;
+}
+
+// A stream whose caller went away is closed at its next event, and its
+// result is Cancelled(); one not sent yet is not sent. The others of the
+// batch go on.
+TEST(OpenAiRuntime, AStreamWhoseCallerWentAwayIsClosed) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request&) {
+    FakeOpenAiServer::Reply reply;
+    reply.events = ChatEvents("t", 20);
+    reply.event_delay_ms = 50;
+    return reply;
+  });
+  auto rt = Loaded(Config("generate", server.url() + "/v1"));
+  std::mutex mu;
+  std::vector<int> events(2, 0);  // per item
+  std::atomic<bool> gone{false};
+  ItemCalls calls;
+  calls.partial = [&](size_t item, std::string_view) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (++events.at(item) == 3 && item == 0) gone = true;
+  };
+  calls.cancelled = [&](size_t item) { return item == 0 && gone.load(); };
+  auto out = rt->RunItemsAsReady({ChatRequest(true), ChatRequest(true)}, {}, calls);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(ParseItemError((*out)[0]).reason(), "cancelled") << ParseItemError((*out)[0]).ToString();
+  EXPECT_LT(events[0], 20);
+  EXPECT_TRUE(ParseItemError((*out)[1]).ok()) << ParseItemError((*out)[1]).ToString();
+  EXPECT_EQ(events[1], 20);
+  // Alone: the same; and one already gone is not sent.
+  gone = false;
+  events = {0, 0};
+  out = rt->RunItemsAsReady({ChatRequest(true)}, {}, calls);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(ParseItemError((*out)[0]).reason(), "cancelled");
+  EXPECT_LT(events[0], 20);
+  const size_t sent = server.requests().size();
+  out = rt->RunItemsAsReady({ChatRequest(true)}, {}, calls);  // gone is still true
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(ParseItemError((*out)[0]).reason(), "cancelled");
+  EXPECT_EQ(server.requests().size(), sent);
 }
 
 // How a stream ends: [DONE] (what follows it is ignored) or a finish_reason
