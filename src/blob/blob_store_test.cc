@@ -163,6 +163,17 @@ class BlobStoreTest : public ::testing::TestWithParam<std::string> {
     }
   }
 
+  // A reference in this store to blob `name` holding `data`.
+  BlobRef RefTo(const std::string& name, std::string_view data) const {
+    BlobRef ref;
+    ref.scheme = std::string(store_->scheme());
+    ref.store = store_->store_id();
+    ref.name = name;
+    ref.size = data.size();
+    ref.sha256 = blob_internal::Sha256Of(data);
+    return ref;
+  }
+
   // Replaces the stored bytes of `ref` by others of the same length,
   // leaving the store's own metadata alone.
   void TamperBytes(const BlobRef& ref) {
@@ -276,12 +287,7 @@ TEST_P(BlobStoreTest, AFailingSourceLeavesNothing) {
 }
 
 TEST_P(BlobStoreTest, MissingBlobIsNotFound) {
-  BlobRef ref;
-  ref.scheme = std::string(store_->scheme());
-  ref.store = store_->store_id();
-  ref.name = "never-written";
-  ref.size = 3;
-  ref.sha256 = blob_internal::Sha256Of("abc");
+  const BlobRef ref = RefTo("never-written", "abc");
   EXPECT_STATUS(store_->Get(ref).status(), StatusCode::kNotFound, kBlobNotFound);
   EXPECT_STATUS(store_->Stat("never-written").status(), StatusCode::kNotFound, kBlobNotFound);
 }
@@ -291,12 +297,7 @@ TEST_P(BlobStoreTest, MissingBlobIsNotFound) {
 TEST_P(BlobStoreTest, AFifoUnderABlobsNameIsNotABlob) {
   if (local_ == nullptr) GTEST_SKIP() << "local directory stores only";
   ASSERT_EQ(::mkfifo(local_->PathOf("a-fifo").c_str(), 0600), 0);
-  BlobRef ref;
-  ref.scheme = std::string(store_->scheme());
-  ref.store = store_->store_id();
-  ref.name = "a-fifo";
-  ref.size = 0;
-  ref.sha256 = blob_internal::Sha256Of("");
+  const BlobRef ref = RefTo("a-fifo", "");
   // Waits for `call` up to 10 s; a call still blocked is let go by a
   // writer opening the FIFO, so a failing test ends.
   const auto within = [&](auto call) -> std::optional<Status> {

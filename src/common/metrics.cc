@@ -179,7 +179,7 @@ bool ErrorCodeKeepsOwnSeries(std::string_view code) {
       "blob_store_mismatch", "blob_ref_invalid", "runtime_error",         "internal_error", "reply_failed",
       "upstream_error",    "upstream_timeout",  "upstream_busy",          "upstream_auth",  "upstream_not_found",
       "payload_too_large", "stream_interrupted", "bad_worker_reply",       "headers_too_large", "malformed_request",
-      "unsupported_transfer_encoding", "invalid_msgpack", "result_too_large"};
+      "unsupported_transfer_encoding", "invalid_msgpack", "result_too_large", "cancelled"};
   return std::find(std::begin(kCodes), std::end(kCodes), code) != std::end(kCodes);
 }
 

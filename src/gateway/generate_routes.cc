@@ -80,14 +80,15 @@ struct SseAnswer {
   // [DONE] as if the output were whole.
   int64_t events = 0;
 
-  // False once the client is gone (the request may be stopped).
+  // False once nobody reads the rest: the client is gone, or the answer
+  // has ended (the request may be stopped).
   bool Event(std::string_view chunk) {
     auto ev = ResultDoc(chunk, model);
     std::lock_guard<std::mutex> lock(mu);
-    if (finished) return true;
+    if (finished) return false;
     if (!ev.ok()) {
       FailLocked(ev.status());
-      return true;
+      return false;
     }
     StartLocked();
     ++events;

@@ -207,7 +207,7 @@ TEST_F(GenerateRoutesTest, APartialAfterTheAnswerIsDropped) {
     submitter_.error = DeadlineExceeded("the request's deadline passed");
     submitter_.Finish();
     ASSERT_TRUE(submitter_.partial_);
-    submitter_.partial_(0, Msgpack(Chunk("late")));
+    EXPECT_FALSE(submitter_.partial_(0, Msgpack(Chunk("late"))));  // nobody reads it: the work may stop
     EXPECT_EQ(responses, 1);
     if (!started) {
       EXPECT_EQ(r.status, 504);
@@ -220,6 +220,19 @@ TEST_F(GenerateRoutesTest, APartialAfterTheAnswerIsDropped) {
     EXPECT_TRUE(closed);
     EXPECT_EQ(text.find("late"), std::string::npos) << text;
   }
+}
+
+// A client that went away mid-stream: the next event reports it (false),
+// so the dispatcher can have the generation stopped.
+TEST_F(GenerateRoutesTest, AnEventForAClientThatWentAwayReportsIt) {
+  submitter_.events = {Chunk("a")};
+  submitter_.hold = true;
+  HttpResponse r = Call("/v1/chat/completions", R"({"model":"gen","messages":[{}],"stream":true})");
+  ASSERT_TRUE(r.stream);
+  ASSERT_TRUE(submitter_.partial_);
+  EXPECT_TRUE(submitter_.partial_(0, Msgpack(Chunk("b"))));
+  r.stream->Abandon();
+  EXPECT_FALSE(submitter_.partial_(0, Msgpack(Chunk("c"))));
 }
 
 TEST_F(GenerateRoutesTest, ANonStreamingUpstreamAnswersPlainJson) {

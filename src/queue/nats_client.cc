@@ -958,11 +958,11 @@ Status KvBucket::ForEachLive(bool with_values, const std::function<void(kvEntry*
   kvWatchOptions o;
   kvWatchOptions_Init(&o);
   o.MetaOnly = !with_values;
+  const int64_t deadline = nats_Now() + timeout_ms_;
   kvWatcher* raw = nullptr;
   natsStatus s = kvStore_WatchAll(&raw, kv_.get(), &o);
   if (s != NATS_OK) return FromNats(s, "kv list");
   std::unique_ptr<kvWatcher, decltype(&kvWatcher_Destroy)> watcher(raw, &kvWatcher_Destroy);
-  const int64_t deadline = nats_Now() + timeout_ms_;
   for (;;) {
     const int64_t left = deadline - nats_Now();
     if (left <= 0) return FromNats(NATS_TIMEOUT, "kv list");
@@ -970,9 +970,9 @@ Status KvBucket::ForEachLive(bool with_values, const std::function<void(kvEntry*
     s = kvWatcher_Next(&e, watcher.get(), left);
     if (s != NATS_OK) return FromNats(s, "kv list");
     if (e == nullptr) return Status::Ok();  // every key's last value seen
+    std::unique_ptr<kvEntry, decltype(&kvEntry_Destroy)> entry(e, &kvEntry_Destroy);
     const kvOperation op = kvEntry_Operation(e);
     if (op != kvOp_Delete && op != kvOp_Purge) visit(e);
-    kvEntry_Destroy(e);
   }
 }
 

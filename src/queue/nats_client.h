@@ -372,8 +372,9 @@ class KvBucket {
   Result<std::vector<std::string>> Keys();
   // Every live key with its value, in key order, read in one pass over the
   // bucket. Either all of them or an error (a view without some entries
-  // would be wrong, not just old). Both take at most the client's
-  // js_api_timeout_ms in all, however many keys there are.
+  // would be wrong, not just old). Both read the entries within the
+  // client's js_api_timeout_ms in all, however many keys there are (the
+  // watcher's set-up and removal are API requests of their own).
   Result<std::vector<std::pair<std::string, std::string>>> Entries();
 
  private:
@@ -381,7 +382,7 @@ class KvBucket {
   // Takes `kv` (owned from here on) and reads its TTL.
   static Result<std::unique_ptr<KvBucket>> Wrap(NatsClient& client, kvStore* kv, const std::string& bucket);
   // Calls `visit` with each live key's last entry (values left out unless
-  // `with_values`), all within timeout_ms_.
+  // `with_values`), read within timeout_ms_ of the start.
   Status ForEachLive(bool with_values, const std::function<void(kvEntry*)>& visit);
 
   KvStorePtr kv_;

@@ -19,6 +19,7 @@ namespace shoal {
 class CancelledRequests {
  public:
   static constexpr size_t kMaxRemembered = 65536;
+  static constexpr size_t kMaxIdBytes = 256;  // longer notices are not request ids (Worker::OnCancel)
   static constexpr int64_t kRememberUs = 10LL * 60 * 1000 * 1000;  // longer than any request's deadline
 
   void Add(std::string_view request_id, int64_t now_mono_us) {

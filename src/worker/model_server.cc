@@ -1024,12 +1024,13 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
       // that passed) took next to nothing: counted, they would make the
       // measured cost per input, and so the turn quantum's cap, wrong.
       int64_t ran = 0;
-      for (const std::string& r : *out) {
-        item_errors.push_back(ParseItemError(r));
+      for (size_t k = 0; k < out->size(); ++k) {
+        item_errors.push_back(ParseItemError((*out)[k]));
         ran += item_errors.back().ok() ? 1 : 0;
-        // Dropped unrun, or stopped, at its deadline (its caller had its
-        // 504), or because its caller went away.
-        if (item_errors.back().reason() == "cancelled") {
+        // Dropped unrun, or stopped, because its caller went away (asked
+        // here: an upstream's own error code may read "cancelled"), or at
+        // its deadline (its caller had its 504).
+        if (item_errors.back().reason() == "cancelled" && calls.cancelled && calls.cancelled(k)) {
           cancelled_->Inc();
         } else if (item_errors.back().code() == StatusCode::kDeadlineExceeded) {
           expired_->Inc();

@@ -1190,8 +1190,9 @@ Result<std::string> Worker::Control(const std::string& action, const std::string
 void Worker::OnCancel(natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
   NatsMsgPtr owned(msg);
   auto* self = static_cast<Worker*>(closure);
-  self->cancelled_.Add(std::string_view(natsMsg_GetData(msg), static_cast<size_t>(natsMsg_GetDataLength(msg))),
-                       self->clock_->NowMonoUs());
+  const std::string_view id(natsMsg_GetData(msg), static_cast<size_t>(natsMsg_GetDataLength(msg)));
+  // A gateway's request ids are short: anything else is not one.
+  if (id.size() <= CancelledRequests::kMaxIdBytes) self->cancelled_.Add(id, self->clock_->NowMonoUs());
 }
 
 void Worker::OnControl(natsConnection* nc, natsSubscription*, natsMsg* msg, void* closure) {

@@ -159,7 +159,7 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsAsReady(const std::vecto
     if (gone(0)) return std::vector<std::string>{ItemError(Cancelled())};
     auto out = Generate(
         items[0], [&](std::string chunk) { if (partial) partial(0, chunk); }, [&] { return gone(0); });
-    if (!out.ok() && out.status().reason() == "cancelled") return std::vector<std::string>{ItemError(out.status())};
+    if (!out.ok() && gone(0)) return std::vector<std::string>{ItemError(Cancelled())};
     if (!out.ok()) return out.status();
     return std::vector<std::string>{std::move(*out)};
   }
@@ -208,6 +208,9 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsAsReady(const std::vecto
     LOG_WARN("openai", "could not start a request thread (" << e.what() << "); " << threads.size() << " run");
     if (threads.empty()) work();
   }
+  // A sink that throws (out of memory sending a reply) must not leave this
+  // frame while the threads run: the batch fails once they are done.
+  Status sink_failed;
   {
     std::unique_lock<std::mutex> lock(mu);
     for (;;) {
@@ -216,10 +219,14 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsAsReady(const std::vecto
         Event e = std::move(events.front());
         events.pop_front();
         lock.unlock();
-        if (e.result) {
-          done(e.item, e.data);
-        } else if (partial) {
-          partial(e.item, e.data);
+        try {
+          if (e.result) {
+            done(e.item, e.data);
+          } else if (partial) {
+            partial(e.item, e.data);
+          }
+        } catch (const std::exception& ex) {
+          if (sink_failed.ok()) sink_failed = Internal(std::string("handing on a result failed: ") + ex.what());
         }
         lock.lock();
       }
@@ -227,6 +234,7 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsAsReady(const std::vecto
     }
   }
   for (auto& t : threads) t.join();
+  if (!sink_failed.ok()) return sink_failed;
   std::vector<std::string> out;
   out.reserve(items.size());
   // One request's failure is its caller's alone: the others have streamed

@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <mutex>
+#include <stdexcept>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -309,6 +311,12 @@ TEST(OpenAiRuntime, EachResultIsHandedOverWhenItsRequestEnds) {
   ASSERT_EQ(order.size(), 3u);
   EXPECT_EQ(order.back(), 0u) << "the slow request's result came before a quick one's";
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(handed[i], (*out)[i]) << i;
+  // A sink that throws fails the batch once its requests are done; it does
+  // not end the process.
+  calls.done = [](size_t, const std::string&) { throw std::runtime_error("no memory for the reply"); };
+  out = rt->RunItemsAsReady({request("quick"), request("quick too")}, {}, calls);
+  EXPECT_EQ(out.status().code(), StatusCode::kInternal) << out.status().ToString();
+  EXPECT_NE(out.status().message().find("no memory for the reply"), std::string::npos) << out.status().ToString();
 }
 
 // A stream whose caller went away is closed at its next event, and its

@@ -179,6 +179,9 @@ void ProcessRuntime::Unload() {
   // timeout) ends at once when the process does: what it started is not
   // wanted any more. (The connect loop sees stop_ itself.)
   if (restarting_) {
+    // Under reap_mu_: a pid still in pid_ is not reaped yet, so it is the
+    // runtime's and not a process that reused it.
+    std::lock_guard<std::mutex> reap(reap_mu_);
     const pid_t pid = pid_.load();
     if (pid > 0) ::kill(pid, SIGKILL);
   }
@@ -348,7 +351,6 @@ void ProcessRuntime::MarkDownLocked(const Status& why) {
 }
 
 void ProcessRuntime::StopProcessLocked(bool graceful) {
-  const pid_t pid = pid_.exchange(-1);
   if (fd_ >= 0 && graceful) {
     const uint64_t id = next_id_++;
     (void)CallLocked(runtime_protocol::EncodeSimple(id, "shutdown"), id, 1000);
@@ -357,7 +359,8 @@ void ProcessRuntime::StopProcessLocked(bool graceful) {
   fd_ = -1;
   if (pidfd_ >= 0) ::close(pidfd_);
   pidfd_ = -1;
-  if (pid > 0) {
+  std::lock_guard<std::mutex> reap(reap_mu_);
+  if (const pid_t pid = pid_.exchange(-1); pid > 0) {
     const int64_t until = NowMonoUs() + (graceful ? 2'000'000 : 0);
     while (!HasExited(pid, nullptr) && NowMonoUs() < until) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     KillGroupAndReap(pid);  // its whole process group: anything it left behind too
@@ -442,10 +445,13 @@ void ProcessRuntime::SuperviseLoop() {
         siginfo_t exited{};
         const pid_t pid = pid_.load();
         if (pid > 0 && HasExited(pid, &exited)) {
-          pid_ = -1;
           // The group outlives its leader: what the runtime started (worker
           // processes, helpers) would otherwise keep memory and ports.
-          KillGroupAndReap(pid);
+          {
+            std::lock_guard<std::mutex> reap(reap_mu_);
+            pid_ = -1;
+            KillGroupAndReap(pid);
+          }
           MarkDownLocked(Crashed(exited.si_code == CLD_EXITED
                                      ? "exited with code " + std::to_string(exited.si_status)
                                      : "killed by signal " + std::to_string(exited.si_status)));

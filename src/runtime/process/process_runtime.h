@@ -67,6 +67,9 @@ class ProcessRuntime final : public Runtime {
   uint64_t next_id_ = 1;         // guarded by io_mu_
   int64_t last_io_mono_us_ = 0;  // guarded by io_mu_
   std::atomic<pid_t> pid_{-1};
+  // Held from clearing pid_ until that process is reaped, and by Unload's
+  // kill: a pid read from pid_ under it was not reaped (not reused).
+  std::mutex reap_mu_;
   std::atomic<bool> up_{false};
   std::atomic<bool> restarting_{false};
   std::atomic<int> dim_{0};

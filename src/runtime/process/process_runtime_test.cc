@@ -315,50 +315,43 @@ TEST(ProcessRuntime, GivesUpAfterMaxFailedStartsInARow) {
   std::filesystem::remove_all(dir);
 }
 
-// Unloading while a restart waits for the runtime to listen (a slow
-// import) does not wait for the start timeout: the loader thread that
-// unloads holds up every other model's load meanwhile.
-TEST(ProcessRuntime, UnloadDoesNotWaitForARestartStillStarting) {
-  std::string dir = (std::filesystem::temp_directory_path() / "shoal-slowstart-XXXXXX").string();
-  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
-  const std::string mark = dir + "/started";
-  // The first start is quick; every later one sleeps before listening.
-  ModelConfig m = WrappedPythonModel(dir, "if [ -e \"$SHOAL_TEST_MARK\" ]; then sleep 600; fi\ntouch \"$SHOAL_TEST_MARK\"\n");
-  m.process.env.emplace_back("SHOAL_TEST_MARK", mark);
+// Kills the runtime `m` starts, lets its restart run for `settle`, then
+// unloads: that must not wait for the restart's start timeout (40 s), since
+// the loader thread that unloads holds up every other model's load.
+void ExpectUnloadDuringARestartIsQuick(ModelConfig m, std::chrono::milliseconds settle) {
   m.process.start_timeout_ms = 40000;
   ProcessRuntime rt;
   ASSERT_TRUE(rt.Load(m).ok());
   const pid_t first = rt.pid();
   ASSERT_EQ(::kill(first, SIGKILL), 0);
   ASSERT_TRUE(Eventually([&] { return rt.pid() > 0 && rt.pid() != first; })) << "no restart began";
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // its shell is asleep, not listening
+  std::this_thread::sleep_for(settle);
   ASSERT_FALSE(rt.Available());
   auto unloaded = std::async(std::launch::async, [&] { rt.Unload(); });
   EXPECT_EQ(unloaded.wait_for(std::chrono::seconds(20)), std::future_status::ready)
-      << "Unload waited for the restart's start timeout";
+      << "Unload waited for the restart";
   unloaded.wait();
+}
+
+// While the restarted runtime has not listened yet (a slow import).
+TEST(ProcessRuntime, UnloadDoesNotWaitForARestartStillStarting) {
+  std::string dir = (std::filesystem::temp_directory_path() / "shoal-slowstart-XXXXXX").string();
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  // The first start is quick; every later one sleeps before listening.
+  ModelConfig m = WrappedPythonModel(dir, "if [ -e \"$SHOAL_TEST_MARK\" ]; then sleep 600; fi\ntouch \"$SHOAL_TEST_MARK\"\n");
+  m.process.env.emplace_back("SHOAL_TEST_MARK", dir + "/started");
+  ExpectUnloadDuringARestartIsQuick(m, std::chrono::milliseconds(300));  // its shell is asleep, not listening
   std::filesystem::remove_all(dir);
 }
 
-// The same once the restarted runtime listens and its `load` is slow: the
-// unload kills it rather than wait for the answer.
+// Once the restarted runtime listens and its `load` is slow: the unload
+// kills it rather than wait for the answer.
 TEST(ProcessRuntime, UnloadDoesNotWaitForARestartsSlowLoad) {
   std::string dir = (std::filesystem::temp_directory_path() / "shoal-slowload-XXXXXX").string();
   ASSERT_NE(::mkdtemp(dir.data()), nullptr);
   ModelConfig m = BadModel("slow-reload");
   m.process.env.emplace_back("SHOAL_TEST_MARK", dir + "/loaded");
-  m.process.start_timeout_ms = 40000;
-  ProcessRuntime rt;
-  ASSERT_TRUE(rt.Load(m).ok());
-  const pid_t first = rt.pid();
-  ASSERT_EQ(::kill(first, SIGKILL), 0);
-  ASSERT_TRUE(Eventually([&] { return rt.pid() > 0 && rt.pid() != first; })) << "no restart began";
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // it listens and sleeps in `load`
-  ASSERT_FALSE(rt.Available());
-  auto unloaded = std::async(std::launch::async, [&] { rt.Unload(); });
-  EXPECT_EQ(unloaded.wait_for(std::chrono::seconds(20)), std::future_status::ready)
-      << "Unload waited for the restart's load";
-  unloaded.wait();
+  ExpectUnloadDuringARestartIsQuick(m, std::chrono::milliseconds(1500));  // it listens and sleeps in `load`
   std::filesystem::remove_all(dir);
 }
 
