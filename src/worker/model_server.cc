@@ -3,9 +3,9 @@
 #include "worker/model_server.h"
 
 #include <algorithm>
-#include <optional>
 #include <charconv>
 #include <cmath>
+#include <optional>
 
 #include "common/log.h"
 

@@ -150,13 +150,17 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsAsReady(const std::vecto
     return i < deadlines_unix_ms.size() && deadlines_unix_ms[i] > 0 &&
            SystemClock::Get()->NowUnixMs() > deadlines_unix_ms[i];  // as the worker's own check
   };
-  const Status too_late = DeadlineExceeded("the request's deadline passed before it was sent upstream");
   // Whether item i's caller has gone (asked per stream event).
   auto gone = [&](size_t i) { return static_cast<bool>(calls.cancelled) && calls.cancelled(i); };
+  // Why item i is not sent upstream now (OK: it is).
+  auto not_sent = [&](size_t i) {
+    if (expired(i)) return DeadlineExceeded("the request's deadline passed before it was sent upstream");
+    if (gone(i)) return Cancelled();
+    return Status::Ok();
+  };
 
   if (items.size() == 1) {
-    if (expired(0)) return std::vector<std::string>{ItemError(too_late)};
-    if (gone(0)) return std::vector<std::string>{ItemError(Cancelled())};
+    if (Status skip = not_sent(0); !skip.ok()) return std::vector<std::string>{ItemError(skip)};
     auto out = Generate(
         items[0], [&](std::string chunk) { if (partial) partial(0, chunk); }, [&] { return gone(0); });
     if (!out.ok() && gone(0)) return std::vector<std::string>{ItemError(Cancelled())};
@@ -179,10 +183,8 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsAsReady(const std::vecto
   std::vector<Result<std::string>> results(items.size(), Result<std::string>(Internal("not run")));
   auto work = [&] {
     for (size_t i; (i = next.fetch_add(1)) < items.size();) {
-      if (expired(i)) {
-        results[i] = too_late;
-      } else if (gone(i)) {
-        results[i] = Cancelled();
+      if (Status skip = not_sent(i); !skip.ok()) {
+        results[i] = skip;
       } else {
         results[i] = Generate(
             items[i],

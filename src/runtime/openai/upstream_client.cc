@@ -304,9 +304,9 @@ Status UpstreamError(int http_status, std::string_view body) {
   // An error document is small; a larger body (up to max_response_bytes)
   // is read as text, not parsed into a tree many times its size.
   constexpr size_t kMaxErrorDocument = 64 * 1024;
-  auto j = body.size() <= kMaxErrorDocument ? nlohmann::json::parse(body, nullptr, false)
-                                            : nlohmann::json(nlohmann::json::value_t::discarded);
-  if (!j.is_discarded() && j.is_object()) {
+  nlohmann::json j;
+  if (body.size() <= kMaxErrorDocument) j = nlohmann::json::parse(body, nullptr, false);
+  if (j.is_object()) {
     // OpenAI {"error":{"message","code"}}; some servers put a string in
     // "error" or use {"message"} / {"detail"}.
     const nlohmann::json* e = j.contains("error") ? &j["error"] : &j;
