@@ -24,7 +24,8 @@ struct Dispatcher::Pending {
   int64_t deadline_mono_us = 0;  // the request's deadline on this process's steady clock: the timer's
   std::vector<bool> have;
   std::vector<int> next_seq;  // per chunk: the number of the partial reply it expects next
-  bool cancel_sent = false;   // the caller went away and the workers were told (handled as its partials are)
+  std::shared_ptr<ClientPresence> client;  // see ItemJob::client
+  std::atomic<bool> cancel_sent{false};    // the caller went away and the workers were told
   std::vector<wire::WorkReply> parts;
   std::vector<std::string> blob_refs;  // offloaded chunks, deleted on completion; guarded by mu_
   // Push: per chunk, the worker it went to (empty: the queue) and its rows.
@@ -242,12 +243,12 @@ void Dispatcher::SubmitItems(ItemJob job, ItemCallback done, PartialCallback par
     done(std::move(r));
   };
   Submit(job.model, job.deadline_unix_ms, std::move(chunks), std::move(assemble), std::move(partial),
-         std::move(first_item), std::move(job.item_name));
+         std::move(first_item), std::move(job.item_name), std::move(job.client));
 }
 
 void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std::vector<Chunk> chunks,
                         std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item,
-                        std::string item_name) {
+                        std::string item_name, std::shared_ptr<ClientPresence> client) {
   // NATS refuses a message over the server's max_payload, headers
   // included: such a message goes to the blob store whatever its threshold
   // says, and without a store the request is too large for this cluster.
@@ -269,6 +270,7 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
   p->partial = std::move(partial);
   p->first_item = std::move(first_item);
   p->item_name = std::move(item_name);
+  p->client = std::move(client);
   p->chunk_count = count;
   // The timer runs on the steady clock: a step of the wall clock (NTP, a
   // resumed VM) must not hold requests past their time or end them early.
@@ -286,11 +288,25 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
     }
     if (after_pick_hook_) after_pick_hook_();
   }
+  // Cleared when the request completes (or here, when it is refused), so it
+  // never outlives the dispatcher.
+  if (p->client)
+    p->client->OnGone([this, id] {
+      std::shared_ptr<Pending> gone;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = pending_.find(id);
+        if (it == pending_.end()) return;
+        gone = it->second;
+      }
+      AnnounceCancel(id, *gone);
+    });
   bool earliest = false;
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (stop_) {
       lock.unlock();
+      if (p->client) p->client->OnGone(nullptr);
       for (int c = 0; c < count; ++c)
         if (!p->chunk_worker[c].empty()) ReleaseRows(p->chunk_worker[c], p->chunk_rows[c]);
       p->done(Unavailable("gateway is shutting down", "shutting_down"));
@@ -301,6 +317,9 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
     earliest = at == deadlines_.begin();
   }
   if (earliest) timer_cv_.notify_one();  // otherwise the timer wakes for an earlier one first
+  // A client gone already is announced now: workers remember the cancel
+  // for work that comes after it.
+  if (p->client && p->client->gone()) AnnounceCancel(id, *p);
   chunks_per_request_->Observe(count);
   if (push_ && !ChosenWorkersLive(id, *p)) return;
 
@@ -644,13 +663,7 @@ void Dispatcher::HandleDecodedReply(wire::WorkReply reply) {
   if (forward) {
     const size_t c = static_cast<size_t>(reply.chunk_index);
     const size_t item = (c < p->first_item.size() ? p->first_item[c] : 0) + static_cast<size_t>(reply.item);
-    if (!p->partial(item, reply.items.front()) && !p->cancel_sent) {
-      // Its client is gone: the workers stop what they can of it.
-      p->cancel_sent = true;
-      cancels_->Inc();
-      if (Status s = client_->Publish(wire::kCancelSubject, id); !s.ok())
-        LOG_WARN("gateway", "could not announce the cancel of " << id << ": " << s.ToString());
-    }
+    if (!p->partial(item, reply.items.front())) AnnounceCancel(id, *p);
     return;
   }
   if (!error.ok()) {
@@ -660,6 +673,13 @@ void Dispatcher::HandleDecodedReply(wire::WorkReply reply) {
   if (!complete) return;
   // All chunks here; only this thread can reach this point for the request.
   Complete(id, std::move(p->parts));
+}
+
+void Dispatcher::AnnounceCancel(const std::string& id, Pending& p) {
+  if (p.cancel_sent.exchange(true)) return;
+  cancels_->Inc();
+  if (Status s = client_->Publish(wire::kCancelSubject, id); !s.ok())
+    LOG_WARN("gateway", "could not announce the cancel of " << id << ": " << s.ToString());
 }
 
 void Dispatcher::Complete(const std::string& id, Parts result) {
@@ -679,6 +699,7 @@ void Dispatcher::Complete(const std::string& id, Parts result) {
         break;
       }
   }
+  if (p->client) p->client->OnGone(nullptr);
   // Push: chunks never answered stop counting against their workers.
   for (int c = 0; c < p->chunk_count; ++c)
     if (!p->have[c] && !p->chunk_worker[c].empty()) ReleaseRows(p->chunk_worker[c], p->chunk_rows[c]);

@@ -38,6 +38,7 @@
 #include "common/clock.h"
 #include "common/metrics.h"
 #include "common/status.h"
+#include "gateway/http.h"
 #include "queue/nats_client.h"
 #include "wire/work_message.h"
 
@@ -80,6 +81,10 @@ struct ItemJob {
   // ("image": an error whose reason holds "image", such as invalid_image,
   // reads "image 2: ..."); empty: messages as the worker wrote them.
   std::string item_name;
+  // The caller's HTTP client (may be null). Once it is gone, the workers
+  // are told to stop the request's work (as a PartialCallback returning
+  // false does); the request still completes as usual.
+  std::shared_ptr<ClientPresence> client;
 };
 
 struct ItemResult {
@@ -174,7 +179,10 @@ class Dispatcher final : public WorkSubmitter {
   // Registers the request and publishes its chunks; `done` gets the parts.
   void Submit(const std::string& model, int64_t deadline_unix_ms, std::vector<Chunk> chunks,
               std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item,
-              std::string item_name = {});
+              std::string item_name = {}, std::shared_ptr<ClientPresence> client = {});
+  // The caller of request `id` is gone: tells the workers, once
+  // (wire::kCancelSubject), so they stop what they can of its work.
+  void AnnounceCancel(const std::string& id, Pending& p);
   // Publishes chunk `c` (its body `data`, or empty with `payload_ref` set);
   // on failure completes the request with the error and returns false.
   // `worker` non-empty: pushed straight to that worker instead of the queue.

@@ -166,6 +166,8 @@ void Router::Generate(const std::string& endpoint, HttpRequest&& req, HttpRespon
   job.deadline_unix_ms = *deadline;
   job.items.emplace_back();
   json::to_msgpack(body, job.items.back());
+  // A client that leaves stops its generation (ItemJob::client).
+  job.client = req.client;
 
   if (!stream) {
     submitter_->SubmitItems(std::move(job), [respond = std::move(respond), model, retry](Result<ItemResult> result) {

@@ -13,6 +13,51 @@
 
 namespace shoal {
 
+// Whether the client that sent a request is still there to read its answer.
+// The server marks it gone when the client closes its side of the
+// connection, or the connection breaks, before the whole answer is written
+// (not when more bytes arrive: a client that sent its next request already
+// is noticed leaving only once its answer is written). A handler whose
+// answer takes long can stop work nobody will read. Thread-safe.
+class ClientPresence {
+ public:
+  // `on_gone` runs once when the client is gone, on the thread that
+  // noticed: an io thread, which it must not block (at once, on this
+  // thread, when the client is gone already). A later call replaces it, an
+  // empty one clears it. It must not call OnGone.
+  void OnGone(std::function<void()> on_gone) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!gone_) {
+        on_gone_ = std::move(on_gone);
+        return;
+      }
+    }
+    if (on_gone) on_gone();
+  }
+  bool gone() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return gone_;
+  }
+  // The server's side. Idempotent.
+  void MarkGone() {
+    std::function<void()> f;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (gone_) return;
+      gone_ = true;
+      f = std::move(on_gone_);
+      on_gone_ = nullptr;
+    }
+    if (f) f();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  bool gone_ = false;               // guarded by mu_
+  std::function<void()> on_gone_;  // guarded by mu_
+};
+
 struct HttpRequest {
   std::string method;  // "GET", "POST", ...
   std::string target;  // request target: path plus query (an absolute-form target without scheme and host)
@@ -21,6 +66,8 @@ struct HttpRequest {
   // Header names lower-cased; values as received.
   std::vector<std::pair<std::string, std::string>> headers;
   std::string body;
+  // Set by the server (null in route unit tests that make no one).
+  std::shared_ptr<ClientPresence> client;
 
   // First header with this lower-case name, or empty.
   std::string_view Header(std::string_view lower_name) const {

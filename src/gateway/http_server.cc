@@ -1,7 +1,10 @@
 #include "gateway/http_server.h"
 
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <exception>
@@ -259,6 +262,12 @@ class HttpServer::Impl::Connection
   void Parse();
   void Dispatch();
   void OnContinueWritten(error_code ec, size_t);
+  // While a dispatched request waits for its answer or streams it: notices
+  // the client closing its side or the connection breaking (ClientPresence).
+  void Watch();
+  void OnWatch(uint64_t generation, error_code ec);
+  // The answer is written whole: no more watching for this request.
+  void EndWatch();
   void OnWritten(error_code ec, size_t);
   // `retry_after_s` > 0 adds a Retry-After header.
   void FailRequest(int http_status, const Status& status, int retry_after_s = 0);
@@ -293,6 +302,10 @@ class HttpServer::Impl::Connection
   bool refused_ = false;     // set once, under the server's mu_, before the connection starts
   bool closed_ = false;
   std::atomic<bool> busy_{false};  // see busy()
+  std::shared_ptr<ClientPresence> presence_;  // the dispatched request's, until its answer is written
+  bool watching_ = false;                     // an OnWatch is pending
+  bool input_ended_ = false;                  // the client ended its side: nothing to watch
+  uint64_t watch_generation_ = 0;             // tells a cancelled OnWatch from the current one
   std::shared_ptr<HttpBodyStream> body_stream_;  // the response being streamed
   std::string stream_out_;                       // bytes being written from it
   bool stream_writing_ = false;
@@ -394,6 +407,7 @@ void HttpServer::Impl::Connection::OnRead(error_code ec, size_t bytes) {
     parser_->put_eof(ec);
     if (!ec && parser_->is_done()) {
       closing_ = true;
+      input_ended_ = true;  // a client that ended its side with its request still reads the answer
       return Dispatch();
     }
     if (ec == http::error::partial_message) return Close();
@@ -529,6 +543,8 @@ void HttpServer::Impl::Connection::Dispatch() {
     req.headers.emplace_back(std::move(name), std::string(field.value()));
   }
   req.body = std::move(msg.body());
+  presence_ = std::make_shared<ClientPresence>();
+  req.client = presence_;
 
   std::optional<HttpResponse> response;
   {
@@ -548,7 +564,43 @@ void HttpServer::Impl::Connection::Dispatch() {
     reply.reset();
     t_inline = outer;
   }
+  // An answer that comes later, or is streamed, may come after its client
+  // has left.
+  if (!response || response->stream) Watch();
   if (response) Respond(std::move(*response));
+}
+
+void HttpServer::Impl::Connection::Watch() {
+  if (closed_ || watching_ || input_ended_) return;
+  watching_ = true;
+  stream_.socket().async_wait(tcp::socket::wait_read,
+                              beast::bind_front_handler(&Connection::OnWatch, shared_from_this(), watch_generation_));
+}
+
+void HttpServer::Impl::Connection::OnWatch(uint64_t generation, error_code ec) {
+  if (generation != watch_generation_) return;  // cancelled by EndWatch
+  watching_ = false;
+  if (closed_ || !presence_) return;
+  if (!ec) {
+    // Readable: the end of the stream, a broken connection, or the bytes of
+    // a next request (pipelined), which stay for the parser.
+    char byte;
+    const ssize_t n = ::recv(stream_.socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n > 0) return;  // the client is there; it is not watched further
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return Watch();
+  }
+  presence_->MarkGone();
+}
+
+void HttpServer::Impl::Connection::EndWatch() {
+  presence_.reset();
+  if (!watching_) return;
+  watching_ = false;
+  ++watch_generation_;
+  // Nothing else is pending on the socket now (the answer is written, the
+  // next read not started): this cancels the wait alone.
+  error_code ignored;
+  stream_.socket().cancel(ignored);
 }
 
 void HttpServer::Impl::Connection::Respond(HttpResponse r) {
@@ -595,6 +647,7 @@ void HttpServer::Impl::Connection::Respond(HttpResponse r) {
 
 void HttpServer::Impl::Connection::OnWritten(error_code ec, size_t) {
   if (ec) return Close();
+  EndWatch();
   // A draining server closes after every response, also where the client
   // may have sent more (pipelined): closing with unread bytes would reset
   // the connection, which can destroy the response before the client reads
@@ -726,6 +779,9 @@ void HttpServer::Impl::Connection::Close() {
   if (closed_) return;
   closed_ = true;
   ReleaseBody();
+  // Closed before its answer was written whole.
+  if (presence_) presence_->MarkGone();
+  presence_.reset();
   if (body_stream_) {
     body_stream_->Abandon();
     body_stream_.reset();

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -160,30 +161,32 @@ nlohmann::json ErrorOf(const Response& res) {
 // Responders the handler parked, for a test to complete later.
 class ParkedResponders {
  public:
-  void Park(HttpResponder r) {
+  void Park(HttpResponder r, std::shared_ptr<ClientPresence> client = nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
-    parked_.push_back(std::move(r));
+    parked_.push_back({std::move(r), std::move(client)});
     cv_.notify_all();
   }
 
-  // Waits for the next parked responder; empty after 10 s.
-  HttpResponder Take() {
+  // Waits for the next parked responder; empty after 10 s. `client` (may
+  // be null) gets its request's ClientPresence.
+  HttpResponder Take(std::shared_ptr<ClientPresence>* client = nullptr) {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, std::chrono::seconds(10), [&] { return !parked_.empty(); });
     if (parked_.empty()) return nullptr;
-    HttpResponder r = std::move(parked_.front());
+    auto [r, c] = std::move(parked_.front());
     parked_.pop_front();
+    if (client) *client = std::move(c);
     return r;
   }
 
   HttpHandler Handler() {
-    return [this](HttpRequest&&, HttpResponder r) { Park(std::move(r)); };
+    return [this](HttpRequest&& req, HttpResponder r) { Park(std::move(r), std::move(req.client)); };
   }
 
  private:
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<HttpResponder> parked_;  // guarded by mu_
+  std::deque<std::pair<HttpResponder, std::shared_ptr<ClientPresence>>> parked_;  // guarded by mu_
 };
 
 TEST(HttpServer, ServesManyRequestsOnOneKeepAliveConnection) {
@@ -413,6 +416,71 @@ TEST(HttpServer, ResponderAfterTheClientLeftIsDropped) {
   ASSERT_TRUE(respond);
   respond(HttpResponse{});
   EXPECT_EQ(client.Read().result_int(), 200);
+}
+
+// A client that closes the connection while its answer is awaited is gone
+// at once (the handler can stop the work), not when the answer is written.
+TEST(HttpServer, AClientThatLeavesBeforeItsAnswerIsGone) {
+  ParkedResponders parked;
+  auto server = Start(parked.Handler());
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  ASSERT_FALSE(client.Write(Client::Get("/")));
+  std::shared_ptr<ClientPresence> presence;
+  HttpResponder respond = parked.Take(&presence);
+  ASSERT_TRUE(respond);
+  ASSERT_TRUE(presence);
+  std::atomic<int> told{0};
+  presence->OnGone([&] { ++told; });
+  EXPECT_FALSE(presence->gone());
+  client.Close();
+  EXPECT_TRUE(shoal::testing::Eventually([&] { return told.load() == 1; }));
+  EXPECT_TRUE(presence->gone());
+  presence->OnGone([&] { told += 10; });  // gone already: at once
+  EXPECT_EQ(told.load(), 11);
+  respond(HttpResponse{});
+  Client next(server->port());  // still serving
+  ASSERT_FALSE(next.Write(Client::Get("/")));
+  respond = parked.Take();
+  ASSERT_TRUE(respond);
+  respond(HttpResponse{});
+  EXPECT_EQ(next.Read().result_int(), 200);
+}
+
+// A client that read its answer is never gone for that request, also when
+// it closes later; its next request on the connection is served, and a
+// request sent before the answer to the last one (pipelined) is no sign of
+// leaving.
+TEST(HttpServer, AnAnsweredOrPipeliningClientIsNotGone) {
+  ParkedResponders parked;
+  auto server = Start(parked.Handler());
+  ASSERT_TRUE(server);
+  Client client(server->port());
+  std::vector<std::shared_ptr<ClientPresence>> presences(4);
+  for (int i = 0; i < 2; ++i) {  // one at a time on the connection
+    ASSERT_FALSE(client.Write(Client::Get("/")));
+    HttpResponder respond = parked.Take(&presences[i]);
+    ASSERT_TRUE(respond);
+    respond(HttpResponse{});
+    EXPECT_EQ(client.Read().result_int(), 200);
+  }
+  ASSERT_FALSE(client.WriteRaw("GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n"));
+  HttpResponder first = parked.Take(&presences[2]);
+  ASSERT_TRUE(first);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // time to (wrongly) see the second as a close
+  EXPECT_FALSE(presences[2]->gone());
+  first(HttpResponse{});
+  HttpResponder second = parked.Take(&presences[3]);
+  ASSERT_TRUE(second);
+  second(HttpResponse{});
+  EXPECT_EQ(client.Read().result_int(), 200);
+  EXPECT_EQ(client.Read().result_int(), 200);
+  client.Close();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  for (size_t i = 0; i < presences.size(); ++i) {
+    ASSERT_TRUE(presences[i]) << i;
+    EXPECT_FALSE(presences[i]->gone()) << "request " << i << " was answered";
+  }
 }
 
 TEST(HttpServer, ResponderAfterTheServerIsGoneIsDropped) {
@@ -922,17 +990,21 @@ class ParkedStreams {
       {
         std::lock_guard<std::mutex> lock(mu_);
         streams_.push_back(r.stream);
+        clients_.push_back(req.client);
         cv_.notify_all();
       }
       respond(std::move(r));
     };
   }
-  std::shared_ptr<HttpBodyStream> Take() {
+  // `client` (may be null) gets its request's ClientPresence.
+  std::shared_ptr<HttpBodyStream> Take(std::shared_ptr<ClientPresence>* client = nullptr) {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, std::chrono::seconds(10), [&] { return !streams_.empty(); });
     if (streams_.empty()) return nullptr;
     auto s = streams_.front();
     streams_.pop_front();
+    if (client) *client = clients_.front();
+    clients_.pop_front();
     return s;
   }
 
@@ -940,6 +1012,7 @@ class ParkedStreams {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<HttpBodyStream>> streams_;  // guarded by mu_
+  std::deque<std::shared_ptr<ClientPresence>> clients_;  // guarded by mu_, one per stream
 };
 
 TEST(HttpServer, StreamsABodyAsItIsWritten) {
@@ -973,6 +1046,35 @@ TEST(HttpServer, StreamsABodyAsItIsWritten) {
   Response next;
   http::read(s, buf, next);
   EXPECT_EQ(next.body(), "GET /plain q= x-test= body=");
+}
+
+// A streamed answer's client that leaves before anything was written to
+// the stream is gone at once; one that read its whole stream is not.
+TEST(HttpServer, AStreamsClientThatLeavesBeforeItsFirstEventIsGone) {
+  ParkedStreams parked;
+  auto server = Start(parked.Handler());
+  ASSERT_TRUE(server);
+  {
+    Client client(server->port());
+    ASSERT_FALSE(client.Write(Client::Get("/events")));
+    std::shared_ptr<ClientPresence> presence;
+    auto body = parked.Take(&presence);
+    ASSERT_TRUE(body);
+    ASSERT_TRUE(presence);
+    client.Close();
+    EXPECT_TRUE(shoal::testing::Eventually([&] { return presence->gone(); }));
+  }
+  Client client(server->port());
+  ASSERT_FALSE(client.Write(Client::Get("/events")));
+  std::shared_ptr<ClientPresence> presence;
+  auto body = parked.Take(&presence);
+  ASSERT_TRUE(body);
+  body->Write("data: 1\n\n");
+  body->Close();
+  EXPECT_EQ(client.Read().body(), "data: 1\n\n");
+  client.Close();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_FALSE(presence->gone());
 }
 
 TEST(HttpServer, StreamOverHttp10EndsWithTheConnection) {

@@ -494,7 +494,7 @@ TEST_F(PushTest, PullAheadDoesNotLockAColdModelOutBehindHotOnes) {
   const auto pulled_b = [&] { return w.Observed("shoal_worker_queue_wait_seconds", {{"model", "sim-b"}}); };
   ASSERT_EQ(pulled_b(), 1);
 
-  constexpr int kHot = 150;  // per hot model
+  constexpr int kHot = 200;  // per hot model
   std::atomic<int> answered{0};
   std::vector<std::future<Result<EmbedResult>>> hot;
   for (int i = 0; i < kHot; ++i)
@@ -514,8 +514,11 @@ TEST_F(PushTest, PullAheadDoesNotLockAColdModelOutBehindHotOnes) {
   ASSERT_TRUE(Eventually([&] { return answered.load() >= 6; }));
   auto cold = EmbedAsync("sim-b", {"cold"}, 120000);
   ASSERT_TRUE(Eventually([&] { return pulled_b() == 2; }, 60s));
+  // Without the pull past the bound, the cold model waits until a hot
+  // queue drains: nearly all 2 * kHot answered. With it, after the device
+  // has run a few passes (under 200 answers on a loaded 2-core machine).
   const int hot_answered = answered.load();
-  EXPECT_LT(hot_answered, kHot) << "the cold model was pulled only once the hot queues had drained";
+  EXPECT_LT(hot_answered, 2 * kHot * 3 / 4) << "the cold model was pulled only once the hot queues had drained";
   auto r = cold.get();
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   for (auto& f : hot) {

@@ -54,6 +54,7 @@ FakeOpenAiServer::Reply Script(const FakeOpenAiServer::Request& r) {
   if (said == "fail500") return {500, R"({"error":{"message":"CUDA out of memory"}})"};
   FakeOpenAiServer::Reply reply;
   if (said == "slow") reply.delay_ms = 3000;
+  if (said == "stall") reply.delay_ms = 20000;  // then answers as usual
   if (said == "long" && req.value("stream", false)) {  // 10 s of events
     for (int i = 0; i < 200; ++i) reply.events.push_back(Chunk(" word").dump());
     reply.events.push_back("[DONE]");
@@ -280,22 +281,42 @@ TEST_F(E2eOpenAi, ChatThroughAnotherShoalStreamsAndAnswers) {
 // A client that goes away mid-stream stops its generation: the gateway
 // tells the workers, and the worker closes its upstream stream at the next
 // event instead of reading the whole answer.
-TEST_F(E2eOpenAi, AClientThatDisconnectsMidStreamStopsItsGeneration) {
-  const int cut_before = fake_->streams_cut();
+// Sends a chat request for `model` on a raw connection the caller closes
+// (-1 when it could not be sent).
+int SendChat(int port, const std::string& model, const std::string& content, bool stream) {
   const std::string body =
-      json{{"model", "long-chat"}, {"stream", true}, {"messages", json::array({{{"role", "user"}, {"content", "long"}}})}}
+      json{{"model", model}, {"stream", stream}, {"messages", json::array({{{"role", "user"}, {"content", content}}})}}
           .dump();
   const std::string request = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                               "Content-Type: application/json\r\nContent-Length: " +
                               std::to_string(body.size()) + "\r\n\r\n" + body;
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
+  if (fd < 0) return -1;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(gateway_->port));
+  addr.sin_port = htons(static_cast<uint16_t>(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::send(fd, request.data(), request.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(request.size())) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// The gateway's shoal_gateway_cancels_total.
+double GatewayCancels(int port) {
+  const std::string metrics = HttpGet(port, "/metrics").body;
+  const std::string name = "\nshoal_gateway_cancels_total ";
+  const size_t at = metrics.find(name);
+  return at == std::string::npos ? -1 : std::stod(metrics.substr(at + name.size()));
+}
+
+TEST_F(E2eOpenAi, AClientThatDisconnectsMidStreamStopsItsGeneration) {
+  const int cut_before = fake_->cut();
+  const double cancels_before = GatewayCancels(gateway_->port);
+  const int fd = SendChat(gateway_->port, "long-chat", "long", true);
+  ASSERT_GE(fd, 0);
   // Read until two events came, then hang up.
   std::string got;
   const auto until = std::chrono::steady_clock::now() + 60s;
@@ -316,10 +337,30 @@ TEST_F(E2eOpenAi, AClientThatDisconnectsMidStreamStopsItsGeneration) {
   ASSERT_GE(events(), 2u) << got;
   EXPECT_NE(got.find("200 OK"), std::string::npos) << got;
   // The worker closed its upstream stream well before its 200 events.
-  EXPECT_TRUE(shoal::testing::Eventually([&] { return fake_->streams_cut() > cut_before; }, 30s))
+  EXPECT_TRUE(shoal::testing::Eventually([&] { return fake_->cut() > cut_before; }, 30s))
       << "the upstream stream was read to its end";
-  const std::string metrics = HttpGet(gateway_->port, "/metrics").body;
-  EXPECT_NE(metrics.find("shoal_gateway_cancels_total 1"), std::string::npos) << metrics;
+  EXPECT_EQ(GatewayCancels(gateway_->port), cancels_before + 1);
+}
+
+// A client that leaves while the upstream has not answered at all (a
+// non-streamed generation, or a stream before its first event) stops it
+// too: the gateway notices the closed connection itself, and the worker
+// closes its upstream request instead of waiting out the answer (20 s).
+TEST_F(E2eOpenAi, AClientThatDisconnectsBeforeAnyAnswerStopsItsGeneration) {
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "not streamed");
+    const int cut_before = fake_->cut();
+    const double cancels_before = GatewayCancels(gateway_->port);
+    const size_t sent_before = fake_->requests().size();
+    const int fd = SendChat(gateway_->port, "long-chat", "stall", stream);
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(shoal::testing::Eventually([&] { return fake_->requests().size() > sent_before; }, 30s))
+        << "the request never reached the upstream";
+    ::close(fd);
+    EXPECT_TRUE(shoal::testing::Eventually([&] { return fake_->cut() > cut_before; }, 10s))
+        << "the upstream request was waited out";
+    EXPECT_EQ(GatewayCancels(gateway_->port), cancels_before + 1);
+  }
 }
 
 TEST_F(E2eOpenAi, UpstreamErrorsReachTheCallerOnceInOpenAiShape) {

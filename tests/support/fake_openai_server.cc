@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <mutex>
 #include <thread>
@@ -82,7 +83,7 @@ class FakeOpenAiServer::Impl {
       }
       Reply reply = handler_(r);
       const bool keep = req.keep_alive() && !reply.close;
-      if (reply.delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(reply.delay_ms));
+      if (reply.delay_ms > 0 && !WaitUnlessCut(sock, reply.delay_ms)) return;
       if (!reply.interim.empty()) {
         boost::asio::write(sock, boost::asio::buffer(reply.interim), ec);
         if (ec) return;
@@ -107,6 +108,27 @@ class FakeOpenAiServer::Impl {
     }
   }
 
+  // Waits `ms`, unless the client closes the connection meanwhile (counted
+  // in cut_): false then.
+  bool WaitUnlessCut(boost::asio::ip::tcp::socket& sock, int64_t ms) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return true;
+      pollfd p{sock.native_handle(), POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
+      char byte;
+      const ssize_t n = ::recv(sock.native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (n > 0) {  // more from the client (the next request): not a close
+        std::this_thread::sleep_for(left);
+        return true;
+      }
+      if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+      if (!stop_) ++cut_;
+      return false;
+    }
+  }
+
   bool WriteEvents(boost::asio::ip::tcp::socket& sock, const Reply& reply, unsigned version, bool keep) {
     namespace http = boost::beast::http;
     namespace asio = boost::asio;
@@ -122,7 +144,7 @@ class FakeOpenAiServer::Impl {
         std::this_thread::sleep_for(std::chrono::milliseconds(reply.event_delay_ms));
       const std::string frame = "data: " + reply.events[i] + "\n\n";
       asio::write(sock, http::make_chunk(asio::buffer(frame)), ec);
-      if (ec && !stop_) ++streams_cut_;  // the client closed the connection mid-stream
+      if (ec && !stop_) ++cut_;  // the client closed the connection mid-stream
     }
     if (!ec && reply.stall_after_events) {
       char byte;
@@ -141,7 +163,7 @@ class FakeOpenAiServer::Impl {
   std::thread accept_thread_;
 
  public:
-  std::atomic<int> streams_cut_{0};
+  std::atomic<int> cut_{0};
 
  private:
   mutable std::mutex mu_;
@@ -173,6 +195,6 @@ FakeOpenAiServer::~FakeOpenAiServer() = default;
 int FakeOpenAiServer::port() const { return impl_->port(); }
 std::vector<FakeOpenAiServer::Request> FakeOpenAiServer::requests() const { return impl_->requests(); }
 
-int FakeOpenAiServer::streams_cut() const { return impl_->streams_cut_.load(); }
+int FakeOpenAiServer::cut() const { return impl_->cut_.load(); }
 
 }  // namespace shoal::testing

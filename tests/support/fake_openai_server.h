@@ -55,8 +55,9 @@ class FakeOpenAiServer {
   int port() const;
   std::string url() const { return "http://127.0.0.1:" + std::to_string(port()); }
   std::vector<Request> requests() const;
-  // Event streams the client closed before their last event.
-  int streams_cut() const;
+  // Answers the client closed the connection before they were complete:
+  // during their delay_ms, or before the last event of their stream.
+  int cut() const;
 
  private:
   class Impl;

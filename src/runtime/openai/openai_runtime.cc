@@ -309,7 +309,7 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item, const std::
   const bool stream = stream_it != req.end() && stream_it->is_boolean() && stream_it->get<bool>();
   const std::string body = DumpJson(req);
   if (!stream) {
-    ASSIGN_OR_RETURN(UpstreamReply reply, client_->Post("/" + endpoint, body));
+    ASSIGN_OR_RETURN(UpstreamReply reply, client_->Post("/" + endpoint, body, {}, cancelled));
     if (reply.status / 100 != 2) return UpstreamError(reply.status, reply.body);
     ASSIGN_OR_RETURN(json doc, ParseAnswer(reply.body, "/" + endpoint));
     return ToMsgpack(doc);
@@ -355,7 +355,8 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item, const std::
                      }
                      if (!sse.Feed(bytes)) return StreamStep::kAbandon;
                      return done ? StreamStep::kEnded : StreamStep::kMore;
-                   }));
+                   },
+                   cancelled));
   if (reply.status / 100 != 2) return UpstreamError(reply.status, reply.body);
   if (!bad.ok()) return bad;
   if (reply.content_type.find("text/event-stream") == std::string::npos) {

@@ -4,11 +4,13 @@
 #include "runtime/openai/openai_runtime.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -357,6 +359,39 @@ TEST(OpenAiRuntime, AStreamWhoseCallerWentAwayIsClosed) {
   ASSERT_TRUE(out.ok()) << out.status().ToString();
   EXPECT_EQ(ParseItemError((*out)[0]).reason(), "cancelled");
   EXPECT_EQ(server.requests().size(), sent);
+}
+
+// A caller that goes away while its request waits on the upstream (a long
+// prefill, a non-streamed answer) closes the connection then, not when the
+// upstream finally answers: the upstream stops generating.
+TEST(OpenAiRuntime, ARequestWhoseCallerWentAwayWhileItWaitedIsClosed) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
+    FakeOpenAiServer::Reply reply;
+    reply.delay_ms = 20000;
+    if (json::parse(r.body).value("stream", false)) {
+      reply.events = ChatEvents("t", 2);
+    } else {
+      reply.body = R"({"choices":[{"index":0,"message":{"content":"late"},"finish_reason":"stop"}]})";
+    }
+    return reply;
+  });
+  auto rt = Loaded(Config("generate", server.url() + "/v1", R"(,"timeout_ms":60000)"));
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "not streamed");
+    const int cut_before = server.cut();
+    const auto gone_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+    ItemCalls calls;
+    calls.cancelled = [&](size_t) { return std::chrono::steady_clock::now() >= gone_at; };
+    const auto t0 = std::chrono::steady_clock::now();
+    auto out = rt->RunItemsAsReady({ChatRequest(stream)}, {}, calls);
+    const auto took = std::chrono::steady_clock::now() - t0;
+    ASSERT_TRUE(out.ok()) << out.status().ToString();
+    EXPECT_EQ(ParseItemError((*out)[0]).reason(), "cancelled") << ParseItemError((*out)[0]).ToString();
+    EXPECT_LT(took, std::chrono::seconds(10)) << "the answer was waited for";
+    // The server notices the close within its poll.
+    for (int i = 0; i < 500 && server.cut() == cut_before; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_EQ(server.cut(), cut_before + 1) << "the upstream connection stayed open";
+  }
 }
 
 // How a stream ends: [DONE] (what follows it is ignored) or a finish_reason

@@ -10,6 +10,8 @@
 #include <boost/beast/http.hpp>
 #include <nlohmann/json.hpp>
 
+#include "runtime/runtime.h"
+
 namespace shoal {
 
 namespace net = boost::asio;
@@ -90,14 +92,35 @@ struct UpstreamClient::Resolver {
 
 namespace {
 
-// Runs one asynchronous operation on `c`'s io_context until it completes or
-// the stream's expiry cancels it (beast::error::timeout).
+// How often a request whose caller may go away asks whether it has.
+constexpr auto kCancelPollInterval = std::chrono::milliseconds(100);
+
+// Runs one asynchronous operation on `stream` (its io_context `ioc`) until
+// it completes, the stream's expiry cancels it (beast::error::timeout), or
+// `cancelled` (may be empty) says the caller is gone: then the operation is
+// cancelled and the result is operation_aborted.
 template <typename Start>
-error_code RunOp(net::io_context& ioc, Start start) {
+error_code RunOp(net::io_context& ioc, beast::tcp_stream& stream, const std::function<bool()>& cancelled,
+                 Start start) {
   error_code result = net::error::would_block;
-  start([&result](error_code ec, auto&&...) { result = ec; });
+  bool finished = false;
+  start([&](error_code ec, auto&&...) {
+    result = ec;
+    finished = true;
+  });
   ioc.restart();
-  ioc.run();
+  if (!cancelled) {
+    ioc.run();
+    return result;
+  }
+  while (!finished) {
+    ioc.run_for(kCancelPollInterval);
+    if (!finished && cancelled()) {
+      stream.cancel();
+      ioc.run();  // the operation ends, aborted (or done just before)
+      return net::error::operation_aborted;
+    }
+  }
   return result;
 }
 
@@ -183,14 +206,14 @@ void UpstreamClient::ReturnIdle(std::unique_ptr<Connection> c) {
 }
 
 Result<UpstreamReply> UpstreamClient::Post(const std::string& path, const std::string& json_body,
-                                           const UpstreamDataFn& on_data) {
+                                           const UpstreamDataFn& on_data, const std::function<bool()>& cancelled) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(options_.timeout_ms);
   const std::string target = prefix_ + path;
   for (int attempt = 0;; ++attempt) {
     std::unique_ptr<Connection> c = attempt == 0 ? TakeIdle() : nullptr;
     if (!c) c = std::make_unique<Connection>();
     bool retryable = false, reusable = false;
-    auto r = Attempt(*c, target, json_body, on_data, deadline, &retryable, &reusable);
+    auto r = Attempt(*c, target, json_body, on_data, cancelled, deadline, &retryable, &reusable);
     if (!r.ok() && retryable && attempt == 0) continue;
     if (r.ok() && reusable) ReturnIdle(std::move(c));
     return r;
@@ -198,10 +221,15 @@ Result<UpstreamReply> UpstreamClient::Post(const std::string& path, const std::s
 }
 
 Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& target, const std::string& body,
-                                              const UpstreamDataFn& on_data, Clock::time_point deadline,
-                                              bool* retryable, bool* reusable) {
+                                              const UpstreamDataFn& on_data, const std::function<bool()>& cancelled,
+                                              Clock::time_point deadline, bool* retryable, bool* reusable) {
   const std::string where = "upstream " + options_.base_url;
+  auto run = [&](auto start) { return RunOp(c.ioc, c.stream, cancelled, std::move(start)); };
   auto fail = [&](const error_code& ec, const std::string& what) -> Status {
+    if (ec == net::error::operation_aborted && cancelled && cancelled()) {
+      *retryable = false;
+      return Cancelled();
+    }
     if (IsTimeout(ec))
       return DeadlineExceeded(where + " did not answer within " + std::to_string(options_.timeout_ms) + " ms",
                               "upstream_timeout");
@@ -216,7 +244,7 @@ Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& 
                                        endpoints.status().reason());
     error_code ec;
     c.stream.expires_at(connect_deadline);
-    ec = RunOp(c.ioc, [&](auto handler) { c.stream.async_connect(*endpoints, std::move(handler)); });
+    ec = run([&](auto handler) { c.stream.async_connect(*endpoints, std::move(handler)); });
     if (ec) {
       if (IsTimeout(ec))
         return DeadlineExceeded(where + ": connect timed out", "upstream_timeout");
@@ -240,7 +268,7 @@ Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& 
   req.prepare_payload();
 
   c.stream.expires_at(deadline);
-  error_code ec = RunOp(c.ioc, [&](auto handler) { http::async_write(c.stream, req, std::move(handler)); });
+  error_code ec = run([&](auto handler) { http::async_write(c.stream, req, std::move(handler)); });
   if (ec) {
     *retryable = pooled && !IsTimeout(ec);
     return fail(ec, "cannot send the request");
@@ -253,7 +281,7 @@ Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& 
   for (int interim = 0;; ++interim) {
     parsed.emplace();
     parsed->body_limit(options_.max_response_bytes);
-    ec = RunOp(c.ioc, [&](auto handler) { http::async_read_header(c.stream, c.buffer, *parsed, std::move(handler)); });
+    ec = run([&](auto handler) { http::async_read_header(c.stream, c.buffer, *parsed, std::move(handler)); });
     if (ec) {
       *retryable = pooled && interim == 0 && IsStale(ec);
       return fail(ec, "no answer");
@@ -274,7 +302,7 @@ Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& 
   if (streamed) {
     bool ended = false;
     while (!parser.is_done()) {
-      ec = RunOp(c.ioc, [&](auto handler) { http::async_read_some(c.stream, c.buffer, parser, std::move(handler)); });
+      ec = run([&](auto handler) { http::async_read_some(c.stream, c.buffer, parser, std::move(handler)); });
       if (ec && ended) return reply;  // complete, but the connection is not reusable
       if (ec) return fail(ec, "the stream broke");
       std::string& got = parser.get().body();
@@ -289,7 +317,7 @@ Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& 
       got.clear();
     }
   } else {
-    ec = RunOp(c.ioc, [&](auto handler) { http::async_read(c.stream, c.buffer, parser, std::move(handler)); });
+    ec = run([&](auto handler) { http::async_read(c.stream, c.buffer, parser, std::move(handler)); });
     if (ec) return fail(ec, "the answer broke off");
     reply.body = std::move(parser.get().body());
   }

@@ -60,9 +60,13 @@ class UpstreamClient {
   // "upstream_error" when the upstream cannot be reached or the connection
   // breaks, DeadlineExceeded "upstream_timeout" when the timeout passes.
   // HTTP error statuses are returned, not turned into errors (see
-  // UpstreamError). Thread-safe: concurrent calls use different connections.
+  // UpstreamError). `cancelled` (may be empty), asked every 100 ms while
+  // the request waits on the upstream: once it says the caller is gone, the
+  // connection is closed (an OpenAI-compatible server stops generating
+  // when its client leaves) and the answer is Cancelled().
+  // Thread-safe: concurrent calls use different connections.
   Result<UpstreamReply> Post(const std::string& path, const std::string& json_body,
-                             const UpstreamDataFn& on_data = {});
+                             const UpstreamDataFn& on_data = {}, const std::function<bool()>& cancelled = {});
 
   static constexpr int64_t kDrainAfterEndMs = 500;
   static constexpr int kMaxInterimAnswers = 8;  // 1xx answers skipped before the real one
@@ -78,7 +82,8 @@ class UpstreamClient {
   std::unique_ptr<Connection> TakeIdle();
   void ReturnIdle(std::unique_ptr<Connection> c);
   Result<UpstreamReply> Attempt(Connection& c, const std::string& target, const std::string& body,
-                                const UpstreamDataFn& on_data, std::chrono::steady_clock::time_point deadline,
+                                const UpstreamDataFn& on_data, const std::function<bool()>& cancelled,
+                                std::chrono::steady_clock::time_point deadline,
                                 bool* retryable, bool* reusable);
 
   UpstreamOptions options_;
