@@ -41,6 +41,22 @@ constexpr int64_t kStarvedAfterTurns = 8;
 constexpr auto kStarvedAfter = std::chrono::milliseconds(500);
 constexpr int64_t kPendingAskMs = 500;  // the longest wait for the server's answer
 
+// Counts `n` messages in `count` for as long as it lives (see
+// ModelServer::in_hand_).
+class InHand {
+ public:
+  InHand(std::atomic<size_t>& count, size_t n, bool already_counted = false) : count_(count), n_(n) {
+    if (!already_counted) count_ += n_;
+  }
+  ~InHand() { count_ -= n_; }
+  InHand(const InHand&) = delete;
+  InHand& operator=(const InHand&) = delete;
+
+ private:
+  std::atomic<size_t>& count_;
+  const size_t n_;
+};
+
 bool ParseInt(std::string_view s, int64_t* out) {
   if (s.empty()) return false;
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
@@ -543,6 +559,7 @@ void ModelServer::FetchLoop() {
     }
     if (fetched->empty()) continue;
     LOG_DEBUG("worker", d_.config.name << ": fetched " << fetched->size() << " (asked " << want << ")");
+    InHand in_hand(in_hand_, fetched->size());  // until it is in the batcher or settled
     const int64_t now_ms = d_.clock->NowUnixMs();
     std::vector<std::unique_ptr<PendingWork>> ready;
     for (Delivery& delivery : *fetched) {
@@ -641,6 +658,7 @@ void ModelServer::ExecLoop() {
         if (stop_) break;
       }
       batch = batcher_.Take(TokenCap(turn_), &capped);
+      in_hand_ += batch.size();
       held_msgs_ = batcher_.size();
       // The batch is the device's now: its claim can go to the next pass.
       MaybeReleaseClaimLocked();
@@ -656,6 +674,7 @@ void ModelServer::ExecLoop() {
         if (held) held->Done(rows);
       }
     } rows_done{d_.held_rows, batch_rows};
+    InHand in_hand(in_hand_, batch.size(), /*already_counted=*/true);
     batch_run_us_ = 0;
     batch_run_tokens_ = 0;
     if (!batch.empty()) RunBatch(std::move(batch));

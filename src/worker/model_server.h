@@ -131,8 +131,11 @@ class ModelServer final : public ModelAttachment {
   void Stop();
   const ModelConfig& config() const { return d_.config; }
   int64_t memory_bytes() const { return d_.runtime->MemoryBytes(); }
-  // Pulled or pushed work waits in the batcher (see ModelAttachment).
-  bool HoldsWork() const override { return held_msgs_.load(std::memory_order_relaxed) > 0; }
+  // Pulled or pushed work waits in the batcher, is being prepared for it
+  // (a payload fetched from the blob store, tokenized) or is being run
+  // (a pass, or messages run one by one that wait for a restarting
+  // runtime). See ModelAttachment.
+  bool HoldsWork() const override { return held_msgs_.load() > 0 || in_hand_.load() > 0; }
 
   // Decodes and tokenizes one message body into work (without its
   // delivery), or the error its caller gets. Called on the fetcher thread.
@@ -211,6 +214,10 @@ class ModelServer final : public ModelAttachment {
   const std::string activation_;      // applied to every output row
   std::atomic<bool> stop_{false};
   std::atomic<size_t> held_msgs_{0};  // batcher_.size(), set under mu_ after every change
+  // Messages out of the batcher but not settled: fetched and not yet added
+  // to it, or taken from it for a pass that has not ended. Raised before
+  // held_msgs_ falls, lowered after it rose, so HoldsWork never misses work.
+  std::atomic<size_t> in_hand_{0};
   // Fetcher thread only: the device's turns_granted() when this model,
   // with work in the queue, began to find no room under --pull-ahead (-1:
   // it is not waiting).

@@ -81,15 +81,21 @@ class GateRuntime : public shoal::testing::ForwardingRuntime {
 
 // A runtime that fails its first batch of two or more rows (so each of its
 // messages runs alone), then crashes on the next run: it is away for
-// `down` (as an out-of-process runtime restarting), then works.
+// `down` (as an out-of-process runtime restarting), then works. With
+// `down_at_batch_failure`, the failed batch takes it away already, and the
+// messages run alone once it is back.
 class CrashOnceRuntime : public shoal::testing::ForwardingRuntime {
  public:
-  CrashOnceRuntime(std::unique_ptr<Runtime> inner, std::chrono::milliseconds down)
-      : ForwardingRuntime(std::move(inner)), down_(down) {}
+  CrashOnceRuntime(std::unique_ptr<Runtime> inner, std::chrono::milliseconds down, bool down_at_batch_failure = false)
+      : ForwardingRuntime(std::move(inner)), down_(down), down_at_batch_failure_(down_at_batch_failure) {}
   Result<Embeddings> Run(const TokenBatch& b) override {
     if (!Available()) return Unavailable("restarting");
     if (state_ == 0 && b.rows >= 2) {
       state_ = 1;
+      if (down_at_batch_failure_) {
+        back_at_ = std::chrono::steady_clock::now() + down_;
+        state_ = 2;
+      }
       return Internal("injected failure of the batch");
     }
     if (state_ == 1) {
@@ -104,6 +110,7 @@ class CrashOnceRuntime : public shoal::testing::ForwardingRuntime {
 
  private:
   const std::chrono::milliseconds down_;
+  const bool down_at_batch_failure_;
   std::atomic<int> state_{0};
   std::atomic<std::chrono::steady_clock::time_point> back_at_{std::chrono::steady_clock::time_point{}};
 };
@@ -184,13 +191,12 @@ class PushTest : public ::testing::Test {
 
   // A worker whose sim-a runtime fails the first batch of two or more,
   // then goes down for 4 s on the next pass (`*crashing` is that runtime).
-  Member StartWithSimACrashingOnce(std::vector<std::string> models, const std::string& id,
-                                   std::atomic<CrashOnceRuntime*>* crashing) {
-    WorkerOptions wo = Options(std::move(models), id);
-    wo.runtime_factory = [crashing](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
+  Member StartWithSimACrashingOnce(WorkerOptions wo, std::atomic<CrashOnceRuntime*>* crashing,
+                                   bool down_at_batch_failure = false) {
+    wo.runtime_factory = [crashing, down_at_batch_failure](const ModelConfig& cfg) -> Result<std::unique_ptr<Runtime>> {
       ASSIGN_OR_RETURN(auto inner, CreateRuntime(cfg.runtime));
       if (cfg.name != "sim-a") return inner;
-      auto r = std::make_unique<CrashOnceRuntime>(std::move(inner), 4000ms);
+      auto r = std::make_unique<CrashOnceRuntime>(std::move(inner), 4000ms, down_at_batch_failure);
       *crashing = r.get();
       return std::unique_ptr<Runtime>(std::move(r));
     };
@@ -537,7 +543,7 @@ TEST_F(PushTest, AModelWaitingForItsRuntimeToRestartLeavesTheDeviceToOthers) {
   auto second = EmbedAsync("sim-a", {"second"}, 60000);
   std::this_thread::sleep_for(300ms);
   std::atomic<CrashOnceRuntime*> crashing{nullptr};  // set on the loader thread
-  Member w = StartWithSimACrashingOnce({"sim-a", "sim-b"}, "restart-wait", &crashing);
+  Member w = StartWithSimACrashingOnce(Options({"sim-a", "sim-b"}, "restart-wait"), &crashing);
   ASSERT_TRUE(w.worker);
   ASSERT_NE(crashing.load(), nullptr);
   ASSERT_TRUE(Eventually([&] { return crashing.load()->crashed(); }));
@@ -553,6 +559,36 @@ TEST_F(PushTest, AModelWaitingForItsRuntimeToRestartLeavesTheDeviceToOthers) {
   }
 }
 
+// Work a model took and still has to run holds the model: here, messages
+// that wait to run one by one for their runtime to come back. A cold model
+// that needs its place (one model at most) waits until that work is
+// answered; evicting the model would hand the work back to the queue.
+TEST_F(PushTest, AModelWhoseWorkWaitsForItsRuntimeIsNotEvicted) {
+  ASSERT_NO_FATAL_FAILURE(StartPullGatewayAndStream());
+  auto first = EmbedAsync("sim-a", {"first"}, 60000);
+  auto second = EmbedAsync("sim-a", {"second"}, 60000);
+  std::this_thread::sleep_for(300ms);  // both wait in the stream: one batch
+  std::atomic<CrashOnceRuntime*> crashing{nullptr};  // set on the loader thread
+  WorkerOptions wo = Options({"sim-a", "sim-b"}, "evict-holding");
+  wo.max_models = 1;
+  wo.preload = {"sim-a"};
+  Member w = StartWithSimACrashingOnce(wo, &crashing, /*down_at_batch_failure=*/true);
+  ASSERT_TRUE(w.worker);
+  ASSERT_NE(crashing.load(), nullptr);
+  ASSERT_TRUE(Eventually([&] { return crashing.load()->crashed(); }));
+  auto cold = EmbedAsync("sim-b", {"a cold model"}, 60000);
+  ASSERT_EQ(cold.wait_for(30s), std::future_status::ready);
+  EXPECT_EQ(first.wait_for(0s), std::future_status::ready) << "sim-a was evicted before its work ran";
+  EXPECT_EQ(second.wait_for(0s), std::future_status::ready) << "sim-a was evicted before its work ran";
+  auto r = cold.get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  for (auto* f : {&first, &second}) {
+    auto a = f->get();
+    EXPECT_TRUE(a.ok()) << a.status().ToString();
+  }
+  EXPECT_EQ(w.Counter("shoal_worker_handed_back_total", {{"model", "sim-a"}}), 0);
+}
+
 // Work whose deadline passed while its model waited for the runtime to
 // come back is answered as expired, not run for nobody.
 TEST_F(PushTest, WorkThatExpiredWhileItsRuntimeRestartedIsNotRun) {
@@ -564,7 +600,7 @@ TEST_F(PushTest, WorkThatExpiredWhileItsRuntimeRestartedIsNotRun) {
   auto second = EmbedAsync("sim-a", {"second"}, 2500);
   std::this_thread::sleep_for(300ms);
   std::atomic<CrashOnceRuntime*> crashing{nullptr};  // set on the loader thread
-  Member w = StartWithSimACrashingOnce({"sim-a"}, "restart-expiry", &crashing);
+  Member w = StartWithSimACrashingOnce(Options({"sim-a"}, "restart-expiry"), &crashing);
   ASSERT_TRUE(w.worker);
   auto late = second.get();
   ASSERT_FALSE(late.ok());
