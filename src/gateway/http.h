@@ -3,6 +3,7 @@
 // sockets and the server library can change without touching them.
 #pragma once
 
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -24,14 +25,17 @@ class ClientPresence {
   // `on_gone` runs once when the client is gone, on the thread that
   // noticed: an io thread, which it must not block (at once, on this
   // thread, when the client is gone already). A later call replaces it, an
-  // empty one clears it. It must not call OnGone.
+  // empty one clears it; once the client is gone, it returns only after a
+  // callback still running has returned, so what that callback uses can be
+  // freed afterwards. It must not call OnGone.
   void OnGone(std::function<void()> on_gone) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       if (!gone_) {
         on_gone_ = std::move(on_gone);
         return;
       }
+      ran_cv_.wait(lock, [&] { return !running_; });
     }
     if (on_gone) on_gone();
   }
@@ -48,13 +52,22 @@ class ClientPresence {
       gone_ = true;
       f = std::move(on_gone_);
       on_gone_ = nullptr;
+      running_ = static_cast<bool>(f);
     }
-    if (f) f();
+    if (!f) return;
+    f();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      running_ = false;
+    }
+    ran_cv_.notify_all();
   }
 
  private:
   mutable std::mutex mu_;
+  std::condition_variable ran_cv_;  // running_ went false
   bool gone_ = false;               // guarded by mu_
+  bool running_ = false;            // guarded by mu_: MarkGone is running the callback
   std::function<void()> on_gone_;  // guarded by mu_
 };
 

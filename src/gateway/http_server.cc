@@ -266,7 +266,9 @@ class HttpServer::Impl::Connection
   // the client closing its side or the connection breaking (ClientPresence).
   void Watch();
   void OnWatch(uint64_t generation, error_code ec);
-  // The answer is written whole: no more watching for this request.
+  // The answer is written whole, or all of it is being written: no more
+  // watching for this request. Only while no other operation is pending on
+  // the socket.
   void EndWatch();
   void OnWritten(error_code ec, size_t);
   // `retry_after_s` > 0 adds a Retry-After header.
@@ -304,7 +306,6 @@ class HttpServer::Impl::Connection
   std::atomic<bool> busy_{false};  // see busy()
   std::shared_ptr<ClientPresence> presence_;  // the dispatched request's, until its answer is written
   bool watching_ = false;                     // an OnWatch is pending
-  bool input_ended_ = false;                  // the client ended its side: nothing to watch
   uint64_t watch_generation_ = 0;             // tells a cancelled OnWatch from the current one
   std::shared_ptr<HttpBodyStream> body_stream_;  // the response being streamed
   std::string stream_out_;                       // bytes being written from it
@@ -407,7 +408,6 @@ void HttpServer::Impl::Connection::OnRead(error_code ec, size_t bytes) {
     parser_->put_eof(ec);
     if (!ec && parser_->is_done()) {
       closing_ = true;
-      input_ended_ = true;  // a client that ended its side with its request still reads the answer
       return Dispatch();
     }
     if (ec == http::error::partial_message) return Close();
@@ -571,7 +571,7 @@ void HttpServer::Impl::Connection::Dispatch() {
 }
 
 void HttpServer::Impl::Connection::Watch() {
-  if (closed_ || watching_ || input_ended_) return;
+  if (closed_ || watching_) return;
   watching_ = true;
   stream_.socket().async_wait(tcp::socket::wait_read,
                               beast::bind_front_handler(&Connection::OnWatch, shared_from_this(), watch_generation_));
@@ -597,8 +597,9 @@ void HttpServer::Impl::Connection::EndWatch() {
   if (!watching_) return;
   watching_ = false;
   ++watch_generation_;
-  // Nothing else is pending on the socket now (the answer is written, the
-  // next read not started): this cancels the wait alone.
+  // Nothing else is pending on the socket now (no write started yet, or
+  // the last one done; the next read not started): this cancels the wait
+  // alone.
   error_code ignored;
   stream_.socket().cancel(ignored);
 }
@@ -634,6 +635,9 @@ void HttpServer::Impl::Connection::Respond(HttpResponse r) {
   }
   response_.keep_alive(keep_alive);
   closing_ = !keep_alive;
+  // The whole answer is on its way: a client that reads it and closes
+  // before the write completes here has not left early.
+  EndWatch();
   response_.body() = std::move(r.body);
   response_.prepare_payload();
   if (head_) response_.body().clear();  // keeps the Content-Length
@@ -711,6 +715,7 @@ void HttpServer::Impl::Connection::PumpStream() {
   if (closed) {
     stream_ended_ = true;
     if (stream_chunked_) stream_out_ += "0\r\n\r\n";
+    EndWatch();  // as for a whole answer (see Respond)
   }
   if (stream_out_.empty()) {
     if (!stream_ended_) return;  // nothing yet: the next Write() wakes us

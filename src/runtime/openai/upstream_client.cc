@@ -97,11 +97,12 @@ constexpr auto kCancelPollInterval = std::chrono::milliseconds(100);
 
 // Runs one asynchronous operation on `stream` (its io_context `ioc`) until
 // it completes, the stream's expiry cancels it (beast::error::timeout), or
-// `cancelled` (may be empty) says the caller is gone: then the operation is
-// cancelled and the result is operation_aborted.
+// `cancelled` (may be empty) says the caller is gone: then the stream is
+// closed (a connect does not go on to the next address), *gave_up is set
+// and the result is operation_aborted.
 template <typename Start>
 error_code RunOp(net::io_context& ioc, beast::tcp_stream& stream, const std::function<bool()>& cancelled,
-                 Start start) {
+                 bool* gave_up, Start start) {
   error_code result = net::error::would_block;
   bool finished = false;
   start([&](error_code ec, auto&&...) {
@@ -116,8 +117,9 @@ error_code RunOp(net::io_context& ioc, beast::tcp_stream& stream, const std::fun
   while (!finished) {
     ioc.run_for(kCancelPollInterval);
     if (!finished && cancelled()) {
-      stream.cancel();
+      stream.close();
       ioc.run();  // the operation ends, aborted (or done just before)
+      *gave_up = true;
       return net::error::operation_aborted;
     }
   }
@@ -224,9 +226,10 @@ Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& 
                                               const UpstreamDataFn& on_data, const std::function<bool()>& cancelled,
                                               Clock::time_point deadline, bool* retryable, bool* reusable) {
   const std::string where = "upstream " + options_.base_url;
-  auto run = [&](auto start) { return RunOp(c.ioc, c.stream, cancelled, std::move(start)); };
+  bool gave_up = false;  // the caller went away (see RunOp)
+  auto run = [&](auto start) { return RunOp(c.ioc, c.stream, cancelled, &gave_up, std::move(start)); };
   auto fail = [&](const error_code& ec, const std::string& what) -> Status {
-    if (ec == net::error::operation_aborted && cancelled && cancelled()) {
+    if (gave_up) {
       *retryable = false;
       return Cancelled();
     }
