@@ -113,6 +113,14 @@ class Runtime {
   // (a long generation upstream must not stall the models computing here)
   // and do not count as device busy time.
   virtual bool UsesDevice() const { return true; }
+  // How many calls of RunItemsAsReady this runtime serves at once, each
+  // best given one input (a request to a server that batches for itself,
+  // as an OpenAI-compatible one does). Above 1 (for a runtime that does not
+  // use the device), the worker runs that many one-input calls side by
+  // side and starts the next as soon as one ends, so a long generation
+  // does not hold back the requests behind it. 1: one batch at a time.
+  // Known after Load().
+  virtual int ConcurrentCalls() const { return 1; }
   // Whether Run() computes on this host's CPU cores and honours
   // TokenBatch::threads, so a pass can run on fewer cores while other
   // models' passes use the rest. False: a pass takes the whole device.

@@ -29,12 +29,12 @@ int64_t Batcher::UsUntilReady() const {
   return std::max<int64_t>(0, config_.max_wait_us - waited);
 }
 
-std::vector<std::unique_ptr<PendingWork>> Batcher::Take(int64_t token_cap, bool* capped) {
+std::vector<std::unique_ptr<PendingWork>> Batcher::Take(int64_t token_cap, bool* capped, size_t max_messages) {
   std::vector<std::unique_ptr<PendingWork>> out;
   int64_t tokens = 0, rows = 0;
   const int64_t max_tokens = token_cap > 0 ? std::min(token_cap, config_.max_batch_tokens) : config_.max_batch_tokens;
   if (capped != nullptr) *capped = false;
-  while (!items_.empty()) {
+  while (!items_.empty() && (max_messages == 0 || out.size() < max_messages)) {
     auto& next = items_.front();
     int64_t t = next->tokens, r = next->row_count();
     if (!out.empty() && (tokens + t > max_tokens || rows + r > config_.max_batch_size)) {

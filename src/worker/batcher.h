@@ -65,8 +65,10 @@ class Batcher {
   // Removes the next batch: oldest first, at least one item, then as many
   // as fit the token and row budget. `token_cap` > 0 lowers the token
   // budget of this batch only; `capped` (may be null) is set when the cap
-  // left out an item the budget would have taken.
-  std::vector<std::unique_ptr<PendingWork>> Take(int64_t token_cap = 0, bool* capped = nullptr);
+  // left out an item the budget would have taken. `max_messages` > 0
+  // also bounds the number of messages taken.
+  std::vector<std::unique_ptr<PendingWork>> Take(int64_t token_cap = 0, bool* capped = nullptr,
+                                                 size_t max_messages = 0);
 
  private:
   BatchingConfig config_;

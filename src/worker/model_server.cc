@@ -40,6 +40,7 @@ constexpr int64_t kRuntimeBackWaitMs = 5000;
 constexpr int64_t kStarvedAfterTurns = 8;
 constexpr auto kStarvedAfter = std::chrono::milliseconds(500);
 constexpr int64_t kPendingAskMs = 500;  // the longest wait for the server's answer
+constexpr int kMaxLanes = 1024;  // see ModelServer::lanes_
 
 // Counts `n` messages in `count` for as long as it lives (see
 // ModelServer::in_hand_).
@@ -160,6 +161,10 @@ ModelServer::ModelServer(ModelServerDeps deps)
 ModelServer::~ModelServer() { Stop(); }
 
 void ModelServer::Start() {
+  if (!d_.runtime->UsesDevice() && d_.runtime->TakesItems())
+    lanes_ = std::clamp(d_.runtime->ConcurrentCalls(), 1, kMaxLanes);
+  if (lanes_ > 1)
+    for (int i = 0; i < lanes_; ++i) lane_threads_.emplace_back([this] { LaneLoop(); });
   fetcher_ = std::thread([this] { FetchLoop(); });
   executor_ = std::thread([this] { ExecLoop(); });
 }
@@ -198,6 +203,14 @@ void ModelServer::Stop() {
   if (d_.consumer && d_.park) d_.park(std::move(d_.consumer));
   d_.consumer.reset();
   if (executor_.joinable()) executor_.join();
+  // Batches handed to lanes run to their end, as the executor's does.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    lanes_stop_ = true;
+  }
+  lane_cv_.notify_all();
+  for (auto& t : lane_threads_) t.join();
+  lane_threads_.clear();
   // Pulled but never run: hand it back rather than leave it to AckWait.
   std::vector<std::unique_ptr<PendingWork>> left;
   {
@@ -631,6 +644,12 @@ void ModelServer::ExecLoop() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       while (!stop_) {
+        if (lanes_ > 1) {
+          // A free lane takes the oldest message as soon as there is one.
+          if (lanes_busy_ < lanes_ && batcher_.size() > 0) break;
+          work_cv_.wait(lock);
+          continue;
+        }
         int64_t wait_us = batcher_.UsUntilReady();
         if (wait_us == 0) break;
         if (wait_us < 0) {
@@ -657,31 +676,29 @@ void ModelServer::ExecLoop() {
         lock.lock();
         if (stop_) break;
       }
-      batch = batcher_.Take(TokenCap(turn_), &capped);
+      batch = batcher_.Take(TokenCap(turn_), &capped, lanes_ > 1 ? 1 : 0);
       in_hand_ += batch.size();
       held_msgs_ = batcher_.size();
       // The batch is the device's now: its claim can go to the next pass.
       MaybeReleaseClaimLocked();
+      if (lanes_ > 1) {
+        lane_work_.push_back(std::move(batch));
+        ++lanes_busy_;
+      }
     }
     space_cv_.notify_one();
+    if (lanes_ > 1) {
+      lane_cv_.notify_one();
+      continue;
+    }
     if (capped) shortened_->Inc();
-    int64_t batch_rows = 0;
-    for (const auto& w : batch) batch_rows += w->row_count();
-    struct RowsDone {  // however the batch ends, its rows stop counting
-      HeldRows* held;
-      int64_t rows;
-      ~RowsDone() {
-        if (held) held->Done(rows);
-      }
-    } rows_done{d_.held_rows, batch_rows};
-    InHand in_hand(in_hand_, batch.size(), /*already_counted=*/true);
     batch_run_us_ = 0;
     batch_run_tokens_ = 0;
-    if (!batch.empty()) RunBatch(std::move(batch));
+    RunTaken(std::move(batch));
     if (turn_.valid() && batch_run_tokens_ > 0) {
       // Forward time only: expired work, replies and failures do not count.
-      const double sample = static_cast<double>(std::max<int64_t>(1, batch_run_us_)) /
-                            static_cast<double>(batch_run_tokens_);
+      const double sample = static_cast<double>(std::max<int64_t>(1, batch_run_us_.load())) /
+                            static_cast<double>(batch_run_tokens_.load());
       slot_us_per_token_ = cost_measured_ ? 0.8 * slot_us_per_token_ + 0.2 * sample : sample;
       cost_measured_ = true;
       forward_cost_->Set(slot_us_per_token_);
@@ -689,7 +706,41 @@ void ModelServer::ExecLoop() {
     turn_.Release();
     if (d_.on_batch) d_.on_batch();
   }
-  turn_.Release();  // stopped right after its turn came
+  if (turn_.valid()) turn_.Release();  // stopped right after its turn came
+}
+
+void ModelServer::LaneLoop() {
+  for (;;) {
+    std::vector<std::unique_ptr<PendingWork>> batch;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      lane_cv_.wait(lock, [&] { return lanes_stop_ || !lane_work_.empty(); });
+      if (lane_work_.empty()) return;  // stopping, and every batch handed over has run
+      batch = std::move(lane_work_.front());
+      lane_work_.pop_front();
+    }
+    RunTaken(std::move(batch));
+    if (d_.on_batch) d_.on_batch();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --lanes_busy_;
+    }
+    work_cv_.notify_all();
+  }
+}
+
+void ModelServer::RunTaken(std::vector<std::unique_ptr<PendingWork>> batch) {
+  int64_t batch_rows = 0;
+  for (const auto& w : batch) batch_rows += w->row_count();
+  struct RowsDone {  // however the batch ends, its rows stop counting
+    HeldRows* held;
+    int64_t rows;
+    ~RowsDone() {
+      if (held) held->Done(rows);
+    }
+  } rows_done{d_.held_rows, batch_rows};
+  InHand in_hand(in_hand_, batch.size(), /*already_counted=*/true);
+  if (!batch.empty()) RunBatch(std::move(batch));
 }
 
 void ModelServer::ForgetRoomWait() {

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -161,6 +162,11 @@ class ModelServer final : public ModelAttachment {
   // the device. Requires mu_.
   void MaybeReleaseClaimLocked();
   void ExecLoop();
+  // A lane thread: runs the batches the executor hands it (see lanes_).
+  void LaneLoop();
+  // Runs a batch taken from the batcher; its rows and messages stop
+  // counting as held when it ends.
+  void RunTaken(std::vector<std::unique_ptr<PendingWork>> batch);
   // Waits for this model's next device turn (see DeviceScheduler::Acquire)
   // into turn_; false when the server or the scheduler is stopping.
   bool AcquireTurn(int64_t oldest_published_mono_us, int64_t backlog);
@@ -243,13 +249,24 @@ class ModelServer final : public ModelAttachment {
   // token (items count one), a moving average over this server's batches
   // (valid once cost_measured_), and the forward time (in slot-us: each
   // pass's time by its turn's width) and tokens of the batch running now,
-  // which RunBatch adds to.
+  // which RunBatch adds to (atomic: lanes add to it too, though only a
+  // device runtime's batches, which run on the executor, read it).
   double slot_us_per_token_ = 0;
   bool cost_measured_ = false;
-  int64_t batch_run_us_ = 0;
-  int64_t batch_run_tokens_ = 0;
+  std::atomic<int64_t> batch_run_us_{0};
+  std::atomic<int64_t> batch_run_tokens_{0};
   std::thread fetcher_;
   std::thread executor_;
+  // A runtime serving several calls at once (Runtime::ConcurrentCalls, not
+  // on the device): the executor hands one-message batches to this many
+  // lane threads, each taken as soon as a lane is free. 1: the executor
+  // runs every batch itself.
+  int lanes_ = 1;
+  std::vector<std::thread> lane_threads_;
+  std::condition_variable lane_cv_;  // lanes wait for a batch
+  std::deque<std::vector<std::unique_ptr<PendingWork>>> lane_work_;  // guarded by mu_
+  int lanes_busy_ = 0;       // guarded by mu_: batches handed to lanes and not yet run
+  bool lanes_stop_ = false;  // guarded by mu_: lanes return once lane_work_ is empty
 
   Counter* batches_ = nullptr;
   Histogram* batch_rows_ = nullptr;

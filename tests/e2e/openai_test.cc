@@ -363,6 +363,25 @@ TEST_F(E2eOpenAi, AClientThatDisconnectsBeforeAnyAnswerStopsItsGeneration) {
   }
 }
 
+// A generation that takes long does not hold back the model's next
+// requests: the worker runs up to openai.max_connections (4) of them side by
+// side, each started as soon as it comes.
+TEST_F(E2eOpenAi, ALongGenerationDoesNotHoldBackTheNextRequests) {
+  const size_t sent_before = fake_->requests().size();
+  const int fd = SendChat(gateway_->port, "long-chat", "stall", false);  // 20 s upstream
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return fake_->requests().size() > sent_before; }, 30s));
+  for (int i = 0; i < 3; ++i) {
+    auto r = Chat("long-chat", "next " + std::to_string(i));
+    EXPECT_EQ(r.status, 200) << r.body;
+    EXPECT_NE(r.body.find("echo: next " + std::to_string(i)), std::string::npos) << r.body;
+  }
+  // The long one has not been answered meanwhile: the others did not wait for it.
+  char byte;
+  EXPECT_LT(::recv(fd, &byte, 1, MSG_DONTWAIT | MSG_PEEK), 0) << "the long generation was answered first";
+  ::close(fd);  // and is cancelled
+}
+
 TEST_F(E2eOpenAi, UpstreamErrorsReachTheCallerOnceInOpenAiShape) {
   auto bad = Chat("remote-chat", "fail400");
   EXPECT_EQ(bad.status, 400) << bad.body;

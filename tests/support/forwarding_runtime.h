@@ -33,6 +33,7 @@ class ForwardingRuntime : public Runtime {
     return inner_->RunItemsAsReady(items, deadlines_unix_ms, calls);
   }
   bool UsesDevice() const override { return inner_->UsesDevice(); }
+  int ConcurrentCalls() const override { return inner_->ConcurrentCalls(); }
   bool TakesThreadCount() const override { return inner_->TakesThreadCount(); }
   void Unload() override { inner_->Unload(); }
   int64_t MemoryBytes() const override { return inner_->MemoryBytes(); }

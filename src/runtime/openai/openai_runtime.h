@@ -39,6 +39,8 @@ class OpenAiRuntime final : public Runtime {
   Result<Embeddings> Run(const TokenBatch& batch) override;
   bool TakesItems() const override { return true; }
   bool UsesDevice() const override { return false; }  // the upstream computes
+  // Generate: openai.max_connections requests at a time, each on its own.
+  int ConcurrentCalls() const override { return config_.task == "generate" ? openai_.max_connections : 1; }
   // Embed: items are UTF-8 texts; each result is a MessagePack bin holding
   // one little-endian float32 row. Generate: items and results are
   // MessagePack maps (request -> the upstream's response; for a streamed
