@@ -70,6 +70,16 @@ TEST(Batcher, FlushesWhenRowCapIsFull) {
   EXPECT_EQ(b.Take().size(), 2u);
 }
 
+TEST(Batcher, TakesAtMostTheMessagesAskedFor) {
+  FakeClock clock;
+  Batcher b(Config(100, 8, 1000), &clock);
+  for (int i = 0; i < 3; ++i) b.Add(Work(clock, {5}));
+  EXPECT_EQ(b.Take(0, nullptr, 1).size(), 1u);
+  EXPECT_EQ(b.size(), 2u);
+  EXPECT_EQ(b.held_rows(), 2);
+  EXPECT_EQ(b.Take(0, nullptr, 0).size(), 2u);  // 0: the budget alone
+}
+
 TEST(Batcher, OversizedItemStillRunsAlone) {
   FakeClock clock;
   Batcher b(Config(100, 4, 1000), &clock);
