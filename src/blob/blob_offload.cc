@@ -10,6 +10,7 @@ namespace shoal {
 Status BlobOffloadOptions::Validate() const {
   if (threshold_bytes < 0) return InvalidArgument("blob threshold must be >= 0");
   if (threads < 1) return InvalidArgument("blob offload threads must be >= 1");
+  if (max_queued_bytes < 1) return InvalidArgument("blob max queued bytes must be positive");
   if (sweep_interval_ms < 0) return InvalidArgument("blob sweep interval must be >= 0");
   if (ttl_ms < 1) return InvalidArgument("blob TTL must be positive");
   return Status::Ok();
@@ -93,10 +94,26 @@ void BlobOffload::PutAsync(std::string data, std::string kind, std::function<voi
 
 void BlobOffload::PutAsync(std::vector<std::string> pieces, std::string kind,
                            std::function<void(Result<BlobRef>)> done) {
+  int64_t bytes = 0;
+  for (const auto& p : pieces) bytes += static_cast<int64_t>(p.size());
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    tasks_.push_back([this, pieces = std::move(pieces), kind = std::move(kind), done = std::move(done)] {
-      done(Put(pieces, kind));
+    std::unique_lock<std::mutex> lock(mu_);
+    if (queued_bytes_ > 0 && queued_bytes_ + bytes > options_.max_queued_bytes) {
+      const int64_t queued = queued_bytes_;
+      lock.unlock();
+      done(Unavailable("the blob store is behind: " + std::to_string(queued) +
+                           " bytes of payloads wait to be stored; retry shortly",
+                       "blob_store_busy"));
+      return;
+    }
+    queued_bytes_ += bytes;
+    tasks_.push_back([this, bytes, pieces = std::move(pieces), kind = std::move(kind), done = std::move(done)] {
+      auto ref = Put(pieces, kind);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        queued_bytes_ -= bytes;
+      }
+      done(std::move(ref));
     });
   }
   cv_.notify_one();

@@ -33,6 +33,11 @@ struct BlobOffloadOptions {
   int64_t threshold_bytes = int64_t{1} << 20;
   // Threads for asynchronous puts and deletes.
   int threads = 2;
+  // Payload bytes waiting for (or in) an asynchronous put, all together. A
+  // PutAsync past it is refused at once (Unavailable "blob_store_busy"), so
+  // a store slower than the uploads cannot make them pile up in memory; a
+  // payload larger than this is still taken when no other waits.
+  int64_t max_queued_bytes = int64_t{1} << 30;
   // Sweep(ttl_ms) every sweep_interval_ms; 0: no sweeping (workers).
   int64_t sweep_interval_ms = 0;
   // Blobs older than this are orphans; far above the longest deadline.
@@ -55,7 +60,8 @@ class BlobOffload {
 
   // Stores `data` on an offload thread and calls `done` there with the
   // reference. Never blocks the caller. `kind` labels the metric
-  // ("request" | "reply").
+  // ("request" | "reply"). Past max_queued_bytes, `done` gets Unavailable
+  // "blob_store_busy" at once, on the caller's thread.
   void PutAsync(std::string data, std::string kind, std::function<void(Result<BlobRef>)> done);
   // The same for a payload in pieces: the blob is their bytes in order,
   // streamed to the store without joining them first.
@@ -100,6 +106,7 @@ class BlobOffload {
   // (it would go back to sleep and the task would wait for the next one).
   std::condition_variable sweep_cv_;
   std::deque<std::function<void()>> tasks_;
+  int64_t queued_bytes_ = 0;  // guarded by mu_: see max_queued_bytes
   bool stop_ = false;
   std::vector<std::thread> threads_;
   std::thread sweeper_;

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <optional>
 
 #include "common/clock.h"
 #include "queue/nats_client.h"
@@ -173,6 +174,39 @@ TEST_F(BlobOffloadTest, SweepRemovesOnlyOrphansOlderThanTheTtl) {
   EXPECT_EQ(*n, 1u);
   EXPECT_EQ(Files(), 1u);
   EXPECT_TRUE(offload_->Fetch(fresh.ToString()).ok());
+}
+
+// Payloads waiting for a slow store are bounded: past max_queued_bytes a
+// put is refused at once (503 blob_store_busy at the gateway); one larger
+// than the bound alone still goes when nothing else waits.
+TEST_F(BlobOffloadTest, PutsWaitingForTheStoreAreBounded) {
+  BlobOffloadOptions o = offload_->options();
+  o.threads = 1;
+  o.max_queued_bytes = 100;
+  auto b = BlobOffload::Create(o, nullptr, &metrics_, &clock_);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  std::unique_ptr<BlobOffload> offload = std::move(b).value();
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  offload->Post([released] { released.wait(); });  // the store is "slow": its one thread is busy
+  std::promise<Result<BlobRef>> first;
+  offload->PutAsync(std::string(60, 'a'), "request", [&first](Result<BlobRef> r) { first.set_value(std::move(r)); });
+  std::optional<Result<BlobRef>> second;
+  offload->PutAsync(std::string(60, 'b'), "request", [&second](Result<BlobRef> r) { second = std::move(r); });
+  ASSERT_TRUE(second.has_value()) << "a refused put answers at once";
+  ASSERT_FALSE(second->ok());
+  EXPECT_EQ(second->status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(second->status().reason(), "blob_store_busy");
+  release.set_value();
+  auto r = first.get_future().get();
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  std::promise<Result<BlobRef>> large;
+  offload->PutAsync(std::string(500, 'c'), "request", [&large](Result<BlobRef> r) { large.set_value(std::move(r)); });
+  r = large.get_future().get();
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  BlobOffloadOptions bad = o;
+  bad.max_queued_bytes = 0;
+  EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
 }
 
 TEST_F(BlobOffloadTest, DeleteAsyncRunsBeforeDestruction) {

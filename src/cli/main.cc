@@ -122,6 +122,7 @@ const CLI::Validator kByteSize(
 struct BlobFlags {
   std::string store;  // empty: the command's default
   std::string threshold = "1MiB";
+  std::string max_queued = "1GiB";
   int64_t ttl_ms = int64_t{3600} * 1000;
   int64_t sweep_interval_ms = 15 * 60 * 1000;
 };
@@ -132,6 +133,10 @@ void AddBlob(CLI::App* app, BlobFlags& b, const std::string& default_store) {
       "(default: " + default_store + ")");
   Opt(app, "--blob-threshold", b.threshold, "SHOAL_BLOB_THRESHOLD",
       "Work messages and replies larger than this go through the blob store (B, KiB, MiB, ...)")
+      ->check(kByteSize);
+  Opt(app, "--blob-max-queued", b.max_queued, "SHOAL_BLOB_MAX_QUEUED",
+      "Payload bytes a gateway holds while they wait to be stored; past it a request that needs the store gets "
+      "503 blob_store_busy (B, KiB, MiB, ...)")
       ->check(kByteSize);
   Opt(app, "--blob-ttl-ms", b.ttl_ms, "SHOAL_BLOB_TTL_MS", "Age after which a leftover blob is an orphan and swept");
   Opt(app, "--blob-sweep-interval-ms", b.sweep_interval_ms, "SHOAL_BLOB_SWEEP_INTERVAL_MS",
@@ -144,6 +149,7 @@ Result<BlobOffloadOptions> ApplyBlob(const BlobFlags& b, const std::string& defa
   o.store_url = b.store.empty() ? default_store : b.store;
   if (o.store_url == "none") o.store_url.clear();
   ASSIGN_OR_RETURN(o.threshold_bytes, ParseBytes(b.threshold));
+  ASSIGN_OR_RETURN(o.max_queued_bytes, ParseBytes(b.max_queued));
   o.ttl_ms = b.ttl_ms;
   o.sweep_interval_ms = sweeps ? b.sweep_interval_ms : 0;
   RETURN_IF_ERROR(o.Validate());
