@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "blob/internal/codec.h"
 #include "common/log.h"
 
 namespace shoal {
@@ -143,8 +144,16 @@ void BlobOffload::CountPut(const std::string& kind, size_t bytes) {
       ->Inc(static_cast<int64_t>(bytes));
 }
 
+std::string BlobOffload::NewName(const std::string& kind) { return kind + "-" + blob_internal::RandomId(); }
+
+bool BlobOffload::IsKind(std::string_view ref_text, const std::string& kind) {
+  auto ref = ParseBlobRef(ref_text);
+  return ref.ok() && ref->name.size() > kind.size() && ref->name.compare(0, kind.size(), kind) == 0 &&
+         ref->name[kind.size()] == '-';
+}
+
 Result<BlobRef> BlobOffload::Put(std::string_view data, const std::string& kind) {
-  auto ref = store_->Put(data);
+  auto ref = store_->Put(data, NewName(kind));
   if (ref.ok()) CountPut(kind, data.size());
   return ref;
 }
@@ -167,7 +176,7 @@ Result<BlobRef> BlobOffload::Put(const std::vector<std::string>& pieces, const s
       }
     }
     return n;
-  });
+  }, NewName(kind));
   if (ref.ok()) CountPut(kind, total);
   return ref;
 }

@@ -72,7 +72,9 @@ class BlobOffload {
   // Deletes the blob on an offload thread; errors are logged.
   void DeleteAsync(std::string ref_text);
 
-  // Blocking forms for callers on their own threads (the worker).
+  // Blocking forms for callers on their own threads (the worker). A blob's
+  // name starts with its kind and '-' ("reply-…"), so what is whose can be
+  // told from a reference (see IsKind).
   Result<BlobRef> Put(std::string_view data, const std::string& kind);
   Result<BlobRef> Put(const std::vector<std::string>& pieces, const std::string& kind);
   // Fetches and verifies the payload of a reference's text. Errors keep the
@@ -84,6 +86,9 @@ class BlobOffload {
   Result<std::string> Fetch(std::string_view ref_text);
   Status Delete(std::string_view ref_text);
 
+  // Whether `ref_text` names a blob Put stored as `kind`.
+  static bool IsKind(std::string_view ref_text, const std::string& kind);
+
   // One sweep now; returns how many blobs it removed.
   Result<size_t> SweepNow();
 
@@ -92,6 +97,7 @@ class BlobOffload {
 
  private:
   BlobOffload() = default;
+  static std::string NewName(const std::string& kind);
   void Loop();
   void SweepLoop();
   void CountPut(const std::string& kind, size_t bytes);

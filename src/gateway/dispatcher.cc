@@ -519,13 +519,19 @@ void Dispatcher::FetchReply(const std::string& ref, const std::string& request_i
     std::lock_guard<std::mutex> lock(mu_);
     over = pending_.find(request_id) == pending_.end();
   }
+  // Only a reply's blob is this gateway's to delete: a reply may come from
+  // anyone who can publish on its subject, and its reference name any blob
+  // (a request's payload a worker still needs). A blob left behind here,
+  // or after a fetch the store failed for a while only, is swept later.
+  const bool ours = BlobOffload::IsKind(ref, "reply");
+  if (!ours) LOG_WARN("gateway", "a reply refers to " << ref << ", which is no reply's blob: it is not deleted");
   if (over) {
     duplicates_->Inc();
-    offload_->DeleteAsync(ref);
+    if (ours) offload_->DeleteAsync(ref);
     return;
   }
   auto data = offload_->Fetch(ref);
-  offload_->DeleteAsync(ref);
+  if (ours && data.status().code() != StatusCode::kUnavailable) offload_->DeleteAsync(ref);
   Status failed = data.status();
   if (data.ok()) {
     auto reply = wire::DecodeWorkReply(*data);

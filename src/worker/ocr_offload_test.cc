@@ -274,5 +274,33 @@ TEST_F(OcrOffloadTest, RepliesByReferenceStayInOrderAndALostCopyIsIgnored) {
   for (auto& d : *got) (void)d.Ack();
 }
 
+// A reply's payload reference may name any blob (anyone who can publish on
+// the gateway's reply subject can send one): the gateway deletes only reply
+// blobs, never a request's payload a worker still needs.
+TEST_F(OcrOffloadTest, AReplyReferenceDeletesOnlyAReplysBlob) {
+  auto request_blob = offload_->Put(std::string(64, 'q'), "request");
+  auto reply_blob = offload_->Put(std::string(64, 'r'), "reply");
+  ASSERT_TRUE(request_blob.ok() && reply_blob.ok());
+  EXPECT_TRUE(BlobOffload::IsKind(reply_blob->ToString(), "reply"));
+  EXPECT_FALSE(BlobOffload::IsKind(request_blob->ToString(), "reply"));
+  Counter* dropped = metrics_.GetCounter("shoal_gateway_duplicate_replies_total", "");
+  const int64_t dropped_before = dropped->Value();
+  for (const BlobRef* ref : {&*request_blob, &*reply_blob}) {
+    natsMsg* raw = nullptr;
+    ASSERT_EQ(natsMsg_Create(&raw, dispatcher_->reply_subject().c_str(), nullptr, nullptr, 0), NATS_OK);
+    NatsMsgPtr msg(raw);
+    natsMsgHeader_Set(raw, wire::kHdrPayloadRef, ref->ToString().c_str());
+    natsMsgHeader_Set(raw, wire::kHdrRequestId, "no-such-request");
+    natsMsgHeader_Set(raw, wire::kHdrChunk, "0");
+    ASSERT_TRUE(client_->PublishMsg(raw).ok());
+  }
+  ASSERT_TRUE(client_->Flush(2000).ok());
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return dropped->Value() == dropped_before + 2; }));
+  EXPECT_TRUE(shoal::testing::Eventually([&] { return !offload_->Fetch(reply_blob->ToString()).ok(); }))
+      << "the reply's blob was kept";
+  auto kept = offload_->Fetch(request_blob->ToString());
+  EXPECT_TRUE(kept.ok()) << "a request's payload was deleted: " << kept.status().ToString();
+}
+
 }  // namespace
 }  // namespace shoal
