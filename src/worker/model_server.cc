@@ -3,6 +3,7 @@
 #include "worker/model_server.h"
 
 #include <algorithm>
+#include <system_error>
 #include <charconv>
 #include <cmath>
 #include <optional>
@@ -163,8 +164,6 @@ ModelServer::~ModelServer() { Stop(); }
 void ModelServer::Start() {
   if (!d_.runtime->UsesDevice() && d_.runtime->TakesItems())
     lanes_ = std::clamp(d_.runtime->ConcurrentCalls(), 1, kMaxLanes);
-  if (lanes_ > 1)
-    for (int i = 0; i < lanes_; ++i) lane_threads_.emplace_back([this] { LaneLoop(); });
   fetcher_ = std::thread([this] { FetchLoop(); });
   executor_ = std::thread([this] { ExecLoop(); });
 }
@@ -217,7 +216,7 @@ void ModelServer::Stop() {
     std::lock_guard<std::mutex> lock(mu_);
     while (batcher_.size() > 0)
       for (auto& w : batcher_.Take()) left.push_back(std::move(w));
-    held_msgs_ = 0;
+    in_hand_ -= left.size();
   }
   if (d_.held_rows) {
     int64_t rows = 0;
@@ -458,7 +457,7 @@ void ModelServer::Push(Delivery delivery) {
     if (!stop_) {
       if (d_.held_rows) d_.held_rows->Add(rows);
       batcher_.Add(std::move(work).value());
-      held_msgs_ = batcher_.size();
+      ++in_hand_;
       lock.unlock();
       work_cv_.notify_one();
       return;
@@ -531,7 +530,7 @@ void ModelServer::FetchLoop() {
       PullGate::Puller puller = waiting ? PullGate::Puller::kHolder : PullGate::Puller::kWaiting;
       // The stream's count includes what this server holds itself.
       const bool queued = !waiting && d_.scheduler != nullptr && d_.backlog &&
-                          d_.backlog() > static_cast<int64_t>(held_msgs_.load());
+                          d_.backlog() > static_cast<int64_t>(in_hand_.load());
       const auto now = std::chrono::steady_clock::now();
       if (!queued) {
         ForgetRoomWait();
@@ -571,8 +570,8 @@ void ModelServer::FetchLoop() {
       continue;
     }
     if (fetched->empty()) continue;
+    InHand in_hand(in_hand_, fetched->size());  // until it is in the batcher (counted again there) or settled
     LOG_DEBUG("worker", d_.config.name << ": fetched " << fetched->size() << " (asked " << want << ")");
-    InHand in_hand(in_hand_, fetched->size());  // until it is in the batcher or settled
     const int64_t now_ms = d_.clock->NowUnixMs();
     std::vector<std::unique_ptr<PendingWork>> ready;
     for (Delivery& delivery : *fetched) {
@@ -621,7 +620,7 @@ void ModelServer::FetchLoop() {
         if (d_.held_rows) d_.held_rows->Add(w->row_count());
         batcher_.Add(std::move(w));
       }
-      held_msgs_ = batcher_.size();
+      in_hand_ += ready.size();
       if (!ready.empty() && !claim_held_ && d_.pull_gate != nullptr && d_.pull_gate->bounded()) {
         d_.pull_gate->Take();  // this model's work now waits for the device
         claim_held_ = true;
@@ -641,6 +640,7 @@ void ModelServer::ExecLoop() {
   while (true) {
     std::vector<std::unique_ptr<PendingWork>> batch;
     bool capped = false;
+    bool start_lane = false;  // every lane started so far is busy
     {
       std::unique_lock<std::mutex> lock(mu_);
       while (!stop_) {
@@ -677,16 +677,16 @@ void ModelServer::ExecLoop() {
         if (stop_) break;
       }
       batch = batcher_.Take(TokenCap(turn_), &capped, lanes_ > 1 ? 1 : 0);
-      in_hand_ += batch.size();
-      held_msgs_ = batcher_.size();
       // The batch is the device's now: its claim can go to the next pass.
       MaybeReleaseClaimLocked();
       if (lanes_ > 1) {
         lane_work_.push_back(std::move(batch));
         ++lanes_busy_;
+        start_lane = static_cast<size_t>(lanes_busy_) > lane_threads_.size();
       }
     }
     space_cv_.notify_one();
+    if (start_lane) StartLane();
     if (lanes_ > 1) {
       lane_cv_.notify_one();
       continue;
@@ -707,6 +707,28 @@ void ModelServer::ExecLoop() {
     if (d_.on_batch) d_.on_batch();
   }
   if (turn_.valid()) turn_.Release();  // stopped right after its turn came
+}
+
+void ModelServer::StartLane() {
+  try {
+    lane_threads_.emplace_back([this] { LaneLoop(); });
+    return;
+  } catch (const std::system_error& e) {
+    LOG_WARN("worker", d_.config.name << ": cannot start another lane (" << e.what() << "); " << lane_threads_.size()
+                                      << " serve it");
+  }
+  // The lanes there are serve; with none, the executor runs batches itself.
+  std::vector<std::vector<std::unique_ptr<PendingWork>>> orphaned;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    lanes_ = std::max<int>(1, static_cast<int>(lane_threads_.size()));
+    if (lane_threads_.empty()) {
+      for (auto& b : lane_work_) orphaned.push_back(std::move(b));
+      lane_work_.clear();
+      lanes_busy_ = 0;
+    }
+  }
+  for (auto& b : orphaned) RunTaken(std::move(b));
 }
 
 void ModelServer::LaneLoop() {
@@ -739,7 +761,7 @@ void ModelServer::RunTaken(std::vector<std::unique_ptr<PendingWork>> batch) {
       if (held) held->Done(rows);
     }
   } rows_done{d_.held_rows, batch_rows};
-  InHand in_hand(in_hand_, batch.size(), /*already_counted=*/true);
+  InHand in_hand(in_hand_, batch.size(), /*already_counted=*/true);  // since it came
   if (!batch.empty()) RunBatch(std::move(batch));
 }
 
@@ -1067,8 +1089,11 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
   // A batch always takes its first message whole, so one message (an
   // OpenAI embed chunk of 32 texts, say) can hold more inputs than
   // max_batch_size: the runtime gets them in passes of at most that many.
-  const size_t pass_rows =
-      c.batching.max_batch_size > 0 ? static_cast<size_t>(c.batching.max_batch_size) : inputs.size();
+  // On a lane, one input per call: the lanes are what bounds how many run
+  // at once (a message published with several inputs runs them in turn).
+  const size_t pass_rows = lanes_ > 1                     ? 1
+                           : c.batching.max_batch_size > 0 ? static_cast<size_t>(c.batching.max_batch_size)
+                                                          : inputs.size();
   std::vector<std::string> results;
   std::vector<Status> item_errors;  // per result: the error it carries for its input alone
   results.reserve(inputs.size());

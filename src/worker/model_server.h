@@ -1,8 +1,9 @@
 // ModelServer: serves one loaded model inside a worker. Owns the model's
-// pull consumer, tokenizer, batcher and its two threads (fetcher, executor);
+// pull consumer, tokenizer, batcher and its threads (fetcher, executor, and
+// lanes for a runtime that serves several calls at once);
 // uses the runtime the worker's ModelManager owns, and runs each forward
 // pass in a turn of the worker's DeviceScheduler. It is the model's
-// attachment: the manager destroys it (stopping both threads) before it
+// attachment: the manager destroys it (stopping its threads) before it
 // unloads the runtime.
 #pragma once
 
@@ -136,7 +137,7 @@ class ModelServer final : public ModelAttachment {
   // (a payload fetched from the blob store, tokenized) or is being run
   // (a pass, or messages run one by one that wait for a restarting
   // runtime). See ModelAttachment.
-  bool HoldsWork() const override { return held_msgs_.load() > 0 || in_hand_.load() > 0; }
+  bool HoldsWork() const override { return in_hand_.load() > 0; }
 
   // Decodes and tokenizes one message body into work (without its
   // delivery), or the error its caller gets. Called on the fetcher thread.
@@ -164,6 +165,9 @@ class ModelServer final : public ModelAttachment {
   void ExecLoop();
   // A lane thread: runs the batches the executor hands it (see lanes_).
   void LaneLoop();
+  // Starts one more lane (executor thread); when none can be, lanes_ falls
+  // to the lanes there are.
+  void StartLane();
   // Runs a batch taken from the batcher; its rows and messages stop
   // counting as held when it ends.
   void RunTaken(std::vector<std::unique_ptr<PendingWork>> batch);
@@ -219,10 +223,10 @@ class ModelServer final : public ModelAttachment {
   Batcher batcher_;
   const std::string activation_;      // applied to every output row
   std::atomic<bool> stop_{false};
-  std::atomic<size_t> held_msgs_{0};  // batcher_.size(), set under mu_ after every change
-  // Messages out of the batcher but not settled: fetched and not yet added
-  // to it, or taken from it for a pass that has not ended. Raised before
-  // held_msgs_ falls, lowered after it rose, so HoldsWork never misses work.
+  // Messages this server took and has not settled: being prepared after
+  // their fetch, in the batcher, or in a batch that has not ended. Work
+  // moving from one to the next is counted in the next before it stops
+  // counting in the last, so HoldsWork never misses it.
   std::atomic<size_t> in_hand_{0};
   // Fetcher thread only: the device's turns_granted() when this model,
   // with work in the queue, began to find no room under --pull-ahead (-1:
@@ -258,11 +262,11 @@ class ModelServer final : public ModelAttachment {
   std::thread fetcher_;
   std::thread executor_;
   // A runtime serving several calls at once (Runtime::ConcurrentCalls, not
-  // on the device): the executor hands one-message batches to this many
-  // lane threads, each taken as soon as a lane is free. 1: the executor
-  // runs every batch itself.
-  int lanes_ = 1;
-  std::vector<std::thread> lane_threads_;
+  // on the device): the executor hands one-message batches to up to this
+  // many lane threads, each taken as soon as a lane is free; lanes start
+  // as they are needed. 1: the executor runs every batch itself.
+  std::atomic<int> lanes_{1};
+  std::vector<std::thread> lane_threads_;  // executor thread only (and Stop, once it has joined)
   std::condition_variable lane_cv_;  // lanes wait for a batch
   std::deque<std::vector<std::unique_ptr<PendingWork>>> lane_work_;  // guarded by mu_
   int lanes_busy_ = 0;       // guarded by mu_: batches handed to lanes and not yet run

@@ -585,7 +585,9 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   deps.loaded_unix_ms = clock_->NowUnixMs();
   deps.busy_us = &busy_us_;
   deps.held_rows = held_rows_.get();
-  deps.pull_gate = pull_gate_.get();
+  // The bound counts passes waiting for this worker's device: a model whose
+  // upstream computes (openai) does not wait for it, nor hold it back.
+  deps.pull_gate = m->runtime->UsesDevice() ? pull_gate_.get() : nullptr;
   deps.progress = progress_.get();
   deps.cancelled = &cancelled_;
   deps.idle_poll_ms = options_.pull_idle_poll_ms;

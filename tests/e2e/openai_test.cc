@@ -379,7 +379,9 @@ TEST_F(E2eOpenAi, ALongGenerationDoesNotHoldBackTheNextRequests) {
   // The long one has not been answered meanwhile: the others did not wait for it.
   char byte;
   EXPECT_LT(::recv(fd, &byte, 1, MSG_DONTWAIT | MSG_PEEK), 0) << "the long generation was answered first";
-  ::close(fd);  // and is cancelled
+  const int cut_before = fake_->cut();
+  ::close(fd);  // and is cancelled, from its lane
+  EXPECT_TRUE(shoal::testing::Eventually([&] { return fake_->cut() > cut_before; }, 10s));
 }
 
 TEST_F(E2eOpenAi, UpstreamErrorsReachTheCallerOnceInOpenAiShape) {

@@ -24,7 +24,7 @@ struct OpenAiConfig {
   std::string api_key_env;   // environment variable holding the API key
   int64_t timeout_ms = 60000;
   int64_t connect_timeout_ms = 5000;
-  int max_connections = 4;   // idle connections kept, and concurrent generate requests per batch
+  int max_connections = 4;   // idle connections kept, and generate requests a worker runs at once
 };
 
 // Parses the "openai" object of a shoal.json document.
