@@ -189,6 +189,16 @@ class ParkedResponders {
   std::deque<std::pair<HttpResponder, std::shared_ptr<ClientPresence>>> parked_;  // guarded by mu_
 };
 
+// A request on a new connection is still handed over and answered.
+void ExpectStillServing(HttpServer& server, ParkedResponders& parked) {
+  Client client(server.port());
+  ASSERT_FALSE(client.Write(Client::Get("/")));
+  HttpResponder respond = parked.Take();
+  ASSERT_TRUE(respond);
+  respond(HttpResponse{});
+  EXPECT_EQ(client.Read().result_int(), 200);
+}
+
 TEST(HttpServer, ServesManyRequestsOnOneKeepAliveConnection) {
   auto server = Start(Echo);
   ASSERT_TRUE(server);
@@ -409,13 +419,7 @@ TEST(HttpServer, ResponderAfterTheClientLeftIsDropped) {
     client.Close();
     respond(HttpResponse{});
   }
-  // Still serving.
-  Client client(server->port());
-  ASSERT_FALSE(client.Write(Client::Get("/")));
-  HttpResponder respond = parked.Take();
-  ASSERT_TRUE(respond);
-  respond(HttpResponse{});
-  EXPECT_EQ(client.Read().result_int(), 200);
+  ExpectStillServing(*server, parked);
 }
 
 // A client that closes the connection while its answer is awaited is gone
@@ -439,12 +443,7 @@ TEST(HttpServer, AClientThatLeavesBeforeItsAnswerIsGone) {
   presence->OnGone([&] { told += 10; });  // gone already: at once
   EXPECT_EQ(told.load(), 11);
   respond(HttpResponse{});
-  Client next(server->port());  // still serving
-  ASSERT_FALSE(next.Write(Client::Get("/")));
-  respond = parked.Take();
-  ASSERT_TRUE(respond);
-  respond(HttpResponse{});
-  EXPECT_EQ(next.Read().result_int(), 200);
+  ExpectStillServing(*server, parked);
 }
 
 // A client that read its answer is never gone for that request, also when
