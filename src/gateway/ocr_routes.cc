@@ -376,6 +376,7 @@ void Router::Ocr(const std::string& model, HttpRequest&& req, HttpResponder resp
   auto deadline = Deadline(req);
   if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));
   job.deadline_unix_ms = *deadline;
+  job.client = req.client;  // a client that leaves stops the images not yet read (ItemJob::client)
   const bool msgpack_out = internal::AcceptsMsgpack(req.Header("accept"));
   if (Status st = ImagesFromRequest(req, &job.items); !st.ok()) return respond(ErrorResponse(st));
   submitter_->SubmitItems(std::move(job), [respond = std::move(respond), model, retry,

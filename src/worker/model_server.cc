@@ -800,11 +800,17 @@ PassWidth ModelServer::WantedWidth() const {
 void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
   const int64_t now_us = d_.clock->NowMonoUs();
   const int64_t now_ms = d_.clock->NowUnixMs();
-  // Expired while waiting: answer and drop before spending compute on it.
+  // Expired while waiting, or its caller gone (the rest of a many-image
+  // OCR request, say): answer and drop before spending compute on it.
   std::vector<std::unique_ptr<PendingWork>> live;
   for (auto& w : batch) {
     batch_wait_seconds_->Observe(static_cast<double>(now_us - w->enqueued_mono_us) / 1e6);
     if (FailIfExpired(w->delivery, w->headers, now_ms)) continue;
+    if (d_.cancelled != nullptr && d_.cancelled->Contains(w->headers.request_id)) {
+      cancelled_->Inc();
+      Fail(w->delivery, w->headers, Cancelled());
+      continue;
+    }
     live.push_back(std::move(w));
   }
   if (live.empty()) return;

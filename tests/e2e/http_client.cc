@@ -1,7 +1,10 @@
 #include "e2e/http_client.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -110,6 +113,33 @@ HttpResult HttpPostJson(int port, const std::string& target, const std::string& 
   c.headers = std::move(headers);
   c.timeout = timeout;
   return Http(port, c);
+}
+
+int PostAndKeepOpen(int port, const std::string& target, const std::string& body, const std::string& content_type,
+                    const std::vector<std::pair<std::string, std::string>>& headers) {
+  std::string request = "POST " + target + " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: " + content_type +
+                        "\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
+  for (const auto& [name, value] : headers) request += name + ": " + value + "\r\n";
+  request += "\r\n" + body;
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  for (size_t sent = 0; sent < request.size();) {
+    const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) {
+      ::close(fd);
+      return -1;
+    }
+    sent += static_cast<size_t>(n);
+  }
+  return fd;
 }
 
 }  // namespace shoal::e2e

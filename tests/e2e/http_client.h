@@ -39,4 +39,11 @@ HttpResult HttpPostJson(int port, const std::string& target, const std::string& 
                         std::vector<std::pair<std::string, std::string>> headers = {},
                         std::chrono::milliseconds timeout = std::chrono::milliseconds(30000));
 
+// Sends one POST of `body` to 127.0.0.1:`port` on a raw connection and
+// returns its file descriptor, for a test that reads what it wants and
+// closes it (a client that leaves); -1 when it could not be sent.
+int PostAndKeepOpen(int port, const std::string& target, const std::string& body,
+                    const std::string& content_type = "application/json",
+                    const std::vector<std::pair<std::string, std::string>>& headers = {});
+
 }  // namespace shoal::e2e

@@ -2,6 +2,8 @@
 // real worker on Tesseract, real gateway) driven over HTTP with the images
 // rendered by scripts/make_ocr_images.py. The 5 MiB image crosses the queue
 // through the blob store (a local directory under the data dir).
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
@@ -176,6 +178,26 @@ TEST_F(E2eOcr, MultipartImages) {
   EXPECT_EQ(j["data"][1]["index"], 1);
   ExpectWords(j["data"][0], "eng.png");
   ExpectWords(j["data"][1], "eng.jpg");
+}
+
+// A client that leaves a many-image request stops it: the images whose
+// turn had not come are not read.
+TEST_F(E2eOcr, AClientThatLeavesStopsTheImagesNotYetRead) {
+  const std::string cancelled = "shoal_worker_cancelled_total{model=\"ocr-eng\"}";
+  const std::string batches = "shoal_worker_batches_total{model=\"ocr-eng\"}";
+  const double cancelled_before = Metric(cancelled);
+  const double batches_before = Metric(batches);
+  constexpr int kImages = 24;  // in batches of 4 (models/ocr-eng)
+  json body = {{"images", json::array()}};
+  for (int i = 0; i < kImages; ++i) body["images"].push_back(Base64(Image("eng.png")));
+  const int fd = PostAndKeepOpen(serve_->port, "/v1/ocr/ocr-eng", body.dump(), "application/json",
+                                 {{"Shoal-Timeout-Ms", "110000"}});
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(shoal::testing::Eventually([&] { return Metric(batches) > batches_before; }, 60s))
+      << "no image was read";
+  ::close(fd);
+  EXPECT_TRUE(shoal::testing::Eventually([&] { return Metric(cancelled) > cancelled_before; }, 60s))
+      << "every image was read";
 }
 
 TEST_F(E2eOcr, Base64JsonAndDataUrl) {

@@ -3,8 +3,6 @@
 // with tiny-bert) and must match its direct answer; completions and chat go
 // to a scripted OpenAI-compatible server that streams server-sent events and
 // fails on request (400, 500, slow, refused).
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -287,21 +285,7 @@ int SendChat(int port, const std::string& model, const std::string& content, boo
   const std::string body =
       json{{"model", model}, {"stream", stream}, {"messages", json::array({{{"role", "user"}, {"content", content}}})}}
           .dump();
-  const std::string request = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                              "Content-Type: application/json\r\nContent-Length: " +
-                              std::to_string(body.size()) + "\r\n\r\n" + body;
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::send(fd, request.data(), request.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(request.size())) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
+  return PostAndKeepOpen(port, "/v1/chat/completions", body);
 }
 
 // The gateway's shoal_gateway_cancels_total.
