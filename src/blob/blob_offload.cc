@@ -153,7 +153,7 @@ bool BlobOffload::IsKind(std::string_view ref_text, const std::string& kind) {
 }
 
 Result<BlobRef> BlobOffload::Put(std::string_view data, const std::string& kind) {
-  auto ref = store_->Put(data, NewName(kind));
+  auto ref = store_->Put(data, NewName(kind), /*fresh_name=*/true);
   if (ref.ok()) CountPut(kind, data.size());
   return ref;
 }
@@ -176,7 +176,7 @@ Result<BlobRef> BlobOffload::Put(const std::vector<std::string>& pieces, const s
       }
     }
     return n;
-  }, NewName(kind));
+  }, NewName(kind), /*fresh_name=*/true);
   if (ref.ok()) CountPut(kind, total);
   return ref;
 }

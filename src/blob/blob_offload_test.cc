@@ -189,16 +189,23 @@ TEST_F(BlobOffloadTest, PutsWaitingForTheStoreAreBounded) {
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
   offload->Post([released] { released.wait(); });  // the store is "slow": its one thread is busy
-  std::promise<Result<BlobRef>> first;
-  offload->PutAsync(std::string(60, 'a'), "request", [&first](Result<BlobRef> r) { first.set_value(std::move(r)); });
-  std::optional<Result<BlobRef>> second;
-  offload->PutAsync(std::string(60, 'b'), "request", [&second](Result<BlobRef> r) { second = std::move(r); });
-  ASSERT_TRUE(second.has_value()) << "a refused put answers at once";
-  ASSERT_FALSE(second->ok());
-  EXPECT_EQ(second->status().code(), StatusCode::kUnavailable);
-  EXPECT_EQ(second->status().reason(), "blob_store_busy");
-  release.set_value();
-  auto r = first.get_future().get();
+  struct OpenStore {
+    std::promise<void>* release;
+    ~OpenStore() { release->set_value(); }  // also when an assertion returns early
+  };
+  std::unique_ptr<OpenStore> open_store(new OpenStore{&release});
+  // Shared with the callbacks: an assertion that returns early releases the
+  // store, and a put's callback may then still run.
+  auto first = std::make_shared<std::promise<Result<BlobRef>>>();
+  offload->PutAsync(std::string(60, 'a'), "request", [first](Result<BlobRef> r) { first->set_value(std::move(r)); });
+  auto second = std::make_shared<std::optional<Result<BlobRef>>>();
+  offload->PutAsync(std::string(60, 'b'), "request", [second](Result<BlobRef> r) { *second = std::move(r); });
+  ASSERT_TRUE(second->has_value()) << "a refused put answers at once";
+  ASSERT_FALSE((*second)->ok());
+  EXPECT_EQ((*second)->status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ((*second)->status().reason(), "blob_store_busy");
+  open_store.reset();
+  auto r = first->get_future().get();
   EXPECT_TRUE(r.ok()) << r.status().ToString();
   std::promise<Result<BlobRef>> large;
   offload->PutAsync(std::string(500, 'c'), "request", [&large](Result<BlobRef> r) { large.set_value(std::move(r)); });

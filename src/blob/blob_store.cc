@@ -112,7 +112,7 @@ Result<BlobRef> ParseBlobRef(std::string_view text) {
   return ref;
 }
 
-Result<BlobRef> BlobStore::Put(std::string_view data, const std::string& name) {
+Result<BlobRef> BlobStore::Put(std::string_view data, const std::string& name, bool fresh_name) {
   size_t offset = 0;
   BlobSource source = [&](char* buf, size_t cap) -> Result<size_t> {
     size_t n = std::min(cap, data.size() - offset);
@@ -120,7 +120,7 @@ Result<BlobRef> BlobStore::Put(std::string_view data, const std::string& name) {
     offset += n;
     return n;
   };
-  return PutFrom(source, name);
+  return PutFrom(source, name, fresh_name);
 }
 
 Result<std::string> BlobStore::Get(const BlobRef& ref) {

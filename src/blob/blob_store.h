@@ -81,10 +81,14 @@ class BlobStore {
 
   // Stores the bytes `source` yields under `name` (empty: the store makes a
   // fresh unique name) and returns the reference. A name that exists is
-  // replaced. The bytes are streamed, never held whole by the store.
-  virtual Result<BlobRef> PutFrom(const BlobSource& source, const std::string& name = {}) = 0;
+  // replaced. `fresh_name`: the caller made `name` unique (a random one), so
+  // there is no object to replace and the store does not look for one (the
+  // NATS store would spend a round trip or two on it). The bytes are
+  // streamed, never held whole by the store.
+  virtual Result<BlobRef> PutFrom(const BlobSource& source, const std::string& name = {},
+                                  bool fresh_name = false) = 0;
   // Convenience: PutFrom over `data`.
-  Result<BlobRef> Put(std::string_view data, const std::string& name = {});
+  Result<BlobRef> Put(std::string_view data, const std::string& name = {}, bool fresh_name = false);
 
   // Streams the blob to `sink`, verifying chunk count, size and SHA-256
   // against `ref` (NotFound/kBlobNotFound, Internal/kBlobCorrupt).

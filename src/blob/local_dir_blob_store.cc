@@ -66,7 +66,7 @@ Result<std::unique_ptr<LocalDirBlobStore>> LocalDirBlobStore::Create(const Local
 
 std::string LocalDirBlobStore::PathOf(const std::string& name) const { return options_.dir + "/" + name; }
 
-Result<BlobRef> LocalDirBlobStore::PutFrom(const BlobSource& source, const std::string& name_in) {
+Result<BlobRef> LocalDirBlobStore::PutFrom(const BlobSource& source, const std::string& name_in, bool /*fresh_name*/) {
   std::string name = name_in.empty() ? blob_internal::RandomId() : name_in;
   RETURN_IF_ERROR(ValidateBlobName(name));
   const std::string final_path = PathOf(name);

@@ -24,7 +24,7 @@ class LocalDirBlobStore final : public BlobStore {
 
   std::string_view scheme() const override { return "file"; }
   const std::string& store_id() const override { return options_.id; }
-  Result<BlobRef> PutFrom(const BlobSource& source, const std::string& name = {}) override;
+  Result<BlobRef> PutFrom(const BlobSource& source, const std::string& name = {}, bool fresh_name = false) override;
   Status GetTo(const BlobRef& ref, const BlobSink& sink) override;
   Result<BlobRef> Stat(const std::string& name) override;
   Status Delete(const std::string& name) override;

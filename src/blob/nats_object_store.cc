@@ -290,15 +290,15 @@ Status NatsObjectStore::PurgeSubject(const std::string& subject, uint64_t below_
   return FromNats(js_PurgeStream(client_.js(), stream_.c_str(), &o, &jerr), "purge " + subject, jerr);
 }
 
-Result<BlobRef> NatsObjectStore::PutFrom(const BlobSource& source, const std::string& name_in) {
-  const bool generated = name_in.empty();
-  const std::string name = generated ? blob_internal::RandomId() : name_in;
+Result<BlobRef> NatsObjectStore::PutFrom(const BlobSource& source, const std::string& name_in, bool fresh_name) {
+  const bool new_name = name_in.empty() || fresh_name;  // no object to replace
+  const std::string name = name_in.empty() ? blob_internal::RandomId() : name_in;
   RETURN_IF_ERROR(ValidateBlobName(name));
   // A named object replaces an older one: its chunks go once the new meta is
   // in. An unreadable meta is replaced too (its chunks, unknown, are left to
   // Sweep): refusing would lock the name for good.
   std::optional<Meta> old;
-  if (!generated) {
+  if (!new_name) {
     auto m = ReadMeta(name);
     if (m.ok()) old = std::move(m).value();
     else if (m.status().code() != StatusCode::kNotFound && m.status().reason() != kBlobCorrupt) return m.status();

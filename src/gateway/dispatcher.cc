@@ -83,7 +83,7 @@ Result<std::unique_ptr<Dispatcher>> Dispatcher::Create(const DispatcherOptions& 
                                        "Replies dropped as duplicates (redelivered work).");
   d->queue_full_ = metrics->GetCounter("shoal_gateway_queue_full_total", "Requests refused: queue full.");
   d->cancels_ = metrics->GetCounter("shoal_gateway_cancels_total",
-                                    "Streamed requests whose clients went away; the workers were told.");
+                                    "Requests whose clients went away before their answer; the workers were told.");
   d->timeouts_ = metrics->GetCounter("shoal_gateway_deadline_exceeded_total", "Requests that hit their deadline.");
   d->chunks_per_request_ = metrics->GetHistogram("shoal_gateway_chunks_per_request",
                                                  "Queue messages per client request.", {}, SizeBuckets());
@@ -136,6 +136,11 @@ std::vector<PushWorkerLoad> Dispatcher::PushWorkers() const {
   std::vector<PushWorkerLoad> out;
   for (const auto& [id, w] : push_workers_) out.push_back(w);
   return out;
+}
+
+bool Dispatcher::IsPending(const std::string& id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_.count(id) > 0;
 }
 
 size_t Dispatcher::InFlight() const {
@@ -203,7 +208,7 @@ void Dispatcher::SubmitEmbed(EmbedJob job, EmbedCallback done) {
     for (const auto& part : *parts) r.data.insert(r.data.end(), part.embeddings.begin(), part.embeddings.end());
     done(std::move(r));
   };
-  Submit(job.model, job.deadline_unix_ms, std::move(chunks), std::move(assemble), {}, {});
+  Submit(job.model, job.deadline_unix_ms, std::move(chunks), std::move(assemble), {}, {}, {}, std::move(job.client));
 }
 
 void Dispatcher::SubmitItems(ItemJob job, ItemCallback done, PartialCallback partial) {
@@ -325,6 +330,9 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
 
   const std::string deadline = std::to_string(deadline_unix_ms);
   for (int c = 0; c < count; ++c) {
+    // A put the store refused answered the request already (PutAsync calls
+    // back at once then): its other chunks are not sent.
+    if (c > 0 && offload_ && !IsPending(id)) return;
     if (offload_ && (offload_->ShouldOffload(chunks[c].data.size()) || !client_->BodyFits(chunks[c].data.size()))) {
       // The put blocks on file or network I/O: never on this thread (an
       // HTTP event loop). The message follows once the blob is stored.

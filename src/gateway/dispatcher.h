@@ -56,6 +56,7 @@ struct EmbedJob {
   std::vector<std::string> texts_pair;            // score: texts[i] with texts_pair[i]
   bool truncate = false;
   int64_t deadline_unix_ms = 0;
+  std::shared_ptr<ClientPresence> client;  // see ItemJob::client
   size_t size() const { return texts.empty() ? token_ids.size() : texts.size(); }
 };
 
@@ -180,6 +181,8 @@ class Dispatcher final : public WorkSubmitter {
   void Submit(const std::string& model, int64_t deadline_unix_ms, std::vector<Chunk> chunks,
               std::function<void(Parts)> done, PartialCallback partial, std::vector<size_t> first_item,
               std::string item_name = {}, std::shared_ptr<ClientPresence> client = {});
+  // Whether request `id` still waits for its answer.
+  bool IsPending(const std::string& id) const;
   // The caller of request `id` is gone: tells the workers, once
   // (wire::kCancelSubject), so they stop what they can of its work.
   void AnnounceCancel(const std::string& id, Pending& p);

@@ -573,6 +573,7 @@ void Router::Embeddings(HttpRequest&& req, HttpResponder respond) {
   auto deadline = Deadline(req);
   if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));
   job.deadline_unix_ms = *deadline;
+  job.client = req.client;
   const bool normalize = entry.normalize;
   const bool want_msgpack = internal::AcceptsMsgpack(req.Header("accept"));
   std::string model = job.model;
@@ -657,6 +658,7 @@ void Router::Encode(const std::string& model, HttpRequest&& req, HttpResponder r
   auto deadline = Deadline(req);
   if (!deadline.ok()) return respond(ErrorResponse(deadline.status()));
   job.deadline_unix_ms = *deadline;
+  job.client = req.client;
   const bool want_msgpack = internal::AcceptsMsgpack(req.Header("accept"));
   submitter_->SubmitEmbed(std::move(job), [respond = std::move(respond), model, want_msgpack,
                                            retry](Result<EmbedResult> result) {

@@ -95,6 +95,7 @@ class RoutesTest : public ::testing::Test {
     req.target = path;
     req.body = body;
     req.headers = std::move(headers);
+    req.client = client_;
     HttpResponse out;
     bool called = false;
     router_->Handle(std::move(req), [&](HttpResponse r) {
@@ -125,6 +126,7 @@ class RoutesTest : public ::testing::Test {
 
   FakeClock clock_;
   MetricsRegistry metrics_;
+  std::shared_ptr<ClientPresence> client_ = std::make_shared<ClientPresence>();  // every Call's
   FakeSubmitter submitter_;
   std::shared_ptr<const FleetSnapshot> snapshot_;
   std::unique_ptr<Router> router_;
@@ -263,6 +265,22 @@ TEST_F(RoutesTest, TimeoutHeaderSetsTheDeadline) {
   EXPECT_EQ(submitter_.last.deadline_unix_ms, clock_.NowUnixMs() + 250);
   auto r = Call("POST", "/v1/embeddings", R"({"model":"m","input":"a"})", {{"shoal-timeout-ms", "soon"}});
   EXPECT_EQ(r.status, 400);
+}
+
+// Every route that queues work hands its client on, so the work of a
+// client that disconnects is dropped (Dispatcher: AnnounceCancel).
+TEST_F(RoutesTest, EveryRouteThatQueuesWorkHandsOnItsClient) {
+  const std::vector<std::pair<std::string, std::string>> calls = {
+      {"/v1/embeddings", R"({"model":"m","input":"a"})"},
+      {"/v1/encode/m", R"({"inputs":["a"]})"},
+      {"/v1/rerank", R"({"model":"rr","query":"q","documents":["d"]})"},
+      {"/v1/score", R"({"model":"rr","text_1":"q","text_2":"a"})"},
+      {"/v1/classify", R"({"model":"cls","input":"x"})"}};
+  for (const auto& [path, body] : calls) {
+    submitter_.last = EmbedJob{};
+    ASSERT_EQ(Call("POST", path, body).status, 200) << path;
+    EXPECT_EQ(submitter_.last.client, client_) << path;
+  }
 }
 
 TEST_F(RoutesTest, EncodeSpeaksJsonAndMessagePack) {

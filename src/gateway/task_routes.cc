@@ -104,6 +104,7 @@ Status Router::Admit(const HttpRequest& req, const std::string& task, EmbedJob* 
   RETURN_IF_ERROR(CheckModel(job->model, task, entry));
   ASSIGN_OR_RETURN(job->deadline_unix_ms, Deadline(req));
   job->task = task;
+  job->client = req.client;
   return Status::Ok();
 }
 

@@ -73,7 +73,9 @@ struct ModelManager::Entry {
   int64_t file_estimate_bytes = 0;  // model file size x factor, fixed
   int pool = 0;                     // kDevicePool or kHostPool, fixed
   ModelState state = ModelState::kNotLoaded;
-  bool pinned = false;
+  bool pinned = false;  // never evicted: pin_kept, or a Pin waiting
+  bool pin_kept = false;  // pinned at Start, or by a Pin that succeeded and no Unpin since
+  int pins_waiting = 0;   // Pin calls waiting for the load
   std::unique_ptr<LoadedModel> model;  // set iff kLoaded
   int64_t measured_bytes = 0;          // last measured footprint; 0: never loaded
   int64_t reserved_bytes = 0;          // while kLoading
@@ -219,7 +221,7 @@ Status ModelManager::Start() {
     }
   }
   std::unique_lock<std::mutex> lock(mu_);
-  for (const std::string& name : options_.pinned) Find(name)->pinned = true;
+  for (const std::string& name : options_.pinned) Find(name)->pinned = Find(name)->pin_kept = true;
   for (const std::string& name : options_.pinned) {
     Entry& e = *Find(name);
     Status s = WaitLoadedLocked(lock, e, kNoDeadline, /*retry_failed=*/true, /*count_wait=*/false);
@@ -429,13 +431,19 @@ Status ModelManager::Pin(const std::string& name, bool retry_failed, int64_t dea
   std::unique_lock<std::mutex> lock(mu_);
   Entry* e = Find(name);
   if (e == nullptr) return NotFound("model '" + name + "' is not served here", "model_not_found");
-  const bool was_pinned = e->pinned;
+  // Pinned while it loads, so the load is not evicted as soon as it lands;
+  // a Pin that gives up unpins it only when no other Pin waits or has
+  // succeeded (one that times out beside one that waits on must not lose
+  // the second's pin).
   e->pinned = true;
+  ++e->pins_waiting;
   Status s = WaitLoadedLocked(lock, *e, deadline_mono_us, retry_failed, /*count_wait=*/false);
+  --e->pins_waiting;
   if (!s.ok()) {
-    if (!was_pinned) e->pinned = false;
+    if (e->pins_waiting == 0 && !e->pin_kept) e->pinned = false;
     return s;
   }
+  e->pin_kept = e->pinned = true;
   TouchLocked(*e);
   return Status::Ok();
 }
@@ -444,7 +452,8 @@ Status ModelManager::Unpin(const std::string& name) {
   std::lock_guard<std::mutex> lock(mu_);
   Entry* e = Find(name);
   if (e == nullptr) return NotFound("model '" + name + "' is not served here", "model_not_found");
-  e->pinned = false;
+  e->pin_kept = false;
+  e->pinned = e->pins_waiting > 0;  // a Pin still waiting pins it when it succeeds
   return Status::Ok();
 }
 

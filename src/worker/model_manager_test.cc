@@ -796,6 +796,27 @@ TEST_F(ModelManagerTest, PinOfAFailingModelLeavesItUnpinned) {
   EXPECT_EQ(StateOf(*mm, "a"), ModelState::kFailed);
 }
 
+// Two pins of a loading model: the first gives up at its deadline while
+// the second waits on. The second's pin, which succeeds, is kept (the first
+// used to unpin the model on its way out).
+TEST_F(ModelManagerTest, APinThatGivesUpDoesNotUndoAnotherThatSucceeds) {
+  auto mm = Make(Options(0), {Model("a", 100)});
+  loader_.Hold("a");
+  Status impatient, patient;
+  std::thread first([&] { impatient = mm->Pin("a", true, clock_.NowMonoUs() + 1000); });
+  ASSERT_TRUE(loader_.WaitStarted("a", 1));
+  std::thread second([&] { patient = mm->Pin("a"); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the second waits too
+  clock_.AdvanceUs(1000);
+  first.join();
+  EXPECT_EQ(impatient.code(), StatusCode::kDeadlineExceeded) << impatient.ToString();
+  loader_.Open("a");
+  second.join();
+  ASSERT_TRUE(patient.ok()) << patient.ToString();
+  EXPECT_TRUE(StatusOf(*mm, "a").pinned);
+  EXPECT_EQ(loader_.loads("a"), 1);
+}
+
 TEST_F(ModelManagerTest, StatusesAndAccountingUseMeasuredBytesAfterLoad) {
   // File of 100 bytes: estimate 130 with the default factor; measures 500.
   ModelConfig a = Model("a", 500, /*file_bytes=*/100);

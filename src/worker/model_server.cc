@@ -164,6 +164,7 @@ ModelServer::~ModelServer() { Stop(); }
 void ModelServer::Start() {
   if (!d_.runtime->UsesDevice() && d_.runtime->TakesItems())
     lanes_ = std::clamp(d_.runtime->ConcurrentCalls(), 1, kMaxLanes);
+  lane_mode_ = lanes_ > 1;
   fetcher_ = std::thread([this] { FetchLoop(); });
   executor_ = std::thread([this] { ExecLoop(); });
 }
@@ -333,6 +334,15 @@ bool ModelServer::FailIfExpired(Delivery& delivery, const wire::WorkHeaders& hea
   return true;
 }
 
+bool ModelServer::FailIfExpiredOrCancelled(Delivery& delivery, const wire::WorkHeaders& headers,
+                                           int64_t now_unix_ms) {
+  if (FailIfExpired(delivery, headers, now_unix_ms)) return true;
+  if (d_.cancelled == nullptr || !d_.cancelled->Contains(headers.request_id)) return false;
+  cancelled_->Inc();
+  Fail(delivery, headers, Cancelled());
+  return true;
+}
+
 Result<std::unique_ptr<PendingWork>> ModelServer::Prepare(std::string_view data) const {
   ASSIGN_OR_RETURN(wire::WorkBody body, wire::DecodeWorkBody(data));
   const ModelConfig& c = d_.config;
@@ -440,7 +450,7 @@ void ModelServer::Push(Delivery delivery) {
     return;
   }
   pushed_->Inc();
-  if (FailIfExpired(delivery, headers, d_.clock->NowUnixMs())) return;
+  if (FailIfExpiredOrCancelled(delivery, headers, d_.clock->NowUnixMs())) return;
   // An offloaded payload is fetched on this (subscription) thread: pushed
   // work over the blob threshold is rare, and push is the baseline.
   auto work = PrepareDelivery(delivery, headers);
@@ -579,7 +589,8 @@ void ModelServer::FetchLoop() {
       if (!headers) continue;
       const Delivery::Info info = delivery.Metadata();  // one parse per message
       if (info.num_delivered > 1) redelivered_->Inc();
-      if (FailIfExpired(delivery, *headers, now_ms)) continue;
+      // Before its payload is fetched from the blob store and decoded.
+      if (FailIfExpiredOrCancelled(delivery, *headers, now_ms)) continue;
       auto work = PrepareDelivery(delivery, *headers);
       if (!work.ok()) {
         if (work.status().code() == StatusCode::kUnavailable &&
@@ -641,10 +652,11 @@ void ModelServer::ExecLoop() {
     std::vector<std::unique_ptr<PendingWork>> batch;
     bool capped = false;
     bool start_lane = false;  // every lane started so far is busy
+    bool to_lane = false;     // the batch went to a lane
     {
       std::unique_lock<std::mutex> lock(mu_);
       while (!stop_) {
-        if (lanes_ > 1) {
+        if (lane_mode_) {
           // A free lane takes the oldest message as soon as there is one.
           if (lanes_busy_ < lanes_ && batcher_.size() > 0) break;
           work_cv_.wait(lock);
@@ -676,10 +688,11 @@ void ModelServer::ExecLoop() {
         lock.lock();
         if (stop_) break;
       }
-      batch = batcher_.Take(TokenCap(turn_), &capped, lanes_ > 1 ? 1 : 0);
+      to_lane = lane_mode_;
+      batch = batcher_.Take(TokenCap(turn_), &capped, to_lane ? 1 : 0);
       // The batch is the device's now: its claim can go to the next pass.
       MaybeReleaseClaimLocked();
-      if (lanes_ > 1) {
+      if (to_lane) {
         lane_work_.push_back(std::move(batch));
         ++lanes_busy_;
         start_lane = static_cast<size_t>(lanes_busy_) > lane_threads_.size();
@@ -687,7 +700,7 @@ void ModelServer::ExecLoop() {
     }
     space_cv_.notify_one();
     if (start_lane) StartLane();
-    if (lanes_ > 1) {
+    if (to_lane) {
       lane_cv_.notify_one();
       continue;
     }
@@ -717,12 +730,14 @@ void ModelServer::StartLane() {
     LOG_WARN("worker", d_.config.name << ": cannot start another lane (" << e.what() << "); " << lane_threads_.size()
                                       << " serve it");
   }
-  // The lanes there are serve; with none, the executor runs batches itself.
+  // The lanes there are serve (one at least: still one message, one input
+  // per call); with none, the executor runs batches itself.
   std::vector<std::vector<std::unique_ptr<PendingWork>>> orphaned;
   {
     std::lock_guard<std::mutex> lock(mu_);
     lanes_ = std::max<int>(1, static_cast<int>(lane_threads_.size()));
     if (lane_threads_.empty()) {
+      lane_mode_ = false;
       for (auto& b : lane_work_) orphaned.push_back(std::move(b));
       lane_work_.clear();
       lanes_busy_ = 0;
@@ -805,12 +820,7 @@ void ModelServer::RunBatch(std::vector<std::unique_ptr<PendingWork>> batch) {
   std::vector<std::unique_ptr<PendingWork>> live;
   for (auto& w : batch) {
     batch_wait_seconds_->Observe(static_cast<double>(now_us - w->enqueued_mono_us) / 1e6);
-    if (FailIfExpired(w->delivery, w->headers, now_ms)) continue;
-    if (d_.cancelled != nullptr && d_.cancelled->Contains(w->headers.request_id)) {
-      cancelled_->Inc();
-      Fail(w->delivery, w->headers, Cancelled());
-      continue;
-    }
+    if (FailIfExpiredOrCancelled(w->delivery, w->headers, now_ms)) continue;
     live.push_back(std::move(w));
   }
   if (live.empty()) return;
@@ -1097,7 +1107,7 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
   // max_batch_size: the runtime gets them in passes of at most that many.
   // On a lane, one input per call: the lanes are what bounds how many run
   // at once (a message published with several inputs runs them in turn).
-  const size_t pass_rows = lanes_ > 1                     ? 1
+  const size_t pass_rows = lane_mode_                     ? 1
                            : c.batching.max_batch_size > 0 ? static_cast<size_t>(c.batching.max_batch_size)
                                                           : inputs.size();
   std::vector<std::string> results;

@@ -214,6 +214,9 @@ class ModelServer final : public ModelAttachment {
   // Work whose deadline passed by `now_unix_ms` is answered as expired
   // (counted, terminated): true. Else false, and nothing is done.
   bool FailIfExpired(Delivery& delivery, const wire::WorkHeaders& headers, int64_t now_unix_ms);
+  // The same, and work whose caller is gone (its request id in the cancel
+  // set) is answered as cancelled (counted, terminated).
+  bool FailIfExpiredOrCancelled(Delivery& delivery, const wire::WorkHeaders& headers, int64_t now_unix_ms);
   Status Reply(const wire::WorkReply& reply, const std::string& reply_to);
 
   ModelServerDeps d_;
@@ -226,7 +229,9 @@ class ModelServer final : public ModelAttachment {
   // Messages this server took and has not settled: being prepared after
   // their fetch, in the batcher, or in a batch that has not ended. Work
   // moving from one to the next is counted in the next before it stops
-  // counting in the last, so HoldsWork never misses it.
+  // counting in the last, so HoldsWork never misses it once its fetch has
+  // returned (messages a fetch is still receiving are not counted: an
+  // eviction then hands them back to the queue).
   std::atomic<size_t> in_hand_{0};
   // Fetcher thread only: the device's turns_granted() when this model,
   // with work in the queue, began to find no room under --pull-ahead (-1:
@@ -266,6 +271,9 @@ class ModelServer final : public ModelAttachment {
   // many lane threads, each taken as soon as a lane is free; lanes start
   // as they are needed. 1: the executor runs every batch itself.
   std::atomic<int> lanes_{1};
+  // Batches go to lanes (one message each, one input per call); set at
+  // Start when lanes_ > 1, and stays set while any lane runs, even one.
+  std::atomic<bool> lane_mode_{false};
   std::vector<std::thread> lane_threads_;  // executor thread only (and Stop, once it has joined)
   std::condition_variable lane_cv_;  // lanes wait for a batch
   std::deque<std::vector<std::unique_ptr<PendingWork>>> lane_work_;  // guarded by mu_

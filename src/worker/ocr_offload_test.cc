@@ -302,5 +302,57 @@ TEST_F(OcrOffloadTest, AReplyReferenceDeletesOnlyAReplysBlob) {
   EXPECT_TRUE(kept.ok()) << "a request's payload was deleted: " << kept.status().ToString();
 }
 
+// A request with a payload the store refuses (too much already waits to be
+// stored) is answered 503 blob_store_busy at once, and none of its other
+// work is queued after that: a worker would read it for a caller already
+// answered. The payload stored before the refusal is deleted.
+TEST_F(OcrOffloadTest, ARequestTheStoreRefusesQueuesNoneOfItsOtherWork) {
+  BlobOffloadOptions bo;
+  bo.store_url = store_url_;
+  bo.threshold_bytes = 1000;
+  bo.threads = 1;
+  bo.max_queued_bytes = 1000;
+  auto b = BlobOffload::Create(bo, client_.get(), &metrics_);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  std::unique_ptr<BlobOffload> busy = std::move(b).value();
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  busy->Post([released] { released.wait(); });  // the store is "slow": its one thread is busy
+  struct OpenStore {
+    std::promise<void>* release;
+    ~OpenStore() { release->set_value(); }  // also when an assertion returns early
+  };
+  std::unique_ptr<OpenStore> open_store(new OpenStore{&release});
+  auto d = Dispatcher::Create(DispatcherOptions{}, client_.get(), &metrics_);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  std::unique_ptr<Dispatcher> dispatcher = std::move(d).value();
+  dispatcher->SetBlobOffload(busy.get());
+  Counter* published = metrics_.GetCounter("shoal_gateway_chunks_published_total", "");
+  const int64_t published_before = published->Value();
+
+  const std::string image = Slurp(shoal::testing::SourceDir() + "/testdata/ocr/eng.png");
+  ASSERT_GT(image.size(), bo.threshold_bytes);
+  ItemJob job;
+  job.task = "ocr";
+  job.model = "ocr-eng";
+  // The first waits to be stored, the second is refused, the third would
+  // travel in its message (under the threshold).
+  job.items = {image, image, "small"};
+  job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 60000;
+  auto answer = std::make_shared<std::promise<Result<ItemResult>>>();
+  dispatcher->SubmitItems(std::move(job), [answer](Result<ItemResult> r) { answer->set_value(std::move(r)); });
+  auto f = answer->get_future();
+  ASSERT_EQ(f.wait_for(10s), std::future_status::ready) << "not answered while the store was busy";
+  auto r = f.get();
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
+  EXPECT_EQ(r.status().reason(), "blob_store_busy");
+  EXPECT_EQ(published->Value(), published_before) << "work of an answered request was queued";
+  open_store.reset();
+  EXPECT_TRUE(shoal::testing::Eventually([&] { return BlobFiles() == 0; }))
+      << "the payload stored for the answered request was left";
+  EXPECT_EQ(published->Value(), published_before);
+  dispatcher->Stop();
+}
+
 }  // namespace
 }  // namespace shoal

@@ -14,6 +14,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "common/child_process.h"
@@ -33,11 +36,59 @@ constexpr int64_t kFirstBackoffMs = 100;
 
 Status Crashed(const std::string& why) { return Unavailable("runtime process: " + why, "runtime_crashed"); }
 
-int64_t ChildResidentBytes(pid_t pid) {
+// Process `pid`'s resident set, and the part of it that is file-backed or
+// shared memory (statm's third field); 0, 0 when it cannot be read.
+std::pair<int64_t, int64_t> StatmBytes(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/statm");
-  int64_t size = 0, resident = 0;
-  if (!(in >> size >> resident)) return 0;
-  return resident * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
+  int64_t size = 0, resident = 0, shared = 0;
+  if (!(in >> size >> resident >> shared)) return {0, 0};
+  const int64_t page = ::sysconf(_SC_PAGESIZE);
+  return {resident * page, shared * page};
+}
+
+// The pages only process `pid` maps (smaps_rollup's Private_Clean and
+// Private_Dirty): what it adds beside the process it was forked from, whose
+// pages it shares copy-on-write. Without smaps_rollup (Linux < 4.14), its
+// anonymous resident pages, which may count shared ones twice.
+int64_t PrivateBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/smaps_rollup");
+  int64_t kib = 0;
+  bool found = false;
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("Private_Clean:", 0) != 0 && line.rfind("Private_Dirty:", 0) != 0) continue;
+    kib += std::strtoll(line.c_str() + line.find(':') + 1, nullptr, 10);
+    found = true;
+  }
+  if (found) return kib * 1024;
+  const auto [resident, shared] = StatmBytes(pid);
+  return std::max<int64_t>(resident - shared, 0);
+}
+
+// What a runtime's processes hold: the leader's resident set, plus the
+// private pages of every other process in its process group (workers it
+// forked, a model server it started). Their whole resident sets would
+// count the pages they share with the leader twice.
+int64_t GroupResidentBytes(pid_t leader) {
+  int64_t total = StatmBytes(leader).first;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = static_cast<pid_t>(std::strtol(name.c_str(), nullptr, 10));
+    if (pid == leader) continue;
+    // stat: "pid (comm) state ppid pgrp ..."; comm may hold spaces and ')'.
+    std::ifstream in("/proc/" + name + "/stat");
+    std::string stat;
+    if (!std::getline(in, stat)) continue;  // gone since the listing
+    const size_t close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream fields(stat.substr(close + 1));
+    char state = 0;
+    long ppid = 0, pgrp = 0;
+    if (!(fields >> state >> ppid >> pgrp) || pgrp != leader) continue;
+    total += PrivateBytes(pid);
+  }
+  return total;
 }
 
 // Whether child `pid` has exited, leaving it unreaped: while it is a zombie
@@ -318,7 +369,7 @@ Status ProcessRuntime::Start() {
                        "model_load_failed"));
   }
   dim_ = loaded->dim;
-  memory_bytes_ = std::max(loaded->memory_bytes, ChildResidentBytes(pid));
+  memory_bytes_ = std::max(loaded->memory_bytes, GroupResidentBytes(pid));
   up_ = true;
   LOG_INFO("runtime", "process runtime " << hello->runtime << " (pid " << pid << ") serves " << config_.name << ", dim "
                                          << loaded->dim);

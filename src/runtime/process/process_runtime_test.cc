@@ -474,6 +474,22 @@ TEST(ProcessRuntime, ARuntimeThatDiesWhileItsHelperHoldsTheSocketFailsTheBatchAt
   std::filesystem::remove_all(dir);
 }
 
+// A runtime whose model lives in a process it forked is counted with that
+// process's own pages, not at the leader's resident set alone, so a
+// worker's memory budget sees what the model holds.
+TEST(ProcessRuntime, MemoryCountsWhatTheProcessesARuntimeStartedHold) {
+  ProcessRuntime rt;
+  ASSERT_TRUE(rt.Load(BadModel("load-in-helper")).ok());
+  std::ifstream statm("/proc/" + std::to_string(rt.pid()) + "/statm");
+  int64_t size = 0, resident = 0;
+  ASSERT_TRUE(statm >> size >> resident);
+  const int64_t leader = resident * ::sysconf(_SC_PAGESIZE);
+  // The helper writes 96 MiB of its own; the leader may have grown a little
+  // since the count.
+  EXPECT_GE(rt.MemoryBytes(), leader + (80 << 20)) << "leader " << leader;
+  rt.Unload();
+}
+
 // A runtime that left the process group it was started in is still
 // stopped: the group kill misses it, and the wait for it would never end.
 TEST(ProcessRuntime, UnloadStopsARuntimeThatLeftItsProcessGroup) {

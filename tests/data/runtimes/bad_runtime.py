@@ -19,6 +19,9 @@
   fork-then-die  on `run`, forks a helper that sleeps holding the socket
                  (as forked multiprocessing workers do), writes its pid to
                  $HELPER_PID_FILE, then exits
+  load-in-helper on `load`, forks a helper that writes 96 MiB of its own
+                 and sleeps (as a runtime whose model lives in a forked
+                 worker), waits until it has, then loads as usual
 Everything else behaves as runtimes/python/shoal_runtime.py.
 """
 
@@ -46,6 +49,14 @@ class BadServer(shoal_runtime.Server):
         return reply
 
     def load(self, req):
+        if self.mode == "load-in-helper":
+            ready_r, ready_w = os.pipe()
+            if os.fork() == 0:
+                held = b"\x01" * (96 << 20)  # written, so resident  # noqa: F841
+                os.write(ready_w, b"x")
+                time.sleep(600)
+                os._exit(0)
+            os.read(ready_r, 1)
         if self.mode == "slow-reload":
             marker = os.environ["SHOAL_TEST_MARK"]
             if os.path.exists(marker):
