@@ -277,6 +277,19 @@ TEST_F(OcrOffloadTest, RepliesByReferenceStayInOrderAndALostCopyIsIgnored) {
 // A reply's payload reference may name any blob (anyone who can publish on
 // the gateway's reply subject can send one): the gateway deletes only reply
 // blobs, never a request's payload a worker still needs.
+// Publishes, on the gateway's reply subject, a reply by reference to `ref`
+// for chunk 0 of `request_id`, as anyone who may publish there could.
+void ForgeReply(NatsClient& client, const Dispatcher& dispatcher, const BlobRef& ref, const std::string& request_id) {
+  natsMsg* raw = nullptr;
+  ASSERT_EQ(natsMsg_Create(&raw, dispatcher.reply_subject().c_str(), nullptr, nullptr, 0), NATS_OK);
+  NatsMsgPtr msg(raw);
+  natsMsgHeader_Set(raw, wire::kHdrPayloadRef, ref.ToString().c_str());
+  natsMsgHeader_Set(raw, wire::kHdrRequestId, request_id.c_str());
+  natsMsgHeader_Set(raw, wire::kHdrChunk, "0");
+  ASSERT_TRUE(client.PublishMsg(raw).ok());
+  ASSERT_TRUE(client.Flush(2000).ok());
+}
+
 TEST_F(OcrOffloadTest, AReplyReferenceDeletesOnlyAReplysBlob) {
   auto request_blob = offload_->Put(std::string(64, 'q'), "request");
   auto reply_blob = offload_->Put(std::string(64, 'r'), "reply");
@@ -285,17 +298,61 @@ TEST_F(OcrOffloadTest, AReplyReferenceDeletesOnlyAReplysBlob) {
   EXPECT_FALSE(BlobOffload::IsKind(request_blob->ToString(), "reply"));
   Counter* dropped = metrics_.GetCounter("shoal_gateway_duplicate_replies_total", "");
   const int64_t dropped_before = dropped->Value();
-  for (const BlobRef* ref : {&*request_blob, &*reply_blob}) {
-    natsMsg* raw = nullptr;
-    ASSERT_EQ(natsMsg_Create(&raw, dispatcher_->reply_subject().c_str(), nullptr, nullptr, 0), NATS_OK);
-    NatsMsgPtr msg(raw);
-    natsMsgHeader_Set(raw, wire::kHdrPayloadRef, ref->ToString().c_str());
-    natsMsgHeader_Set(raw, wire::kHdrRequestId, "no-such-request");
-    natsMsgHeader_Set(raw, wire::kHdrChunk, "0");
-    ASSERT_TRUE(client_->PublishMsg(raw).ok());
-  }
-  ASSERT_TRUE(client_->Flush(2000).ok());
+  for (const BlobRef* ref : {&*request_blob, &*reply_blob}) ForgeReply(*client_, *dispatcher_, *ref, "no-such-request");
   ASSERT_TRUE(shoal::testing::Eventually([&] { return dropped->Value() == dropped_before + 2; }));
+  EXPECT_TRUE(shoal::testing::Eventually([&] { return !offload_->Fetch(reply_blob->ToString()).ok(); }))
+      << "the reply's blob was kept";
+  auto kept = offload_->Fetch(request_blob->ToString());
+  EXPECT_TRUE(kept.ok()) << "a request's payload was deleted: " << kept.status().ToString();
+}
+
+// The same for a request still waiting: the forged reply fails it (its
+// blob holds no reply), and is deleted only when it is a reply's blob.
+TEST_F(OcrOffloadTest, AReplyReferenceForAWaitingRequestDeletesOnlyAReplysBlob) {
+  // Requests for a model no worker serves wait; their ids come from their
+  // messages.
+  struct Ids {
+    std::mutex mu;
+    std::vector<std::string> ids;
+  } seen;
+  auto sub = client_->Subscribe(
+      wire::WorkSubject("nobody-serves-this"),
+      [](natsConnection*, natsSubscription*, natsMsg* m, void* closure) {
+        auto* s = static_cast<Ids*>(closure);
+        const char* id = nullptr;
+        if (natsMsgHeader_Get(m, wire::kHdrRequestId, &id) == NATS_OK) {
+          std::lock_guard<std::mutex> lock(s->mu);
+          s->ids.emplace_back(id);
+        }
+        natsMsg_Destroy(m);
+      },
+      &seen);
+  ASSERT_TRUE(sub.ok()) << sub.status().ToString();
+  ASSERT_TRUE(client_->Flush(2000).ok());
+  auto request_blob = offload_->Put(std::string(64, 'q'), "request");
+  auto reply_blob = offload_->Put(std::string(64, 'r'), "reply");
+  ASSERT_TRUE(request_blob.ok() && reply_blob.ok());
+  for (const BlobRef* ref : {&*request_blob, &*reply_blob}) {
+    ItemJob job;
+    job.task = "ocr";
+    job.model = "nobody-serves-this";
+    job.items = {"an image"};
+    job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 60000;
+    auto answer = std::make_shared<std::promise<Result<ItemResult>>>();
+    dispatcher_->SubmitItems(std::move(job), [answer](Result<ItemResult> r) { answer->set_value(std::move(r)); });
+    std::string id;
+    ASSERT_TRUE(shoal::testing::Eventually([&] {
+      std::lock_guard<std::mutex> lock(seen.mu);
+      if (seen.ids.empty()) return false;
+      id = seen.ids.back();
+      seen.ids.clear();
+      return true;
+    }));
+    ForgeReply(*client_, *dispatcher_, *ref, id);
+    auto f = answer->get_future();
+    ASSERT_EQ(f.wait_for(10s), std::future_status::ready) << "the forged reply did not reach the request";
+    EXPECT_FALSE(f.get().ok());
+  }
   EXPECT_TRUE(shoal::testing::Eventually([&] { return !offload_->Fetch(reply_blob->ToString()).ok(); }))
       << "the reply's blob was kept";
   auto kept = offload_->Fetch(request_blob->ToString());
