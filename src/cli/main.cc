@@ -106,6 +106,9 @@ void AddGateway(CLI::App* app, GatewayOptions& g) {
       "push: a worker silent (no load report) this long is dropped and its requests fail with 503 worker_lost");
   Opt(app, "--wait-for-load", g.router.wait_for_load, "SHOAL_WAIT_FOR_LOAD",
       "A request for a model no worker has loaded waits for the load (true) or gets 503 model_loading with Retry-After (false)");
+  Opt(app, "--cancel-on-disconnect", g.http.watch_clients, "SHOAL_CANCEL_ON_DISCONNECT",
+      "A client that disconnects (or closes its sending side) before its answer stops its request's work (true); "
+      "false for proxies that half-close once the request is sent");
 }
 
 Result<int64_t> ParseBytes(const std::string& text);

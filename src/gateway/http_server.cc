@@ -543,8 +543,10 @@ void HttpServer::Impl::Connection::Dispatch() {
     req.headers.emplace_back(std::move(name), std::string(field.value()));
   }
   req.body = std::move(msg.body());
-  presence_ = std::make_shared<ClientPresence>();
-  req.client = presence_;
+  if (server_.options().watch_clients) {
+    presence_ = std::make_shared<ClientPresence>();
+    req.client = presence_;
+  }
 
   std::optional<HttpResponse> response;
   {
@@ -571,7 +573,7 @@ void HttpServer::Impl::Connection::Dispatch() {
 }
 
 void HttpServer::Impl::Connection::Watch() {
-  if (closed_ || watching_) return;
+  if (closed_ || watching_ || !presence_) return;
   watching_ = true;
   stream_.socket().async_wait(tcp::socket::wait_read,
                               beast::bind_front_handler(&Connection::OnWatch, shared_from_this(), watch_generation_));

@@ -43,6 +43,12 @@ struct HttpServerOptions {
   // take in all, and its body per read (a slow upload that keeps sending
   // goes on). Also bounds writing each response.
   int64_t read_timeout_ms = 30000;
+  // A request the handler answers later (or streams) learns when its client
+  // leaves (HttpRequest::client): its connection is watched until the
+  // answer is written. false: HttpRequest::client is null and nothing is
+  // watched, for clients or proxies that close their sending side once the
+  // request is sent and still read the answer (which would look gone).
+  bool watch_clients = true;
   // Called for each request the server answers itself, without the handler
   // (503 server_busy, 413 over max_body_bytes, 431, 400 malformed_request,
   // 400/501 unsupported_transfer_encoding), and for each connection past

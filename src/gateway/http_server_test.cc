@@ -111,6 +111,12 @@ class Client {
     return result == net::error::eof || result == net::error::connection_reset;
   }
 
+  // Closes the sending side only (the answer can still be read).
+  void CloseSending() {
+    error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+  }
+
   void Close() {
     error_code ignored;
     stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
@@ -444,6 +450,41 @@ TEST(HttpServer, AClientThatLeavesBeforeItsAnswerIsGone) {
   EXPECT_EQ(told.load(), 11);
   respond(HttpResponse{});
   ExpectStillServing(*server, parked);
+}
+
+// A client that closes its sending side once its request is sent counts
+// as gone; with watch_clients off nothing is watched (the request carries
+// no presence) and it gets its answer.
+TEST(HttpServer, AHalfClosingClientIsGoneUnlessClientsAreNotWatched) {
+  for (const bool watch : {true, false}) {
+    SCOPED_TRACE(watch ? "watched" : "not watched");
+    ParkedResponders parked;
+    HttpServerOptions options;
+    options.watch_clients = watch;
+    auto server = Start(parked.Handler(), options);
+    ASSERT_TRUE(server);
+    Client client(server->port());
+    ASSERT_FALSE(client.Write(Client::Get("/")));
+    client.CloseSending();
+    std::shared_ptr<ClientPresence> presence;
+    HttpResponder respond = parked.Take(&presence);
+    ASSERT_TRUE(respond);
+    if (watch) {
+      ASSERT_TRUE(presence);
+      EXPECT_TRUE(shoal::testing::Eventually([&] { return presence->gone(); }));
+    } else {
+      EXPECT_FALSE(presence);
+    }
+    HttpResponse late;
+    late.body = "late";
+    respond(std::move(late));
+    if (!watch) {
+      error_code ec;
+      const auto res = client.Read(&ec);
+      EXPECT_FALSE(ec) << ec.message();
+      EXPECT_EQ(res.body(), "late");
+    }
+  }
 }
 
 // A client that read its answer is never gone for that request, also when
