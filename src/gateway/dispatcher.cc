@@ -35,7 +35,8 @@ struct Dispatcher::Pending {
 
 Status DispatcherOptions::Validate() const {
   if (chunk_size < 1 || static_cast<size_t>(chunk_size) > wire::kMaxInputsPerMessage)
-    return InvalidArgument("chunk_size must be in [1, " + std::to_string(wire::kMaxInputsPerMessage) + "]");
+    return InvalidArgument("--chunk-size (chunk_size) must be 1 to " + std::to_string(wire::kMaxInputsPerMessage) +
+                           ", not " + std::to_string(chunk_size));
   if (retry_after_s < 0) return InvalidArgument("retry_after_s must be >= 0");
   if (dispatch != "pull" && dispatch != "push") return InvalidArgument("dispatch must be pull or push");
   if (push_policy != "least-loaded" && push_policy != "p2c")

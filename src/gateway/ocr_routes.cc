@@ -356,7 +356,7 @@ Status Router::ImagesFromRequest(HttpRequest& req, std::vector<std::string>* ima
                   "unsupported_media_type");
   }
   if (images->empty())
-    return InvalidArgument("no image in the request: send 'image' or 'images' (multipart: a part named image or file)",
+    return InvalidArgument("no image in the request: send 'image' or 'images' (multipart: parts named image, images, file, images[] or file[])",
                            "missing_image");
   if (static_cast<int>(images->size()) > options_.max_inputs)
     return InvalidArgument("too many images: " + std::to_string(images->size()) + " (at most " +

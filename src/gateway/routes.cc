@@ -304,10 +304,12 @@ HttpResponder MsgpackResponder(HttpResponder respond) {
 }  // namespace
 
 Status RouterOptions::Validate() const {
-  if (max_inputs < 1) return InvalidArgument("max_inputs must be >= 1");
-  if (max_body_bytes < 1) return InvalidArgument("max_body_bytes must be >= 1");
+  // Named as the flags that set them, which is where a user meets them.
+  if (max_inputs < 1) return InvalidArgument("--max-inputs (max_inputs) must be >= 1");
+  if (max_body_bytes < 1) return InvalidArgument("--max-body-bytes (max_body_bytes) must be >= 1");
   if (default_timeout_ms < 1 || default_timeout_ms > max_timeout_ms)
-    return InvalidArgument("default_timeout_ms must be in [1, max_timeout_ms]");
+    return InvalidArgument("--request-timeout-ms (default_timeout_ms) must be 1 to " + std::to_string(max_timeout_ms) +
+                           ", not " + std::to_string(default_timeout_ms));
   return Status::Ok();
 }
 
@@ -372,8 +374,13 @@ HttpResponder Router::Instrument(const std::string& route, HttpResponder respond
 void Router::Handle(HttpRequest&& req, HttpResponder respond) {
   const std::string& path = req.path;
   if (internal::AcceptsMsgpack(req.Header("accept"))) respond = MsgpackResponder(std::move(respond));
-  if (!NativeMsgpackRoute(path) && internal::IsMsgpackType(req.Header("content-type")) && !req.body.empty()) {
-    if (Status st = MsgpackBodyToJson(&req.body, options_.max_body_bytes); !st.ok()) {
+  if (!NativeMsgpackRoute(path) && internal::IsMsgpackType(req.Header("content-type"))) {
+    // An empty body is no MessagePack map; model actions take none.
+    Status st = !req.body.empty() ? MsgpackBodyToJson(&req.body, options_.max_body_bytes)
+                : req.method == "POST" && path.rfind("/v1/models", 0) != 0
+                    ? InvalidArgument("the body is empty; a MessagePack map was expected", "invalid_msgpack")
+                    : Status::Ok();
+    if (!st.ok()) {
       CountError(st.ReasonOrDefault());  // before any route's Instrument
       return respond(ErrorResponse(st));
     }
@@ -447,6 +454,11 @@ void Router::Handle(HttpRequest&& req, HttpResponder respond) {
       return done(ErrorResponse(InvalidArgument("bad model name in path " + path, "invalid_model")));
     }
     if (!is_action) {
+      // POST /v1/models/m/reload: a mistyped action, not a model "m/reload".
+      if (method_is("POST") && slash != std::string::npos)
+        return done(ErrorResponse(NotFound("no model action '" + action + "' (POST /v1/models/{model}/load, "
+                                           "/unload, /pin or /unpin)",
+                                           "route_not_found")));
       if (!get) return done(not_allowed("GET, HEAD"));
       return done(Models(model));
     }
@@ -473,8 +485,19 @@ void Router::Handle(HttpRequest&& req, HttpResponder respond) {
 
 Result<int64_t> Router::Deadline(const HttpRequest& req) const {
   int64_t timeout = options_.default_timeout_ms;
-  std::string_view h = req.Header("shoal-timeout-ms");
-  if (!h.empty()) {
+  // Present, even empty, it must be one valid value: a header given twice
+  // (a proxy's and the client's, say) is refused, not read as either.
+  int given = 0;
+  std::string_view h;
+  for (const auto& [name, value] : req.headers) {
+    if (name != "shoal-timeout-ms") continue;
+    ++given;
+    h = value;
+  }
+  if (given > 1)
+    return InvalidArgument("Shoal-Timeout-Ms is given " + std::to_string(given) + " times; give it once",
+                           "invalid_timeout");
+  if (given == 1) {
     int64_t v = 0;
     auto [p, ec] = std::from_chars(h.data(), h.data() + h.size(), v);
     if (ec != std::errc() || p != h.data() + h.size() || v < 1 || v > options_.max_timeout_ms)
@@ -497,7 +520,7 @@ Status Router::CheckModel(const std::string& model, const std::string& task, Cat
         {"classify", "/v1/classify"}, {"ocr", "/v1/ocr/{model}"},
         {"generate", "/v1/completions or /v1/chat/completions"}};
     auto route = kRoute.find(it->second.task);
-    return InvalidArgument("model '" + model + "' is a '" + it->second.task + "' model, not '" + task + "'" +
+    return InvalidArgument("model '" + model + "' does task '" + it->second.task + "', not '" + task + "'" +
                                (route == kRoute.end() ? "" : "; use " + route->second),
                            "wrong_task");
   }

@@ -265,6 +265,15 @@ TEST_F(RoutesTest, TimeoutHeaderSetsTheDeadline) {
   EXPECT_EQ(submitter_.last.deadline_unix_ms, clock_.NowUnixMs() + 250);
   auto r = Call("POST", "/v1/embeddings", R"({"model":"m","input":"a"})", {{"shoal-timeout-ms", "soon"}});
   EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(ErrorCode(r), "invalid_timeout");
+  // Empty, or given twice: refused too, not read as the default or as one of them.
+  r = Call("POST", "/v1/embeddings", R"({"model":"m","input":"a"})", {{"shoal-timeout-ms", ""}});
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(ErrorCode(r), "invalid_timeout");
+  r = Call("POST", "/v1/embeddings", R"({"model":"m","input":"a"})",
+           {{"shoal-timeout-ms", "100"}, {"shoal-timeout-ms", "0"}});
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(ErrorCode(r), "invalid_timeout");
 }
 
 // Every route that queues work hands its client on, so the work of a
@@ -483,6 +492,12 @@ TEST_F(RoutesTest, EveryJsonRouteAlsoSpeaksMessagePack) {
   EXPECT_EQ(r.status, 400);
   EXPECT_EQ(r.content_type, "application/msgpack");
   EXPECT_EQ(unpack(r)["error"]["code"], "invalid_msgpack");
+  // An empty body is not MessagePack either (it was read as empty JSON).
+  for (const char* path : {"/v1/embeddings", "/v1/rerank"}) {
+    r = Call("POST", path, "", {{"content-type", "application/msgpack"}});
+    EXPECT_EQ(r.status, 400) << path;
+    EXPECT_EQ(ErrorCode(r), "invalid_msgpack") << path;
+  }
   // A MessagePack array is not a request object; a JSON caller gets JSON.
   body = json::to_msgpack(json::array({1, 2}));
   r = Call("POST", "/v1/embeddings", std::string(body.begin(), body.end()), {{"content-type", "application/msgpack"}});
@@ -622,6 +637,11 @@ TEST_F(RoutesTest, ModelActionsGoToTheControllerAndReportEveryWorker) {
   auto body = json::parse(r.body);
   EXPECT_EQ(body["results"][0]["status"]["state"], "loaded");
   EXPECT_EQ(Call("GET", "/v1/models/m/unload", "").status, 405);
+  // A mistyped action is a missing route, not a method the model refuses.
+  r = Call("POST", "/v1/models/m/reload", "");
+  EXPECT_EQ(r.status, 404);
+  EXPECT_EQ(ErrorCode(r), "route_not_found");
+  EXPECT_EQ(Call("POST", "/v1/models/m", "").status, 405);
   r = Call("POST", "/v1/models/m/load", R"({"worker":5})");
   EXPECT_EQ(r.status, 400);
   EXPECT_EQ(ErrorCode(r), "invalid_worker");

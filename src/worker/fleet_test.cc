@@ -325,6 +325,31 @@ TEST_F(FleetTest, GivingBackAClaimLeavesOneAPeerTookMeanwhile) {
   EXPECT_EQ(*holder, "peer-x");
 }
 
+// A cold model that would make one worker evict goes to a peer with room
+// for it beside its own models, even one slower to notice the work (it
+// reads the backlog every second, the full worker every 50 ms): the full
+// worker's resident model stays.
+TEST_F(FleetTest, AColdModelGoesToAPeerWithRoomRatherThanEvicting) {
+  MakeFleetRepository(repo_.path(), {"tiny-a", "tiny-b"});
+  WorkerOptions full = Options();
+  full.max_models = 1;
+  full.preload = {"tiny-a"};
+  full.heartbeat_interval_ms = 3000;  // how long it leaves the model to the peer
+  full.heartbeat_ttl_ms = 9000;
+  Member stays = Start(full);
+  ASSERT_NE(stays.worker, nullptr);
+  ASSERT_EQ(StateOf(*stays.worker, "tiny-a"), ModelState::kLoaded);
+  WorkerOptions roomy = Options();
+  roomy.demand_poll_ms = 1000;
+  Member has_room = Start(roomy);
+  ASSERT_NE(has_room.worker, nullptr);
+  auto r = Embed("tiny-b", "a cold model");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(StateOf(*has_room.worker, "tiny-b"), ModelState::kLoaded);
+  EXPECT_EQ(StateOf(*stays.worker, "tiny-a"), ModelState::kLoaded);
+  EXPECT_EQ(stays.Counter("shoal_worker_model_evictions_total", {{"model", "tiny-a"}}), 0);
+}
+
 // A model larger than one worker's whole budget but not a peer's: that
 // worker leaves the work to the peer, even one slow to claim it (its first
 // backlog read comes 5 s after its start, long past this worker's grace

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <random>
 #include <set>
@@ -755,10 +756,26 @@ const std::map<std::string, std::vector<Worker::PeerModel>>& Worker::Peers(bool 
       const int64_t device_budget = j.value("memory_budget_bytes", int64_t{0});
       const int64_t host_budget = j.value("host_memory_budget_bytes", int64_t{0});
       const bool gpu_peer = j.value("device", std::string("cpu")) != "cpu";
-      for (const json& m : j.value("models", json::array())) {
+      const auto left = [](int64_t budget, int64_t used) {
+        return budget > 0 ? budget - used : std::numeric_limits<int64_t>::max();
+      };
+      const int64_t device_free = left(device_budget, j.value("memory_used_bytes", int64_t{0}));
+      const int64_t host_free = left(host_budget, j.value("host_memory_used_bytes", int64_t{0}));
+      const json models = j.value("models", json::array());
+      int resident = 0;
+      bool loading = false;
+      for (const json& m : models) {
+        const std::string state = m.value("state", "");
+        resident += state == "loaded" || state == "loading";
+        loading = loading || state == "loading";
+      }
+      const int64_t max_models = j.value("max_models", int64_t{0});
+      const bool count_full = max_models > 0 && resident >= max_models;
+      for (const json& m : models) {
         const std::string name = m.value("name", "");
         const bool in_host = gpu_peer && host_memory_models_.count(name) > 0;
-        peers[name].push_back({key, m.value("state", ""), in_host ? host_budget : device_budget});
+        peers[name].push_back({key, m.value("state", ""), in_host ? host_budget : device_budget,
+                               in_host ? host_free : device_free, count_full, loading});
       }
     } catch (const std::exception& e) {
       LOG_WARN("worker", "unreadable heartbeat of " << key << ": " << e.what());
@@ -921,6 +938,7 @@ void Worker::PollDemand() {
     uint64_t msgs = 0;
     int replica = 0;
     double priority = 0;
+    double age_ms = 0;    // of its oldest waiting work
     bool failed = false;  // failed to load here or on a peer: goes after the others
   };
   std::vector<Candidate> candidates;
@@ -988,8 +1006,8 @@ void Worker::PollDemand() {
       std::lock_guard<std::mutex> lock(backlog_mu_);
       oldest = backlog_[c.model].oldest_unix_ms;
     }
-    const double age_ms = oldest > 0 ? static_cast<double>(std::max<int64_t>(1, now_ms - oldest)) : 1.0;
-    c.priority = age_ms * (1.0 + std::log2(1.0 + static_cast<double>(c.msgs)));
+    c.age_ms = oldest > 0 ? static_cast<double>(std::max<int64_t>(1, now_ms - oldest)) : 1.0;
+    c.priority = c.age_ms * (1.0 + std::log2(1.0 + static_cast<double>(c.msgs)));
   }
   std::stable_sort(candidates.begin(), candidates.end(),
                    [](const Candidate& a, const Candidate& b) {
@@ -1003,6 +1021,15 @@ void Worker::PollDemand() {
     // would otherwise get one more copy.
     if (fresh == nullptr) fresh = &Peers(true);
     if (ServingPeers(*fresh, c.model) > c.replica) continue;
+    // Loading it here would evict, while a peer has room for it: leave it to
+    // that peer (its own demand poll sees the same work) for up to one
+    // heartbeat interval, so this worker's resident models are not evicted
+    // (and soon loaded again) for a model another worker can hold beside
+    // its own. Work older than that is taken here after all: the peer's
+    // heartbeat may be stale, or the peer stuck.
+    if (!c.failed && c.age_ms < static_cast<double>(options_.heartbeat_interval_ms) &&
+        !manager_->FitsWithoutEviction(c.model) && PeerHasRoom(*fresh, c.model))
+      continue;
     if (!Claim(c.model, c.replica)) continue;
     Status s = manager_->StartLoad(c.model);
     if (s.ok()) {
@@ -1063,6 +1090,16 @@ bool Worker::PeerMayFit(const std::string& model) {
   return it != peers.end() && std::any_of(it->second.begin(), it->second.end(), [&](const PeerModel& p) {
            return p.memory_budget_bytes == 0 || p.memory_budget_bytes >= need;
          });
+}
+
+bool Worker::PeerHasRoom(const std::map<std::string, std::vector<PeerModel>>& peers,
+                         const std::string& model) const {
+  const auto it = peers.find(model);
+  if (it == peers.end()) return false;
+  const int64_t need = manager_->FootprintBytes(model);
+  return std::any_of(it->second.begin(), it->second.end(), [&](const PeerModel& p) {
+    return p.state == "not_loaded" && !p.loading && !p.count_full && p.free_bytes >= need;
+  });
 }
 
 bool Worker::AnotherMayLoad(const std::string& model, int64_t now_ms) {

@@ -221,6 +221,13 @@ class Worker {
     std::string worker;
     std::string state;
     int64_t memory_budget_bytes = 0;  // the peer's for this model (GPU or host memory); 0: unlimited
+    // By the peer's last heartbeat: whether it could load this model now
+    // without evicting (budget left for `FootprintBytes` and a model-count
+    // slot) and without waiting for a load of its own (it runs one
+    // on-demand load at a time).
+    int64_t free_bytes = 0;  // budget left in the model's pool; INT64_MAX: unlimited
+    bool count_full = false;
+    bool loading = false;
   };
 
   Worker() = default;
@@ -272,6 +279,9 @@ class Worker {
   // Whether a live peer that has `model` has a memory budget it would fit
   // (by this worker's measurement or estimate of it). Reads the registry.
   bool PeerMayFit(const std::string& model);
+  // Whether a live peer in `peers` has `model` in its catalog, not loaded
+  // nor failed, and could load it now without evicting (PeerModel).
+  bool PeerHasRoom(const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& model) const;
   // Answers the work waiting for a model that failed to load here with
   // its load error (terminal), at most `max` messages.
   void DrainFailed(const std::string& model, const Status& error, int max);
