@@ -720,11 +720,12 @@ void Worker::OnPush(natsConnection*, natsSubscription*, natsMsg* msg, void* clos
   static_cast<ModelServer*>(lease->model().attachment.get())->Push(std::move(delivery));
 }
 
-void Worker::PublishHeartbeat() {
+Status Worker::PublishHeartbeat() {
   std::lock_guard<std::mutex> lock(publish_mu_);
-  if (device_faulted_) return;  // gone from the registry for good
+  if (device_faulted_) return Status::Ok();  // gone from the registry for good
   Status s = workers_kv_->Put(id_, HeartbeatJson());
   if (!s.ok()) LOG_WARN("worker", "heartbeat failed: " << s.ToString());
+  return s;
 }
 
 void Worker::HeartbeatLoop() {
@@ -734,7 +735,7 @@ void Worker::HeartbeatLoop() {
     if (stop_) break;
     hb_now_ = false;
     lock.unlock();
-    PublishHeartbeat();
+    (void)PublishHeartbeat();  // logged; the next round tries again
     lock.lock();
   }
 }
@@ -846,7 +847,11 @@ void Worker::ReleaseSettledClaims() {
       continue;
     }
     if (!published) {
-      PublishHeartbeat();  // peers see the outcome before the claim goes
+      // Peers see the outcome before the claim goes; while the registry
+      // cannot be written, the claims stay (tried again at the next poll):
+      // without them a peer reading the older heartbeat would load the
+      // model a second time.
+      if (!PublishHeartbeat().ok()) return;
       published = true;
     }
     // Kept on a failed delete (a timeout), and tried again at the next poll.
@@ -938,8 +943,8 @@ void Worker::PollDemand() {
     uint64_t msgs = 0;
     int replica = 0;
     double priority = 0;
-    double age_ms = 0;    // of its oldest waiting work
     bool failed = false;  // failed to load here or on a peer: goes after the others
+    double age_ms = 0;    // of its oldest waiting work (set with the priority)
   };
   std::vector<Candidate> candidates;
   for (const auto& [model, msgs] : waiting) {
@@ -1072,7 +1077,7 @@ void Worker::PollDemand() {
       if (!answer.ok() && !AnotherMayLoad(c.model, now_ms)) DrainFailed(c.model, answer, 256);
     }
   }
-  if (changed) PublishHeartbeat();  // peers see "loading" at once
+  if (changed) (void)PublishHeartbeat();  // peers see "loading" at once
 }
 
 int Worker::ServingPeers(const std::map<std::string, std::vector<PeerModel>>& peers, const std::string& model) {
@@ -1211,7 +1216,7 @@ Result<std::string> Worker::Control(const std::string& action, const std::string
     // a second try. A model that failed here is tried again (the operator
     // asks for it), and shows as loading too.
     const bool started = manager_->StartLoad(model, /*retry_failed=*/true).ok();
-    if (started) PublishHeartbeat();
+    if (started) (void)PublishHeartbeat();
     s = action == "load" ? manager_->Load(model, /*retry_failed=*/!started, deadline_mono_us)
                          : manager_->Pin(model, /*retry_failed=*/!started, deadline_mono_us);
   } else if (action == "unload") {
@@ -1221,7 +1226,7 @@ Result<std::string> Worker::Control(const std::string& action, const std::string
   } else if (action != "status") {
     return InvalidArgument("unknown action '" + action + "'", "invalid_action");
   }
-  PublishHeartbeat();  // the registry shows the change before the caller hears of it
+  (void)PublishHeartbeat();  // the registry shows the change before the caller hears of it
   if (!s.ok()) return s;
   return ModelStatusJson(model);
 }

@@ -237,7 +237,7 @@ class Worker {
   Result<std::unique_ptr<PullConsumer>> CreateConsumer(const std::string& model);
   static constexpr int64_t kConsumerRetryMs = 30000;
   void HeartbeatLoop();
-  void PublishHeartbeat();
+  Status PublishHeartbeat();
   std::string HeartbeatJson() const;
   std::string ModelStatusJson(const std::string& model) const;
   void DemandLoop();
