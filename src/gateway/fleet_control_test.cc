@@ -476,6 +476,10 @@ TEST(FleetViewRegistry, AnUnreadableEntryIsNotALiveWorker) {
   (*view)->Refresh();
   EXPECT_EQ((*view)->Snapshot()->worker_json.size(), 1u);
   EXPECT_NE(metrics.Render().find("shoal_workers_alive 1"), std::string::npos) << metrics.Render();
+  // The registry outlives the view: rendering after it is gone keeps the
+  // last values and reaches nothing freed.
+  view->reset();
+  EXPECT_NE(metrics.Render().find("shoal_workers_alive 1"), std::string::npos) << metrics.Render();
 }
 
 // While connected, a registry read that times out keeps the workers of the

@@ -85,8 +85,11 @@ Result<std::unique_ptr<FleetView>> FleetView::Create(const FleetViewOptions& opt
   f->Refresh();
   auto* depth = metrics->GetGauge("shoal_queue_depth", "Messages waiting in the work stream.");
   auto* workers = metrics->GetGauge("shoal_workers_alive", "Workers with a live heartbeat.");
-  metrics->AddRefresher([p = f.get(), depth, workers] {
-    auto s = p->Snapshot();
+  f->hook_->view = f.get();
+  metrics->AddRefresher([hook = f->hook_, depth, workers] {
+    std::lock_guard<std::mutex> lock(hook->mu);
+    if (hook->view == nullptr) return;  // the gauges keep their last values
+    auto s = hook->view->Snapshot();
     depth->Set(static_cast<double>(s->queue_depth));
     workers->Set(static_cast<double>(s->worker_json.size()));
   });
@@ -94,7 +97,13 @@ Result<std::unique_ptr<FleetView>> FleetView::Create(const FleetViewOptions& opt
   return f;
 }
 
-FleetView::~FleetView() { Stop(); }
+FleetView::~FleetView() {
+  {
+    std::lock_guard<std::mutex> lock(hook_->mu);
+    hook_->view = nullptr;
+  }
+  Stop();
+}
 
 void FleetView::Stop() {
   {

@@ -116,6 +116,14 @@ class FleetView {
   std::condition_variable cv_;
   std::thread thread_;
   std::mutex refresh_mu_;  // one refresh at a time
+  // What the metrics registry's refresher reaches this view by: the
+  // registry may outlive the view (shoal serve's worker shares it, a failed
+  // gateway start drops the view), so the destructor clears `view`.
+  struct MetricsHook {
+    std::mutex mu;
+    FleetView* view = nullptr;  // guarded by mu
+  };
+  std::shared_ptr<MetricsHook> hook_ = std::make_shared<MetricsHook>();
 };
 
 }  // namespace shoal
