@@ -348,10 +348,6 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
     }
   }
 
-  ASSIGN_OR_RETURN(w->control_sub_, client->Subscribe(wire::ControlSubject(w->id_), &Worker::OnControl, self));
-  ASSIGN_OR_RETURN(w->push_sub_,
-                   client->Subscribe(wire::kPushSubjectPrefix + w->id_ + ".>", &Worker::OnPush, self));
-  ASSIGN_OR_RETURN(w->cancel_sub_, client->Subscribe(wire::kCancelSubject, &Worker::OnCancel, self));
   // The entry ReserveId wrote may have expired during a long start (model
   // loads), and another process taken the id meanwhile: then this one
   // gives it up rather than overwrite the other's entry.
@@ -361,6 +357,16 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   }
   RETURN_IF_ERROR(w->workers_kv_->Put(w->id_, w->HeartbeatJson()));
   w->registered_ = true;
+  // Only now: an operator action (which publishes a heartbeat) or pushed
+  // work addressed to this id during the start could be another process's
+  // once the id had been taken. Until here they get NATS's "no responders".
+  ASSIGN_OR_RETURN(w->control_sub_, client->Subscribe(wire::ControlSubject(w->id_), &Worker::OnControl, self));
+  ASSIGN_OR_RETURN(w->push_sub_,
+                   client->Subscribe(wire::kPushSubjectPrefix + w->id_ + ".>", &Worker::OnPush, self));
+  ASSIGN_OR_RETURN(w->cancel_sub_, client->Subscribe(wire::kCancelSubject, &Worker::OnCancel, self));
+  // The server has them before Create returns: an action sent next finds
+  // this worker (a failed flush leaves them to the client's next write).
+  (void)client->Flush(2000);
   w->heartbeat_ = std::thread([self] { self->HeartbeatLoop(); });
   w->demand_ = std::thread([self] { self->DemandLoop(); });
   if (options.load_report_interval_ms > 0) w->load_report_ = std::thread([self] { self->LoadReportLoop(); });
