@@ -208,8 +208,10 @@ bool NativeMsgpackRoute(std::string_view path) {
 
 // DumpJson(j) into *out while it fits `max_bytes`; returns the length of
 // the whole text (more than `max_bytes`: *out is incomplete). The same
-// serializer and settings as DumpJson, writing into a bounded string, so
-// a body is serialized once and never past the limit.
+// serializer as DumpJson, writing into a bounded string, so a body is
+// serialized once and never past the limit; but a string that is not
+// well-formed UTF-8 throws json::type_error (316), as a JSON body with one
+// is refused.
 size_t DumpJsonWithin(const json& j, size_t max_bytes, std::string* out) {
   struct Bounded final : nlohmann::detail::output_adapter_protocol<char> {
     Bounded(std::string* out, size_t max) : out(out), max(max) {}
@@ -224,7 +226,7 @@ size_t DumpJsonWithin(const json& j, size_t max_bytes, std::string* out) {
   };
   out->clear();
   auto bounded = std::make_shared<Bounded>(out, max_bytes);
-  nlohmann::detail::serializer<json> serializer(bounded, ' ', json::error_handler_t::replace);
+  nlohmann::detail::serializer<json> serializer(bounded, ' ', json::error_handler_t::strict);
   serializer.dump(j, /*pretty_print=*/false, /*ensure_ascii=*/false, /*indent_step=*/0);
   return bounded->n;
 }
@@ -240,7 +242,15 @@ Status MsgpackBodyToJson(std::string* body, size_t max_bytes) {
     return InvalidArgument("request body is not valid MessagePack", "invalid_msgpack");
   if (!j.is_object()) return InvalidArgument("request body must be a MessagePack map", "invalid_msgpack");
   std::string text;
-  if (const size_t text_bytes = DumpJsonWithin(j, max_bytes, &text); text_bytes > max_bytes) {
+  size_t text_bytes = 0;
+  try {
+    text_bytes = DumpJsonWithin(j, max_bytes, &text);
+  } catch (const json::type_error&) {
+    return InvalidArgument("a string in the request body is not well-formed UTF-8 (send bytes as bin where a field "
+                           "takes them)",
+                           "invalid_msgpack");
+  }
+  if (text_bytes > max_bytes) {
     return Status(StatusCode::kPayloadTooLarge,
                   "request body would take " + std::to_string(text_bytes) + " bytes as JSON text, more than " +
                       std::to_string(max_bytes) + " (a control character in a string takes up to 6)",

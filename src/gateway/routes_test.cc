@@ -492,6 +492,12 @@ TEST_F(RoutesTest, EveryJsonRouteAlsoSpeaksMessagePack) {
   EXPECT_EQ(r.status, 400);
   EXPECT_EQ(r.content_type, "application/msgpack");
   EXPECT_EQ(unpack(r)["error"]["code"], "invalid_msgpack");
+  // A str that is not UTF-8 is refused as the same bytes in JSON are (it
+  // was embedded with U+FFFD in their place).
+  body = json::to_msgpack(json{{"model", "m"}, {"input", std::string("a\xff" "b")}});
+  r = Call("POST", "/v1/embeddings", std::string(body.begin(), body.end()), {{"content-type", "application/msgpack"}});
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(ErrorCode(r), "invalid_msgpack");
   // An empty body is not MessagePack either (it was read as empty JSON).
   for (const char* path : {"/v1/embeddings", "/v1/rerank"}) {
     r = Call("POST", path, "", {{"content-type", "application/msgpack"}});
