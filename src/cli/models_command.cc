@@ -1,5 +1,6 @@
 #include "cli/models_command.h"
 
+#include <algorithm>
 #include <chrono>
 #include <iostream>
 
@@ -64,6 +65,16 @@ int List(const HttpClient& client, const ModelsCommandFlags& flags, std::ostream
   auto models = ui::ParseModelList(reply->body);
   if (!models.ok()) {
     err << "error: " << models.status().message() << "\n";
+    return 1;
+  }
+  // A worker no model lists is not in the registry (gone, or mistyped):
+  // an error, as an action on it is (worker_not_found).
+  if (!flags.worker.empty() &&
+      std::none_of(models->begin(), models->end(), [&](const ui::ModelRow& m) {
+        return std::any_of(m.workers.begin(), m.workers.end(),
+                           [&](const ui::WorkerModelRow& w) { return w.worker == flags.worker; });
+      })) {
+    err << "error: no live worker '" << flags.worker << "' (the WORKER column of `shoal models` lists them)\n";
     return 1;
   }
   out << ui::RenderModelsTable(*models, NowUnixMs(), flags.worker);

@@ -605,6 +605,23 @@ TEST(ModelsCommandOverHttp, ListPrintsTheTable) {
   EXPECT_THAT(r.out, HasSubstr("minilm-l6"));
 }
 
+// Listing one worker: a worker the registry does not list is an error, as
+// an action on it is; a listed one gets its lines.
+TEST(ModelsCommandOverHttp, ListingAWorkerNotInTheRegistryFails) {
+  CannedServer server(FakeGateway);
+  ModelsCommandFlags flags;
+  flags.gateway_url = server.url();
+  flags.worker = "nobody";
+  Outcome r = RunCommand(flags);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.err, HasSubstr("no live worker 'nobody'"));
+  EXPECT_EQ(r.out, "");
+  flags.worker = "host-2";
+  r = RunCommand(flags);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("host-2"));
+}
+
 TEST(ModelsCommandOverHttp, JsonPrintsTheRawBody) {
   CannedServer server(FakeGateway);
   ModelsCommandFlags flags;
