@@ -658,6 +658,47 @@ class SlowLoadRuntime final : public shoal::testing::ForwardingRuntime {
   }
 };
 
+// A worker still starting shows the models it preloads as loading, and
+// keeps its entry alive through a start longer than the heartbeat TTL
+// (1.5 s here; the load takes 3 s): a peer with work for such a model
+// leaves it to the starting worker instead of loading it too.
+TEST_F(FleetTest, APeerLeavesAModelToAWorkerThatPreloadsItAsItStarts) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"});
+  Member peer = Start(Options());
+  ASSERT_NE(peer.worker, nullptr);
+  WorkerOptions slow = Options();
+  slow.preload = {"tiny-a"};
+  slow.worker_id = "slow-starter";
+  slow.runtime_factory = [](const ModelConfig& c) -> Result<std::unique_ptr<Runtime>> {
+    ASSIGN_OR_RETURN(auto inner, CreateRuntime(c.runtime));
+    std::unique_ptr<Runtime> once(new SlowLoadRuntime(std::move(inner)));
+    return std::unique_ptr<Runtime>(new SlowLoadRuntime(std::move(once)));
+  };
+  Member starting;
+  std::thread starter([&] { starting = Start(slow); });
+  auto kv = KvBucket::Open(*client_, wire::kWorkersBucket, 30000);
+  ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+  const auto preloading = [&] {
+    auto hb = (*kv)->Get("slow-starter");
+    if (!hb.ok()) return false;
+    const json doc = json::parse(*hb);
+    for (const json& x : doc["models"])
+      if (x["name"] == "tiny-a") return x["state"] == "loading";
+    return false;
+  };
+  const bool shown = Eventually(preloading, 2s);
+  auto r = EmbedAsync("tiny-a", "for the starting worker", 30000);
+  const bool still_shown_past_ttl = shown && (std::this_thread::sleep_for(2s), preloading());
+  starter.join();
+  ASSERT_NE(starting.worker, nullptr);
+  EXPECT_TRUE(shown) << "the starting worker's entry never showed its preload";
+  EXPECT_TRUE(still_shown_past_ttl) << "the starting entry expired during the start";
+  auto got = r.get();
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(peer.Counter("shoal_worker_model_loads_total", {{"model", "tiny-a"}, {"result", "ok"}}), 0);
+  EXPECT_EQ(StateOf(*starting.worker, "tiny-a"), ModelState::kLoaded);
+}
+
 // An operator's load shows as "loading" in the registry while it runs,
 // not one heartbeat after it ends (heartbeats are 10 s apart here): other
 // workers' demand loops read the registry to leave a model being loaded

@@ -196,7 +196,11 @@ Status Worker::ReserveId() {
 Status Worker::StillHoldsId() const {
   auto v = workers_kv_->Get(id_);
   if (!v.ok()) return Status::Ok();  // expired (or unreadable): nobody else has it either
-  const json j = json::parse(*v, nullptr, /*allow_exceptions=*/false);
+  return StillHoldsId(*v);
+}
+
+Status Worker::StillHoldsId(const std::string& entry) const {
+  const json j = json::parse(entry, nullptr, /*allow_exceptions=*/false);
   if (!j.is_object()) return Status::Ok();
   if (j.value("host", "") == host_ && j.value("pid", int64_t{0}) == ::getpid() &&
       j.value("started_unix_ms", int64_t{0}) == started_unix_ms_)
@@ -328,6 +332,10 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   w->manager_->SetOnLoadStart([self](const std::string&) { self->WakeHeartbeat(/*demand=*/false); });
   // A load finished: the next cold model may start at once.
   w->manager_->SetOnChange([self] { self->WakeHeartbeat(/*demand=*/true); });
+  // Heartbeats from now on: peers see the pinned and preloaded models
+  // loading below (they would load them too), and a long start does not
+  // let the entry expire.
+  w->heartbeat_ = std::thread([self] { self->HeartbeatLoop(); });
 
   for (const ModelConfig& c : w->catalog_) {
     RETURN_IF_ERROR(w->models_kv_->Put(wire::ModelKvKey(c.name), ModelConfigToJson(c)));
@@ -351,12 +359,20 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   // The entry ReserveId wrote may have expired during a long start (model
   // loads), and another process taken the id meanwhile: then this one
   // gives it up rather than overwrite the other's entry.
-  if (Status lost = w->StillHoldsId(); !lost.ok()) {
-    w->registered_ = false;
-    return lost;
+  {
+    // Under the heartbeats' lock: one under way lands first, and none is
+    // written unconditionally unless this entry is written here. A start
+    // refused here leaves starting_ set, so the heartbeats left before the
+    // worker stops write nothing over the other process's entry.
+    std::lock_guard<std::mutex> lock(w->publish_mu_);
+    if (Status lost = w->StillHoldsId(); !lost.ok()) {
+      w->registered_ = false;
+      return lost;
+    }
+    RETURN_IF_ERROR(w->workers_kv_->Put(w->id_, w->HeartbeatJson()));
+    w->starting_ = false;
+    w->registered_ = true;
   }
-  RETURN_IF_ERROR(w->workers_kv_->Put(w->id_, w->HeartbeatJson()));
-  w->registered_ = true;
   // Only now: an operator action (which publishes a heartbeat) or pushed
   // work addressed to this id during the start could be another process's
   // once the id had been taken. Until here they get NATS's "no responders".
@@ -367,7 +383,6 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
   // The server has them before Create returns: an action sent next finds
   // this worker (a failed flush leaves them to the client's next write).
   (void)client->Flush(2000);
-  w->heartbeat_ = std::thread([self] { self->HeartbeatLoop(); });
   w->demand_ = std::thread([self] { self->DemandLoop(); });
   if (options.load_report_interval_ms > 0) w->load_report_ = std::thread([self] { self->LoadReportLoop(); });
   LOG_INFO("worker", "worker " << w->id_ << ": " << w->LoadedModels().size() << " of " << w->catalog_.size()
@@ -729,6 +744,16 @@ void Worker::OnPush(natsConnection*, natsSubscription*, natsMsg* msg, void* clos
 Status Worker::PublishHeartbeat() {
   std::lock_guard<std::mutex> lock(publish_mu_);
   if (device_faulted_) return Status::Ok();  // gone from the registry for good
+  if (starting_) {
+    // Still in Create (pinned and preloaded models loading): the entry is
+    // kept alive, and shows those loads to peers, but only over an entry
+    // that is still this process's (Create checks that again at its end).
+    auto v = workers_kv_->GetRevision(id_);
+    if (!v.ok() || StillHoldsId(v->first).code() != StatusCode::kOk) return Status::Ok();
+    json hb = json::parse(HeartbeatJson());
+    hb["starting"] = true;
+    return workers_kv_->Update(id_, DumpJson(hb), v->second).status();
+  }
   Status s = workers_kv_->Put(id_, HeartbeatJson());
   if (!s.ok()) LOG_WARN("worker", "heartbeat failed: " << s.ToString());
   return s;

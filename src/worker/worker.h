@@ -210,6 +210,8 @@ class Worker {
   // gone) at the end of its start; InvalidArgument "worker_id_in_use" when
   // another process has written it since.
   Status StillHoldsId() const;
+  // The same for an entry already read.
+  Status StillHoldsId(const std::string& entry) const;
   struct Backlog {
     uint64_t msgs = 0;
     int64_t oldest_unix_ms = 0;  // 0: unknown or none
@@ -358,6 +360,9 @@ class Worker {
   std::mutex hb_mu_;
   std::condition_variable hb_cv_;
   bool hb_now_ = false;      // guarded by hb_mu_: publish a heartbeat at once
+  // In Create until the entry is written as registered: heartbeats update
+  // the "starting" entry only while it is still this process's.
+  std::atomic<bool> starting_{true};
   bool demand_now_ = false;  // guarded by hb_mu_: read the backlog at once
   std::thread heartbeat_;
   std::thread demand_;
