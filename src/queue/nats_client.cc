@@ -799,20 +799,33 @@ int PullConsumer::Undelivered() {
   return msgs;
 }
 
-Result<uint64_t> PullConsumer::NumPending(int64_t timeout_ms) {
-  if (conn_ != nullptr && natsConnection_Status(conn_) != NATS_CONN_STATUS_CONNECTED)
+namespace {
+
+Result<uint64_t> ConsumerNumPending(natsConnection* conn, jsCtx* js, const std::string& stream,
+                                    const std::string& durable, int64_t timeout_ms) {
+  if (conn != nullptr && natsConnection_Status(conn) != NATS_CONN_STATUS_CONNECTED)
     return Unavailable("not connected to NATS", "nats_disconnected");
   jsOptions o;
   jsOptions_Init(&o);
   if (timeout_ms > 0) o.Wait = timeout_ms;
   jsConsumerInfo* ci = nullptr;
   jsErrCode jerr = static_cast<jsErrCode>(0);
-  natsStatus s =
-      js_GetConsumerInfo(&ci, js_, stream_.c_str(), durable_.c_str(), timeout_ms > 0 ? &o : nullptr, &jerr);
+  natsStatus s = js_GetConsumerInfo(&ci, js, stream.c_str(), durable.c_str(), timeout_ms > 0 ? &o : nullptr, &jerr);
   if (s != NATS_OK) return FromNats(s, "consumer info", jerr);
   uint64_t n = ci->NumPending;
   jsConsumerInfo_Destroy(ci);
   return n;
+}
+
+}  // namespace
+
+Result<uint64_t> PullConsumer::NumPending(int64_t timeout_ms) {
+  return ConsumerNumPending(conn_, js_, stream_, durable_, timeout_ms);
+}
+
+Result<uint64_t> NatsClient::ConsumerPending(const std::string& stream, const std::string& durable,
+                                             int64_t timeout_ms) {
+  return ConsumerNumPending(conn(), js(), stream, durable, timeout_ms);
 }
 
 // ----- KV -------------------------------------------------------------------------

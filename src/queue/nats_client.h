@@ -133,6 +133,10 @@ class NatsClient {
   // Asynchronous subscription; `handler` owns each message it gets and
   // runs on nats.c's delivery thread. See Subscription for its end.
   Result<SubscriptionPtr> Subscribe(const std::string& subject, NatsMsgHandler handler, void* closure);
+  // Messages waiting undelivered for durable consumer `durable` of
+  // `stream`, from the server (as PullConsumer::NumPending, without a
+  // subscription of one's own); NotFound when there is no such consumer.
+  Result<uint64_t> ConsumerPending(const std::string& stream, const std::string& durable, int64_t timeout_ms = 0);
   Status Flush(int64_t timeout_ms);
   // A fresh unique inbox subject.
   std::string NewInbox();

@@ -624,6 +624,16 @@ class SlowRuntime final : public shoal::testing::ForwardingRuntime {
   }
 };
 
+// Takes a second over each batch.
+class SecondPerBatchRuntime final : public shoal::testing::ForwardingRuntime {
+ public:
+  using ForwardingRuntime::ForwardingRuntime;
+  Result<Embeddings> Run(const TokenBatch& b) override {
+    std::this_thread::sleep_for(1s);
+    return inner().Run(b);
+  }
+};
+
 // Records the nice value of the thread that loads it and of the threads
 // that run its batches.
 class NiceProbeRuntime final : public shoal::testing::ForwardingRuntime {
@@ -1038,6 +1048,31 @@ json BadRuntimeCommand(const char* mode) {
 // An out-of-process runtime that dies in the middle of a batch: the batch
 // goes back to the queue, the runtime is restarted, and every caller gets
 // exactly one (correct) answer.
+// Messages the serving replica already holds (running, or waiting in its
+// batcher) are not backlog: with next to nothing left undelivered, another
+// worker loads no second replica, however many the stream still counts.
+TEST_F(FleetTest, WorkAReplicaAlreadyHoldsAsksForNoOtherReplica) {
+  MakeFleetRepository(repo_.path(), {"tiny-a"});
+  WorkerOptions wo = Options();
+  wo.scale_out_backlog = 20;
+  wo.max_batch_size = 64;
+  WorkerOptions slow = wo;
+  slow.runtime_factory = [](const ModelConfig& c) -> Result<std::unique_ptr<Runtime>> {
+    ASSIGN_OR_RETURN(auto inner, CreateRuntime(c.runtime));
+    return std::unique_ptr<Runtime>(new SecondPerBatchRuntime(std::move(inner)));
+  };
+  Member w1 = Start(slow);
+  ASSERT_NE(w1.worker, nullptr);
+  ASSERT_TRUE(Embed("tiny-a", "first").ok());  // w1 loads it
+  Member w2 = Start(wo);
+  ASSERT_NE(w2.worker, nullptr);
+  std::vector<std::future<Result<EmbedResult>>> calls;
+  for (int i = 0; i < 40; ++i) calls.push_back(EmbedAsync("tiny-a", "held " + std::to_string(i)));
+  for (auto& f : calls) EXPECT_TRUE(f.get().ok());
+  EXPECT_TRUE(w2.worker->LoadedModels().empty()) << "a second replica for work the first already held";
+  EXPECT_EQ(w2.Counter("shoal_worker_placement_claims_total", {{"result", "won"}}), 0);
+}
+
 TEST_F(FleetTest, ABatchInFlightWhenTheRuntimeDiesIsRedelivered) {
   namespace fs = std::filesystem;
   const std::string marker = repo_.path() + "/crashed";

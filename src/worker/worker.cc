@@ -1022,7 +1022,13 @@ void Worker::PollDemand() {
     } else if (options_.scale_out_backlog > 0 && loaded_elsewhere > 0 &&
                static_cast<int64_t>(msgs) / loaded_elsewhere > options_.scale_out_backlog &&
                manager_->FitsWithoutEviction(model)) {
-      candidates.push_back({model, msgs, static_cast<int>(serving), 0, false});
+      // The stream's count includes messages the replicas hold (delivered,
+      // running or in their batchers, not yet acked): only those still
+      // undelivered ask for another replica (one question to the server,
+      // and only past the threshold).
+      auto undelivered = client_->ConsumerPending(options_.stream.name, wire::ConsumerName(model), 1000);
+      if (undelivered.ok() && static_cast<int64_t>(*undelivered) / loaded_elsewhere > options_.scale_out_backlog)
+        candidates.push_back({model, msgs, static_cast<int>(serving), 0, false});
     }
   }
   // One on-demand load at a time per worker: loads run one after another
