@@ -748,10 +748,21 @@ Status Worker::PublishHeartbeat() {
     // Still in Create (pinned and preloaded models loading): the entry is
     // kept alive, and shows those loads to peers, but only over an entry
     // that is still this process's (Create checks that again at its end).
-    auto v = workers_kv_->GetRevision(id_);
-    if (!v.ok() || StillHoldsId(v->first).code() != StatusCode::kOk) return Status::Ok();
     json hb = json::parse(HeartbeatJson());
     hb["starting"] = true;
+    auto v = workers_kv_->GetRevision(id_);
+    if (!v.ok() && v.status().code() == StatusCode::kNotFound) {
+      // Gone (never written, or expired while NATS was away): written again
+      // only if nobody has it (atomic), so never over another's entry.
+      auto created = workers_kv_->Create(id_, DumpJson(hb));
+      if (!created.ok()) LOG_WARN("worker", "starting heartbeat failed: " << created.status().ToString());
+      return created.status();
+    }
+    if (!v.ok()) {
+      LOG_WARN("worker", "starting heartbeat failed: " << v.status().ToString());
+      return v.status();
+    }
+    if (StillHoldsId(v->first).code() != StatusCode::kOk) return Status::Ok();  // another's: Create refuses at its end
     return workers_kv_->Update(id_, DumpJson(hb), v->second).status();
   }
   Status s = workers_kv_->Put(id_, HeartbeatJson());
@@ -795,7 +806,7 @@ const std::map<std::string, std::vector<Worker::PeerModel>>& Worker::Peers(bool 
       const int64_t host_free = left(host_budget, j.value("host_memory_used_bytes", int64_t{0}));
       const json models = j.value("models", json::array());
       int resident = 0;
-      bool loading = false;
+      bool loading = j.value("starting", false);
       for (const json& m : models) {
         const std::string state = m.value("state", "");
         resident += state == "loaded" || state == "loading";

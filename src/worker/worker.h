@@ -226,7 +226,8 @@ class Worker {
     // By the peer's last heartbeat: whether it could load this model now
     // without evicting (budget left for `FootprintBytes` and a model-count
     // slot) and without waiting for a load of its own (it runs one
-    // on-demand load at a time).
+    // on-demand load at a time; a peer still starting loads nothing on
+    // demand until its start ends, and counts as loading).
     int64_t free_bytes = 0;  // budget left in the model's pool; INT64_MAX: unlimited
     bool count_full = false;
     bool loading = false;

@@ -71,8 +71,10 @@ int64_t PrivateBytes(pid_t pid) {
 int64_t GroupResidentBytes(pid_t leader) {
   int64_t total = StatmBytes(leader).first;
   std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
-    const std::string name = entry.path().filename().string();
+  // increment(ec), not ++: a readdir error ends the scan instead of throwing.
+  for (auto it = std::filesystem::directory_iterator("/proc", ec); !ec && it != std::filesystem::directory_iterator();
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
     if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
     const pid_t pid = static_cast<pid_t>(std::strtol(name.c_str(), nullptr, 10));
     if (pid == leader) continue;
