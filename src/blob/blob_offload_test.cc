@@ -10,10 +10,13 @@
 #include <fstream>
 #include <future>
 #include <optional>
+#include <string>
+#include <thread>
 
 #include "common/clock.h"
 #include "queue/nats_client.h"
 #include "queue/nats_server_process.h"
+#include "support/held_offload_thread.h"
 #include "support/test_env.h"
 
 namespace shoal {
@@ -137,6 +140,29 @@ TEST_F(BlobOffloadTest, AnotherStoresReferenceDeletesNothingHere) {
   EXPECT_TRUE(offload_->Fetch(ref.ToString()).ok());
 }
 
+// SIGSTOP takes effect as each thread of `pid` next enters the kernel:
+// true once every one shows state T (stopped), false after 5 s.
+bool WaitUntilStopped(pid_t pid) {
+  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+  for (int i = 0; i < 5000; ++i) {
+    bool all = true, any = false;
+    std::error_code ec;
+    for (auto it = std::filesystem::directory_iterator(tasks, ec); !ec && it != std::filesystem::directory_iterator();
+         it.increment(ec)) {
+      std::ifstream in(it->path() / "stat");
+      std::string stat;
+      std::getline(in, stat);
+      const size_t close = stat.rfind(')');
+      if (close == std::string::npos || close + 2 >= stat.size()) continue;  // gone since the listing
+      any = true;
+      all = all && stat[close + 2] == 'T';
+    }
+    if (any && all) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
+
 // A NATS object store that does not answer in time (here: its server is
 // stopped) is a retryable 503 blob_store_unavailable, not a terminal 502
 // blob_not_found: the payload is still there, as the next fetch shows.
@@ -155,6 +181,11 @@ TEST(BlobOffloadNats, AStoreThatDoesNotAnswerIsUnavailableNotMissing) {
   auto ref = (*offload)->Put("a payload that travels by reference", "request");
   ASSERT_TRUE(ref.ok()) << ref.status().ToString();
   ASSERT_EQ(::kill(server.process().pid(), SIGSTOP), 0);
+  // Once it has stopped (a fetch sent before that could still be answered:
+  // the test failed that way once under a parallel ctest).
+  const bool stopped = WaitUntilStopped(server.process().pid());
+  if (!stopped) ::kill(server.process().pid(), SIGCONT);
+  ASSERT_TRUE(stopped) << "nats-server (pid " << server.process().pid() << ") never showed as stopped";
   auto stalled = (*offload)->Fetch(ref->ToString());
   ASSERT_EQ(::kill(server.process().pid(), SIGCONT), 0);
   ASSERT_FALSE(stalled.ok());
@@ -186,14 +217,7 @@ TEST_F(BlobOffloadTest, PutsWaitingForTheStoreAreBounded) {
   auto b = BlobOffload::Create(o, nullptr, &metrics_, &clock_);
   ASSERT_TRUE(b.ok()) << b.status().ToString();
   std::unique_ptr<BlobOffload> offload = std::move(b).value();
-  std::promise<void> release;
-  std::shared_future<void> released = release.get_future().share();
-  offload->Post([released] { released.wait(); });  // the store is "slow": its one thread is busy
-  struct OpenStore {
-    std::promise<void>* release;
-    ~OpenStore() { release->set_value(); }  // also when an assertion returns early
-  };
-  std::unique_ptr<OpenStore> open_store(new OpenStore{&release});
+  shoal::testing::HeldOffloadThread held(*offload);  // the store is "slow"
   // Shared with the callbacks: an assertion that returns early releases the
   // store, and a put's callback may then still run.
   auto first = std::make_shared<std::promise<Result<BlobRef>>>();
@@ -204,7 +228,7 @@ TEST_F(BlobOffloadTest, PutsWaitingForTheStoreAreBounded) {
   ASSERT_FALSE((*second)->ok());
   EXPECT_EQ((*second)->status().code(), StatusCode::kUnavailable);
   EXPECT_EQ((*second)->status().reason(), "blob_store_busy");
-  open_store.reset();
+  held.Open();
   auto r = first->get_future().get();
   EXPECT_TRUE(r.ok()) << r.status().ToString();
   std::promise<Result<BlobRef>> large;

@@ -804,7 +804,7 @@ TEST_F(ModelManagerTest, APinThatGivesUpDoesNotUndoAnotherThatSucceeds) {
   loader_.Hold("a");
   Status impatient, patient;
   std::thread first([&] { impatient = mm->Pin("a", true, clock_.NowMonoUs() + 1000); });
-  ASSERT_TRUE(loader_.WaitStarted("a", 1));
+  EXPECT_TRUE(loader_.WaitStarted("a", 1));  // not ASSERT: `first` runs
   std::thread second([&] { patient = mm->Pin("a"); });
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the second waits too
   clock_.AdvanceUs(1000);

@@ -18,6 +18,7 @@
 
 #include "blob/blob_offload.h"
 #include "gateway/dispatcher.h"
+#include "support/held_offload_thread.h"
 #include "support/test_env.h"
 #include "wire/work_message.h"
 #include "worker/worker.h"
@@ -364,6 +365,12 @@ TEST_F(OcrOffloadTest, AReplyReferenceForAWaitingRequestDeletesOnlyAReplysBlob) 
 // work is queued after that: a worker would read it for a caller already
 // answered. The payload stored before the refusal is deleted.
 TEST_F(OcrOffloadTest, ARequestTheStoreRefusesQueuesNoneOfItsOtherWork) {
+  // Declared in this order so that, however the test ends, the store is
+  // released and the offload drained (its callbacks reach the dispatcher)
+  // before the dispatcher goes.
+  auto d = Dispatcher::Create(DispatcherOptions{}, client_.get(), &metrics_);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  std::unique_ptr<Dispatcher> dispatcher = std::move(d).value();
   BlobOffloadOptions bo;
   bo.store_url = store_url_;
   bo.threshold_bytes = 1000;
@@ -372,17 +379,7 @@ TEST_F(OcrOffloadTest, ARequestTheStoreRefusesQueuesNoneOfItsOtherWork) {
   auto b = BlobOffload::Create(bo, client_.get(), &metrics_);
   ASSERT_TRUE(b.ok()) << b.status().ToString();
   std::unique_ptr<BlobOffload> busy = std::move(b).value();
-  std::promise<void> release;
-  std::shared_future<void> released = release.get_future().share();
-  busy->Post([released] { released.wait(); });  // the store is "slow": its one thread is busy
-  struct OpenStore {
-    std::promise<void>* release;
-    ~OpenStore() { release->set_value(); }  // also when an assertion returns early
-  };
-  std::unique_ptr<OpenStore> open_store(new OpenStore{&release});
-  auto d = Dispatcher::Create(DispatcherOptions{}, client_.get(), &metrics_);
-  ASSERT_TRUE(d.ok()) << d.status().ToString();
-  std::unique_ptr<Dispatcher> dispatcher = std::move(d).value();
+  shoal::testing::HeldOffloadThread held(*busy);  // the store is "slow"
   dispatcher->SetBlobOffload(busy.get());
   Counter* published = metrics_.GetCounter("shoal_gateway_chunks_published_total", "");
   const int64_t published_before = published->Value();
@@ -404,7 +401,7 @@ TEST_F(OcrOffloadTest, ARequestTheStoreRefusesQueuesNoneOfItsOtherWork) {
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
   EXPECT_EQ(r.status().reason(), "blob_store_busy");
   EXPECT_EQ(published->Value(), published_before) << "work of an answered request was queued";
-  open_store.reset();
+  held.Open();
   EXPECT_TRUE(shoal::testing::Eventually([&] { return BlobFiles() == 0; }))
       << "the payload stored for the answered request was left";
   EXPECT_EQ(published->Value(), published_before);
