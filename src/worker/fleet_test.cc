@@ -637,24 +637,18 @@ TEST_F(FleetTest, HeartbeatReportsEveryCatalogModelWithStateAndMemory) {
 namespace shoal {
 namespace {
 
-class SlowRuntime final : public shoal::testing::ForwardingRuntime {
+// Takes `kMs` milliseconds more over each batch.
+template <int kMs>
+class SlowRunRuntime final : public shoal::testing::ForwardingRuntime {
  public:
   using ForwardingRuntime::ForwardingRuntime;
   Result<Embeddings> Run(const TokenBatch& b) override {
-    std::this_thread::sleep_for(5ms);
+    std::this_thread::sleep_for(std::chrono::milliseconds(kMs));
     return inner().Run(b);
   }
 };
-
-// Takes a second over each batch.
-class SecondPerBatchRuntime final : public shoal::testing::ForwardingRuntime {
- public:
-  using ForwardingRuntime::ForwardingRuntime;
-  Result<Embeddings> Run(const TokenBatch& b) override {
-    std::this_thread::sleep_for(1s);
-    return inner().Run(b);
-  }
-};
+using SlowRuntime = SlowRunRuntime<5>;
+using SecondPerBatchRuntime = SlowRunRuntime<1000>;
 
 // Records the nice value of the thread that loads it and of the threads
 // that run its batches.
