@@ -644,7 +644,7 @@ std::string Worker::ModelStatusJson(const std::string& model) const {
   return "{}";
 }
 
-std::string Worker::HeartbeatJson() const {
+std::string Worker::HeartbeatJson(bool starting) const {
   json models = json::array();
   {
     std::lock_guard<std::mutex> lock(backlog_mu_);
@@ -680,6 +680,7 @@ std::string Worker::HeartbeatJson() const {
     j["host_memory_used_bytes"] = manager_->host_memory_used_bytes();
     j["host_memory_budget_bytes"] = options_.host_memory_budget_bytes;
   }
+  if (starting) j["starting"] = true;
   return DumpJson(j);
 }
 
@@ -748,13 +749,12 @@ Status Worker::PublishHeartbeat() {
     // Still in Create (pinned and preloaded models loading): the entry is
     // kept alive, and shows those loads to peers, but only over an entry
     // that is still this process's (Create checks that again at its end).
-    json hb = json::parse(HeartbeatJson());
-    hb["starting"] = true;
+    const std::string hb = HeartbeatJson(/*starting=*/true);
     auto v = workers_kv_->GetRevision(id_);
     if (!v.ok() && v.status().code() == StatusCode::kNotFound) {
       // Gone (never written, or expired while NATS was away): written again
       // only if nobody has it (atomic), so never over another's entry.
-      auto created = workers_kv_->Create(id_, DumpJson(hb));
+      auto created = workers_kv_->Create(id_, hb);
       if (!created.ok()) LOG_WARN("worker", "starting heartbeat failed: " << created.status().ToString());
       return created.status();
     }
@@ -763,7 +763,7 @@ Status Worker::PublishHeartbeat() {
       return v.status();
     }
     if (StillHoldsId(v->first).code() != StatusCode::kOk) return Status::Ok();  // another's: Create refuses at its end
-    return workers_kv_->Update(id_, DumpJson(hb), v->second).status();
+    return workers_kv_->Update(id_, hb, v->second).status();
   }
   Status s = workers_kv_->Put(id_, HeartbeatJson());
   if (!s.ok()) LOG_WARN("worker", "heartbeat failed: " << s.ToString());

@@ -241,7 +241,8 @@ class Worker {
   static constexpr int64_t kConsumerRetryMs = 30000;
   void HeartbeatLoop();
   Status PublishHeartbeat();
-  std::string HeartbeatJson() const;
+  // `starting`: marked as a worker still in Create (no demand loop yet).
+  std::string HeartbeatJson(bool starting = false) const;
   std::string ModelStatusJson(const std::string& model) const;
   void DemandLoop();
   void PollDemand();
