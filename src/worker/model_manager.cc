@@ -818,6 +818,19 @@ void ModelManager::LoaderLoop() {
         }
         AddUnloadingLocked(over_budget_bytes, static_cast<int>(over_budget.size()));
       }
+      if (e.model != nullptr && e.model->attachment != nullptr) {
+        // Kept: only now does it take work (see ModelAttachment::Start).
+        try {
+          e.model->attachment->Start();
+        } catch (const std::exception& ex) {
+          PoolBytes freed{};
+          freed[e.pool] = EvictLocked(e, &over_budget, /*automatic=*/false);
+          over_budget_bytes[e.pool] += freed[e.pool];
+          AddUnloadingLocked(freed, 1);
+          job->attempt->status = Internal("model '" + e.config.name + "' loaded but could not start serving: " + ex.what());
+          LOG_WARN("worker", job->attempt->status.message() << "; unloaded it again");
+        }
+      }
     } else if (stop) {
       e.state = ModelState::kNotLoaded;
       job->attempt->status = loaded.status();

@@ -112,6 +112,12 @@ class ModelAttachment {
   // enough reaches the queue's delivery limit and fails. Called under the
   // manager's lock: must be cheap and must not call the manager.
   virtual bool HoldsWork() const { return false; }
+  // Called once, under the manager's lock, when the manager keeps the model
+  // (its measured footprint fits): from then on the attachment may take
+  // work. A model unloaded again at once (measured over the budget) is
+  // never started, so it has taken no work to hand back. Must not call the
+  // manager; an exception fails the load.
+  virtual void Start() {}
 };
 
 // Everything a worker keeps for one resident model (runtime, and whatever

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <set>
 #include <stdexcept>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -65,6 +66,7 @@ class FakeLoader {
     bool fail = false;
     bool device_fault = false;  // the load breaks the device (Unavailable, device_fault)
     bool report_via_runtime = false;  // leave LoadedModel::memory_bytes at 0
+    bool throw_on_start = false;      // its attachment throws when started
   };
 
   void Set(const std::string& name, Spec spec) {
@@ -92,6 +94,16 @@ class FakeLoader {
   int unloads(const std::string& name) {
     std::lock_guard<std::mutex> lock(mu_);
     return unloads_[name];
+  }
+  // Attachments of `name` started (the manager kept the model).
+  int starts(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return starts_[name];
+  }
+  void OnStart(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++starts_[name];
+    if (specs_[name].throw_on_start) throw std::system_error(EAGAIN, std::generic_category(), "thread");
   }
   void OnUnload(const std::string& name) {
     std::unique_lock<std::mutex> lock(mu_);
@@ -170,6 +182,7 @@ class FakeLoader {
   std::set<std::string> held_unloads_;
   std::map<std::string, int> started_;
   std::map<std::string, int> unloads_;
+  std::map<std::string, int> starts_;
   std::map<std::string, Status> health_;
   std::set<std::string> throw_on_unload_;
   std::vector<std::string> events_;
@@ -179,6 +192,7 @@ class FakeLoader {
    public:
     RecordingAttachment(FakeLoader* owner, std::string name) : owner_(owner), name_(std::move(name)) {}
     ~RecordingAttachment() override { owner_->OnDetach(name_); }
+    void Start() override { owner_->OnStart(name_); }
 
    private:
     FakeLoader* owner_;
@@ -1284,6 +1298,27 @@ TEST_F(ModelManagerTest, AModelMeasuredLargerThanTheWholeBudgetIsUnloadedAgain) 
   EXPECT_TRUE(Eventually([&] { return mm->memory_used_bytes() == 200; }));
   EXPECT_EQ(mm->Acquire("huge", Far()).status().reason(), "no_room_for_model");
   EXPECT_EQ(loader_.loads("huge"), 1);  // not loaded a second time
+  // Never started: a worker's model server pulls no work for it (which it
+  // would hand back, at the cost of a delivery). The models kept were.
+  EXPECT_EQ(loader_.starts("huge"), 0);
+  EXPECT_EQ(loader_.starts("a"), 1);
+  EXPECT_EQ(loader_.starts("b"), 1);
+}
+
+// A model that loads but cannot start serving (no thread to be had) is
+// unloaded again and its callers hear why; the manager goes on loading.
+TEST_F(ModelManagerTest, AModelThatCannotStartServingIsUnloadedAgain) {
+  auto mm = Make(Options(300), {Model("a", 100), Model("b", 100)});
+  loader_.Set("a", {.bytes = 100, .throw_on_start = true});
+  Result<ModelLease> lease = mm->Acquire("a", Far());
+  EXPECT_EQ(lease.status().code(), StatusCode::kInternal) << lease.status().ToString();
+  EXPECT_NE(lease.status().message().find("could not start serving"), std::string::npos)
+      << lease.status().message();
+  EXPECT_EQ(StateOf(*mm, "a"), ModelState::kNotLoaded);
+  EXPECT_TRUE(Eventually([&] { return loader_.unloads("a") == 1; }));
+  EXPECT_TRUE(Eventually([&] { return mm->memory_used_bytes() == 0; }));
+  Use(*mm, "b");
+  EXPECT_TRUE(mm->IsLoaded("b"));
 }
 
 // Preloading fills what is free and never evicts: a model that fits by its

@@ -127,8 +127,9 @@ class ModelServer final : public ModelAttachment {
  public:
   explicit ModelServer(ModelServerDeps deps);
   ~ModelServer() override;
-  // Starts the fetcher and executor threads. Call once.
-  void Start();
+  // Starts the fetcher and executor threads. Call once (a worker's model
+  // manager calls it when it keeps the model).
+  void Start() override;
   // Stops both threads; see Worker::Stop. Idempotent.
   void Stop();
   const ModelConfig& config() const { return d_.config; }

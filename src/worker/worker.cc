@@ -614,9 +614,10 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   deps.cancelled = &cancelled_;
   deps.idle_poll_ms = options_.pull_idle_poll_ms;
   deps.turn_quantum_us = options_.turn_quantum_ms * 1000;
-  auto server = std::make_unique<ModelServer>(std::move(deps));
-  server->Start();
-  m->attachment = std::move(server);
+  // Started by the manager once it keeps the model (ModelAttachment::Start):
+  // a model that measures over the budget is unloaded again having pulled
+  // nothing.
+  m->attachment = std::make_unique<ModelServer>(std::move(deps));
   const int64_t t_end = clock_->NowMonoUs();
   LOG_INFO("worker", "loaded " << c.name << " (" << c.runtime << ", dim " << c.dim << ", " << measured / (1 << 20)
                                << " MiB measured) in " << (t_end - t0) / 1000 << " ms (runtime "
