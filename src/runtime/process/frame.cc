@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -73,8 +74,17 @@ Result<std::string> ReadFrame(int fd, int64_t max_bytes, int64_t deadline_mono_u
                   "runtime sent a frame of " + std::to_string(n) + " bytes; the limit is " + std::to_string(max_bytes),
                   "frame_too_large");
   }
-  std::string out(n, '\0');
-  RETURN_IF_ERROR(read_exact(out.data(), n));
+  // Grown as bytes arrive (doubling from 1 MiB), not committed up front: a
+  // header that claims far more than follows costs no more memory than
+  // what was sent.
+  constexpr size_t kFirstStep = size_t{1} << 20;
+  std::string out;
+  while (out.size() < n) {
+    const size_t at = out.size();
+    const size_t take = std::min<size_t>(n - at, std::max(kFirstStep, at));
+    out.resize(at + take);
+    RETURN_IF_ERROR(read_exact(out.data() + at, take));
+  }
   return out;
 }
 

@@ -9,6 +9,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -187,6 +189,12 @@ Result<pid_t> Spawn(const std::vector<std::string>& argv, const std::vector<std:
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     UnblockAllSignalsInChild();
     if (::getppid() != parent) ::_exit(127);
+    // No terminal input: in a background group, a read of the worker's
+    // terminal (a debugger, a library's prompt) would stop the runtime
+    // (SIGTTIN) and look like a hang. stdout and stderr stay the worker's.
+    const int devnull = ::open("/dev/null", O_RDONLY);
+    if (devnull < 0 || ::dup2(devnull, 0) < 0) ::_exit(126);
+    if (devnull != 0) ::close(devnull);
     if (::syscall(SYS_close_range, 3U, ~0U, 0U) != 0) {
       for (int fd = 3; fd < 65536; ++fd) ::close(fd);
     }
@@ -517,16 +525,22 @@ void ProcessRuntime::SuperviseLoop() {
       }
     }
     const int64_t now = NowMonoUs();
-    if (was_up && !up_) {  // went down (here, or in Run)
+    const bool up = up_;  // read once: Run may mark it down between two reads
+    if (was_up && !up) {  // went down (here, or in Run)
       was_up = false;
       if (now - up_since_us >= kStableUs) backoff_ms = kFirstBackoffMs;
       next_start_us = now + backoff_ms * 1000;
       backoff_ms = std::min(backoff_ms * 2, config_.process.max_restart_backoff_ms);
     }
-    if (!up_ && !gave_up && now >= next_start_us) {
+    if (!up && !gave_up && now >= next_start_us) {
       restarting_ = true;
       Status s = Start();
       restarting_ = false;
+      if (!s.ok() && stop_) {
+        // Unload killed the process it was starting: not a failed start.
+        lock.lock();
+        break;
+      }
       if (s.ok()) {
         ++restarts_;
         failed_starts = 0;

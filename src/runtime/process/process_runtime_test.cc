@@ -83,6 +83,31 @@ TEST_F(Frames, OversizedSilentAndClosedPeersAreErrorsNotHangs) {
   EXPECT_EQ(rp::WriteFrame(fds_[0], "x", Soon()).code(), StatusCode::kUnavailable);
 }
 
+// Peak resident memory of this process (VmHWM), in bytes.
+int64_t PeakResidentBytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  return -1;
+}
+
+// A header within the limit that claims far more than follows (a runtime
+// that breaks off, or lies) costs the memory of what was sent, not of the
+// claim: the frame is grown as bytes arrive.
+TEST_F(Frames, AClaimedSizeIsNotCommittedBeforeItsBytesArrive) {
+  const int64_t peak_before = PeakResidentBytes();
+  ASSERT_GT(peak_before, 0);
+  constexpr uint32_t kClaimed = 1u << 30;  // 1 GiB
+  const unsigned char head[4] = {kClaimed >> 24, (kClaimed >> 16) & 0xff, (kClaimed >> 8) & 0xff, kClaimed & 0xff};
+  ASSERT_EQ(::send(fds_[0], head, 4, 0), 4);
+  ASSERT_EQ(::send(fds_[0], "0123456789", 10, 0), 10);
+  ::close(fds_[0]);
+  fds_[0] = -1;
+  auto got = rp::ReadFrame(fds_[1], int64_t{2} << 30, Soon());
+  EXPECT_EQ(got.status().reason(), "peer_closed") << got.status().ToString();
+  EXPECT_LT(PeakResidentBytes() - peak_before, int64_t{64} << 20) << "the claimed size was committed";
+}
+
 TEST(RuntimeMessages, RepliesAreCheckedField_by_field) {
   EXPECT_EQ(rp::DecodeReply("not msgpack \xc1").status().reason(), "malformed_frame");
   EXPECT_EQ(rp::DecodeReply("\x91\x01").status().reason(), "malformed_frame");  // an array
@@ -288,6 +313,33 @@ ModelConfig WrappedPythonModel(const std::string& dir, const std::string& body) 
   return m;
 }
 
+// A runtime reads no terminal: its stdin is /dev/null (in a background
+// process group, a read of the worker's terminal would stop it).
+TEST(ProcessRuntime, ARuntimesStdinIsDevNull) {
+  std::string dir = (std::filesystem::temp_directory_path() / "shoal-stdin-XXXXXX").string();
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string mark = dir + "/stdin";
+  ModelConfig m = WrappedPythonModel(dir, "readlink /proc/$$/fd/0 > \"$SHOAL_TEST_MARK\"\n");
+  m.process.env.emplace_back("SHOAL_TEST_MARK", mark);
+  // This process's stdin is a pipe meanwhile (a test runner's may be
+  // /dev/null already).
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  const int saved_stdin = ::dup(0);
+  ASSERT_GE(saved_stdin, 0);
+  ASSERT_GE(::dup2(pipe_fds[0], 0), 0);
+  ProcessRuntime rt;
+  const Status loaded = rt.Load(m);
+  ::dup2(saved_stdin, 0);
+  for (int fd : {saved_stdin, pipe_fds[0], pipe_fds[1]}) ::close(fd);
+  ASSERT_TRUE(loaded.ok()) << loaded.ToString();
+  std::string stdin_target;
+  std::getline(std::ifstream(mark), stdin_target);
+  EXPECT_EQ(stdin_target, "/dev/null");
+  rt.Unload();
+  std::filesystem::remove_all(dir);
+}
+
 // A runtime that started once and then cannot start again (its interpreter
 // or model went away) is not restarted forever: after max_failed_starts
 // failed starts in a row it gives up, and Health() says why.
@@ -318,8 +370,11 @@ TEST(ProcessRuntime, GivesUpAfterMaxFailedStartsInARow) {
 // Kills the runtime `m` starts, lets its restart run for `settle`, then
 // unloads: that must not wait for the restart's start timeout (40 s), since
 // the loader thread that unloads holds up every other model's load.
+// Nor is the start it cut short a failed one: with max_failed_starts 1 the
+// runtime would otherwise say it gave up.
 void ExpectUnloadDuringARestartIsQuick(ModelConfig m, std::chrono::milliseconds settle) {
   m.process.start_timeout_ms = 40000;
+  m.process.max_failed_starts = 1;
   ProcessRuntime rt;
   ASSERT_TRUE(rt.Load(m).ok());
   const pid_t first = rt.pid();
@@ -331,6 +386,7 @@ void ExpectUnloadDuringARestartIsQuick(ModelConfig m, std::chrono::milliseconds 
   EXPECT_EQ(unloaded.wait_for(std::chrono::seconds(20)), std::future_status::ready)
       << "Unload waited for the restart";
   unloaded.wait();
+  EXPECT_TRUE(rt.Health().ok()) << rt.Health().ToString();
 }
 
 // While the restarted runtime has not listened yet (a slow import).
