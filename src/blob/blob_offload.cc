@@ -12,6 +12,7 @@ Status BlobOffloadOptions::Validate() const {
   if (threshold_bytes < 0) return InvalidArgument("blob threshold must be >= 0");
   if (threads < 1) return InvalidArgument("blob offload threads must be >= 1");
   if (max_queued_bytes < 1) return InvalidArgument("blob max queued bytes must be positive");
+  if (max_fetched_bytes < 1) return InvalidArgument("blob max fetched bytes must be positive");
   if (sweep_interval_ms < 0) return InvalidArgument("blob sweep interval must be >= 0");
   if (ttl_ms < 1) return InvalidArgument("blob TTL must be positive");
   return Status::Ok();

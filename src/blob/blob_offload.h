@@ -38,6 +38,11 @@ struct BlobOffloadOptions {
   // a store slower than the uploads cannot make them pile up in memory; a
   // payload larger than this is still taken when no other waits.
   int64_t max_queued_bytes = int64_t{1} << 30;
+  // Workers: payloads fetched from the store and not yet answered, all
+  // models together. A pulled message whose payload does not fit waits
+  // (pulled, its progress noted) until room frees; a payload larger than
+  // this is still fetched when no other is held.
+  int64_t max_fetched_bytes = int64_t{1} << 30;
   // Sweep(ttl_ms) every sweep_interval_ms; 0: no sweeping (workers).
   int64_t sweep_interval_ms = 0;
   // Blobs older than this are orphans; far above the longest deadline.

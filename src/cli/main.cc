@@ -126,6 +126,7 @@ struct BlobFlags {
   std::string store;  // empty: the command's default
   std::string threshold = "1MiB";
   std::string max_queued = "1GiB";
+  std::string max_fetched = "1GiB";
   int64_t ttl_ms = int64_t{3600} * 1000;
   int64_t sweep_interval_ms = 15 * 60 * 1000;
 };
@@ -141,6 +142,10 @@ void AddBlob(CLI::App* app, BlobFlags& b, const std::string& default_store) {
       "Payload bytes a gateway holds while they wait to be stored; past it a request that needs the store gets "
       "503 blob_store_busy (B, KiB, MiB, ...)")
       ->check(kByteSize);
+  Opt(app, "--blob-max-fetched", b.max_fetched, "SHOAL_BLOB_MAX_FETCHED",
+      "Payload bytes a worker holds fetched from the store until their work is answered; past it pulled work waits "
+      "for room before its payload is fetched (B, KiB, MiB, ...)")
+      ->check(kByteSize);
   Opt(app, "--blob-ttl-ms", b.ttl_ms, "SHOAL_BLOB_TTL_MS", "Age after which a leftover blob is an orphan and swept");
   Opt(app, "--blob-sweep-interval-ms", b.sweep_interval_ms, "SHOAL_BLOB_SWEEP_INTERVAL_MS",
       "How often a gateway sweeps orphan blobs (0: never)");
@@ -153,6 +158,7 @@ Result<BlobOffloadOptions> ApplyBlob(const BlobFlags& b, const std::string& defa
   if (o.store_url == "none") o.store_url.clear();
   ASSIGN_OR_RETURN(o.threshold_bytes, ParseBytes(b.threshold));
   ASSIGN_OR_RETURN(o.max_queued_bytes, ParseBytes(b.max_queued));
+  ASSIGN_OR_RETURN(o.max_fetched_bytes, ParseBytes(b.max_fetched));
   o.ttl_ms = b.ttl_ms;
   o.sweep_interval_ms = sweeps ? b.sweep_interval_ms : 0;
   RETURN_IF_ERROR(o.Validate());

@@ -19,6 +19,7 @@
 #include "common/model_config.h"
 #include "queue/nats_client.h"
 #include "wire/work_message.h"
+#include "common/byte_budget.h"
 #include "worker/progress_keeper.h"
 
 namespace shoal {
@@ -42,6 +43,9 @@ struct PendingWork {
   // Keeps pulled work ours from its pull until it is answered, however
   // long it waits behind other passes: notes it in progress to JetStream.
   ProgressKeeper::Watch progress;
+  // Its payload's share of the worker's bound on payloads fetched from the
+  // blob store (empty for a payload that came in the message).
+  ByteBudget::Hold payload_hold;
 
   int64_t row_count() const { return static_cast<int64_t>(items.empty() ? rows.size() : items.size()); }
 };

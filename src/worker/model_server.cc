@@ -30,6 +30,9 @@ auto RunGuarded(F&& run) -> decltype(run()) {
 
 // Work handed back because the runtime was unavailable comes back after this.
 constexpr int64_t kRedeliverDelayMs = 250;
+// How long the fetcher waits at a time for room under --blob-max-fetched
+// (it goes round its loop in between, seeing a stop).
+constexpr int64_t kPayloadRoomWaitMs = 50;
 // How long a message run on its own waits for an out-of-process runtime to
 // come back from a restart before it is handed back instead.
 constexpr int64_t kRuntimeBackWaitMs = 5000;
@@ -135,6 +138,8 @@ ModelServer::ModelServer(ModelServerDeps deps)
   cancelled_ = m->GetCounter("shoal_worker_cancelled_total",
                              "Inputs not run, or stopped part-way, because their callers went away.", l);
   redelivered_ = m->GetCounter("shoal_worker_redelivered_total", "Work delivered more than once.", l);
+  payload_waits_ = m->GetCounter("shoal_worker_blob_payload_waits_total",
+                                 "Pulled messages whose offloaded payload waited for room under --blob-max-fetched.", l);
   errors_ = m->GetErrorCodeCounters("shoal_worker_errors_total", "Work answered with an error, by code.", l);
   handed_back_ = HandedBackCounter(*m, d_.config.name);
   load_waits_ = m->GetCounter("shoal_worker_load_waits_total", "Requests that waited for a model to load.", l);
@@ -228,6 +233,18 @@ void ModelServer::Stop() {
     std::lock_guard<std::mutex> lock(mu_);
     MaybeReleaseClaimLocked();
   }
+  // Pulled and still waiting for room for their payloads: back as well.
+  for (PulledWork& p : deferred_) {
+    p.progress.Finish();
+    if (static_cast<int64_t>(p.info.num_delivered) >= d_.max_deliver) {
+      Fail(p.delivery, p.headers, stopping);
+    } else {
+      (void)p.delivery.Nak(hand_back_after_ms);
+      handed_back_->Inc();
+    }
+  }
+  in_hand_ -= deferred_.size();
+  deferred_.clear();
   Release(std::move(left), stopping, hand_back_after_ms);
 }
 
@@ -496,6 +513,11 @@ void ModelServer::FetchLoop() {
       free_tokens = batcher_.FreeTokens();
       free_rows = batcher_.FreeRows();
     }
+    if (!deferred_.empty()) {
+      // Pulled already: in before anything new is pulled.
+      TakeIn(std::exchange(deferred_, {}), /*counted=*/true);
+      continue;
+    }
     if (!d_.runtime->Available()) {
       // The runtime is restarting: leave the work in the queue (for other
       // workers, or for us once it is back) rather than burn deliveries.
@@ -580,65 +602,105 @@ void ModelServer::FetchLoop() {
       continue;
     }
     if (fetched->empty()) continue;
-    InHand in_hand(in_hand_, fetched->size());  // until it is in the batcher (counted again there) or settled
+    InHand in_hand(in_hand_, fetched->size());  // until TakeIn counts them
     LOG_DEBUG("worker", d_.config.name << ": fetched " << fetched->size() << " (asked " << want << ")");
-    const int64_t now_ms = d_.clock->NowUnixMs();
-    std::vector<std::unique_ptr<PendingWork>> ready;
+    std::vector<PulledWork> pulled;
+    pulled.reserve(fetched->size());
     for (Delivery& delivery : *fetched) {
       auto headers = WorkHeadersOrSettle(delivery, d_.client, d_.worker_id);
       if (!headers) continue;
-      const Delivery::Info info = delivery.Metadata();  // one parse per message
-      if (info.num_delivered > 1) redelivered_->Inc();
-      // Before its payload is fetched from the blob store and decoded.
-      if (FailIfExpiredOrCancelled(delivery, *headers, now_ms)) continue;
-      auto work = PrepareDelivery(delivery, *headers);
-      if (!work.ok()) {
-        if (work.status().code() == StatusCode::kUnavailable &&
-            static_cast<int64_t>(info.num_delivered) < d_.max_deliver) {
-          // The blob store did not hand over the payload in time: a later
-          // delivery may find it answering.
-          LOG_WARN("worker", d_.config.name << ": " << work.status().ToString() << "; handing the message back");
-          (void)delivery.Nak(kRedeliverDelayMs);
-          handed_back_->Inc();
-          continue;
+      PulledWork& p = pulled.emplace_back();
+      p.info = delivery.Metadata();  // one parse per message
+      if (p.info.num_delivered > 1) redelivered_->Inc();
+      // Noted in progress from now on: fetching the payloads before it
+      // (from the blob store) may take longer than AckWait.
+      if (d_.progress != nullptr) p.progress = d_.progress->Start({delivery.AckSubject()});
+      p.delivery = std::move(delivery);
+      p.headers = std::move(*headers);
+    }
+    TakeIn(std::move(pulled), /*counted=*/false);
+  }
+}
+
+void ModelServer::TakeIn(std::vector<PulledWork> pulled, bool counted) {
+  InHand in_hand(in_hand_, pulled.size(), counted);  // until it is in the batcher (counted again there) or settled
+  const int64_t now_ms = d_.clock->NowUnixMs();
+  std::vector<std::unique_ptr<PendingWork>> ready;
+  for (size_t i = 0; i < pulled.size(); ++i) {
+    PulledWork& p = pulled[i];
+    Delivery& delivery = p.delivery;
+    wire::WorkHeaders* headers = &p.headers;
+    const Delivery::Info& info = p.info;
+    // Before its payload is fetched from the blob store and decoded.
+    if (FailIfExpiredOrCancelled(delivery, *headers, now_ms)) continue;
+    ByteBudget::Hold payload_hold;
+    if (!headers->payload_ref.empty() && d_.fetched_payloads != nullptr) {
+      // Unparsable: PrepareDelivery answers it (blob_ref_invalid).
+      if (auto ref = ParseBlobRef(headers->payload_ref); ref.ok()) {
+        payload_hold = d_.fetched_payloads->Take(static_cast<int64_t>(ref->size), kPayloadRoomWaitMs);
+        if (!payload_hold.held()) {
+          // The worker holds all the fetched payloads its bound allows:
+          // this message and those after it wait, pulled (their progress
+          // noted), for the next round.
+          for (size_t k = i; k < pulled.size(); ++k) {
+            if (!pulled[k].waited) payload_waits_->Inc();
+            pulled[k].waited = true;
+            deferred_.push_back(std::move(pulled[k]));
+          }
+          in_hand_ += pulled.size() - i;
+          break;
         }
-        Fail(delivery, *headers, work.status());
+      }
+    }
+    auto work = PrepareDelivery(delivery, *headers);
+    if (!work.ok()) {
+      p.progress.Finish();  // before the message is settled or handed back
+      if (work.status().code() == StatusCode::kUnavailable &&
+          static_cast<int64_t>(info.num_delivered) < d_.max_deliver) {
+        // The blob store did not hand over the payload in time: a later
+        // delivery may find it answering.
+        LOG_WARN("worker", d_.config.name << ": " << work.status().ToString() << "; handing the message back");
+        (void)delivery.Nak(kRedeliverDelayMs);
+        handed_back_->Inc();
         continue;
       }
-      const int64_t published_ms = info.published_unix_ms;
-      const int64_t now_mono = d_.clock->NowMonoUs();
-      if (published_ms > 0 && published_ms < d_.loaded_unix_ms && info.num_delivered == 1) {
-        // Queued before this model was loaded here: it waited for the load.
-        load_waits_->Inc();
-        load_wait_seconds_->Observe(static_cast<double>(d_.loaded_unix_ms - published_ms) / 1e3);
-      } else if (published_ms > 0 && info.num_delivered == 1) {
-        pulled_wait_seconds_->Observe(static_cast<double>(std::max<int64_t>(0, now_ms - published_ms)) / 1e3);
-      }
-      (*work)->headers = std::move(*headers);
-      (*work)->delivery = std::move(delivery);
-      if (d_.progress != nullptr) (*work)->progress = d_.progress->Start({(*work)->delivery.AckSubject()});
-      avg_tokens_per_msg_ = 0.9 * avg_tokens_per_msg_ + 0.1 * static_cast<double>((*work)->tokens);
-      const auto rows = static_cast<double>((*work)->row_count());
-      avg_rows_per_msg_ = avg_rows_per_msg_ > 0 ? 0.9 * avg_rows_per_msg_ + 0.1 * rows : rows;
-      (*work)->enqueued_mono_us = now_mono;
-      (*work)->published_mono_us =
-          published_ms > 0 ? now_mono - std::max<int64_t>(0, now_ms - published_ms) * 1000 : now_mono;
-      ready.push_back(std::move(work).value());
+      Fail(delivery, *headers, work.status());
+      continue;
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto& w : ready) {
-        if (d_.held_rows) d_.held_rows->Add(w->row_count());
-        batcher_.Add(std::move(w));
-      }
-      in_hand_ += ready.size();
-      if (!ready.empty() && !claim_held_ && d_.pull_gate != nullptr && d_.pull_gate->bounded()) {
-        d_.pull_gate->Take();  // this model's work now waits for the device
-        claim_held_ = true;
-      }
+    const int64_t published_ms = info.published_unix_ms;
+    const int64_t now_mono = d_.clock->NowMonoUs();
+    if (published_ms > 0 && published_ms < d_.loaded_unix_ms && info.num_delivered == 1) {
+      // Queued before this model was loaded here: it waited for the load.
+      load_waits_->Inc();
+      load_wait_seconds_->Observe(static_cast<double>(d_.loaded_unix_ms - published_ms) / 1e3);
+    } else if (published_ms > 0 && info.num_delivered == 1) {
+      pulled_wait_seconds_->Observe(static_cast<double>(std::max<int64_t>(0, now_ms - published_ms)) / 1e3);
     }
-    if (!ready.empty()) work_cv_.notify_one();
+    (*work)->headers = std::move(*headers);
+    (*work)->delivery = std::move(delivery);
+    (*work)->progress = std::move(p.progress);
+    (*work)->payload_hold = std::move(payload_hold);
+    avg_tokens_per_msg_ = 0.9 * avg_tokens_per_msg_ + 0.1 * static_cast<double>((*work)->tokens);
+    const auto rows = static_cast<double>((*work)->row_count());
+    avg_rows_per_msg_ = avg_rows_per_msg_ > 0 ? 0.9 * avg_rows_per_msg_ + 0.1 * rows : rows;
+    (*work)->enqueued_mono_us = now_mono;
+    (*work)->published_mono_us =
+        published_ms > 0 ? now_mono - std::max<int64_t>(0, now_ms - published_ms) * 1000 : now_mono;
+    ready.push_back(std::move(work).value());
   }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& w : ready) {
+      if (d_.held_rows) d_.held_rows->Add(w->row_count());
+      batcher_.Add(std::move(w));
+    }
+    in_hand_ += ready.size();
+    if (!ready.empty() && !claim_held_ && d_.pull_gate != nullptr && d_.pull_gate->bounded()) {
+      d_.pull_gate->Take();  // this model's work now waits for the device
+      claim_held_ = true;
+    }
+  }
+  if (!ready.empty()) work_cv_.notify_one();
 }
 
 void ModelServer::MaybeReleaseClaimLocked() {

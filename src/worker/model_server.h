@@ -94,6 +94,11 @@ struct ModelServerDeps {
   // Fetches payloads of work messages that carry a reference and offloads
   // large replies; null: a referenced payload is answered blob_store_missing.
   BlobOffload* blob = nullptr;
+  // Worker-wide bound on payloads fetched from the blob store and not yet
+  // answered (may be null: none). A pulled message whose payload does not
+  // fit waits, pulled and noted in progress, until room frees; no new pull
+  // is made meanwhile.
+  ByteBudget* fetched_payloads = nullptr;
   std::function<void()> on_batch;                 // after each batch (marks the model used)
   std::function<int64_t()> backlog;               // messages waiting for this model in the stream
   int64_t loaded_unix_ms = 0;                     // work queued before this waited for the load
@@ -160,6 +165,19 @@ class ModelServer final : public ModelAttachment {
   // sends only its reference (header Shoal-Payload-Ref, empty body).
   Status ReplyByRef(const std::string& encoded, const wire::WorkReply& reply, const std::string& reply_to);
   void FetchLoop();
+  // A message pulled for this model, not yet prepared (fetcher thread).
+  struct PulledWork {
+    Delivery delivery{nullptr, nullptr};
+    wire::WorkHeaders headers;
+    Delivery::Info info;
+    ProgressKeeper::Watch progress;  // from its pull
+    bool waited = false;             // it has waited for room for its payload
+  };
+  // Prepares pulled messages (fetching offloaded payloads) into the
+  // batcher, or answers them; those from the first whose payload finds no
+  // room under fetched_payloads on wait in deferred_. `counted`: they count
+  // in in_hand_ already (they come from deferred_).
+  void TakeIn(std::vector<PulledWork> pulled, bool counted);
   // Gives this server's PullGate claim back once no work of it waits for
   // the device. Requires mu_.
   void MaybeReleaseClaimLocked();
@@ -248,6 +266,9 @@ class ModelServer final : public ModelAttachment {
   double avg_rows_per_msg_ = 0;       // fetcher thread only; 0: none seen yet
   int64_t gated_poll_ms_ = 20;        // fetcher thread only: pull length under a PullGate
   std::atomic<bool> fetcher_done_{false};  // FetchLoop has returned
+  // Fetcher thread only (Stop, once it has joined): pulled messages waiting
+  // for room for their payloads, in order; counted in in_hand_.
+  std::vector<PulledWork> deferred_;
   // Executor thread only: slots held by the current turn (1 without a
   // scheduler); the pass's threads when slots_are_cores, and the weight of
   // its run time in busy_us.
@@ -291,6 +312,7 @@ class ModelServer final : public ModelAttachment {
   Counter* expired_ = nullptr;
   Counter* cancelled_ = nullptr;
   Counter* redelivered_ = nullptr;
+  Counter* payload_waits_ = nullptr;
   // shoal_worker_errors_total{model, code}: codes may be a runtime's or an
   // upstream's own strings, so bounded (per model, across its loads).
   ErrorCodeCounters* errors_ = nullptr;

@@ -51,6 +51,7 @@ class OcrOffloadTest : public ::testing::Test {
     wo.models = {"ocr-eng"};
     wo.intra_op_threads = 1;
     wo.blob.store_url = store_url_;
+    AdjustWorker(wo);
     auto w = Worker::Create(wo, client_.get(), &metrics_);
     ASSERT_TRUE(w.ok()) << w.status().ToString();
     worker_ = std::move(w).value();
@@ -68,6 +69,25 @@ class OcrOffloadTest : public ::testing::Test {
   void TearDown() override {
     if (dispatcher_) dispatcher_->Stop();
     offload_.reset();
+  }
+  // A test's own worker settings, on top of the fixture's.
+  virtual void AdjustWorker(WorkerOptions&) {}
+
+  // Submits one OCR request of the demo image (offloaded: the fixture's
+  // threshold is 0).
+  std::future<Result<ItemResult>> SubmitImage() {
+    ItemJob job;
+    job.task = "ocr";
+    job.model = "ocr-eng";
+    job.items = {Slurp(shoal::testing::SourceDir() + "/testdata/ocr/eng.png")};
+    job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 60000;
+    auto p = std::make_shared<std::promise<Result<ItemResult>>>();
+    auto f = p->get_future();
+    dispatcher_->SubmitItems(std::move(job), [p](Result<ItemResult> r) { p->set_value(std::move(r)); });
+    return f;
+  }
+  double WorkerCounter(const std::string& name) {
+    return metrics_.GetCounter(name, "", {{"model", "ocr-eng"}})->Value();
   }
 
   size_t BlobFiles() const {
@@ -145,14 +165,7 @@ class OcrOffloadTest : public ::testing::Test {
 };
 
 TEST_F(OcrOffloadTest, OffloadedRequestIsAnsweredAndItsBlobDeleted) {
-  ItemJob job;
-  job.task = "ocr";
-  job.model = "ocr-eng";
-  job.items = {Slurp(shoal::testing::SourceDir() + "/testdata/ocr/eng.png")};
-  job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 60000;
-  std::promise<Result<ItemResult>> p;
-  dispatcher_->SubmitItems(std::move(job), [&p](Result<ItemResult> r) { p.set_value(std::move(r)); });
-  auto r = p.get_future().get();
+  auto r = SubmitImage().get();
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_EQ(r->items.size(), 1u);
   EXPECT_NE(r->items[0].find("quick"), std::string::npos);
@@ -160,6 +173,37 @@ TEST_F(OcrOffloadTest, OffloadedRequestIsAnsweredAndItsBlobDeleted) {
   EXPECT_NE(metrics_.Render().find("shoal_blob_fetched_total 1"), std::string::npos);
   for (int i = 0; i < 200 && BlobFiles() > 0; ++i) std::this_thread::sleep_for(50ms);
   EXPECT_EQ(BlobFiles(), 0u);
+}
+
+// A worker holds at most --blob-max-fetched of offloaded payloads (here:
+// one payload at a time, whatever its size). The messages pulled beside
+// the first wait, pulled, for room before their payloads are fetched; their
+// progress is noted from the pull, so none is redelivered though they wait
+// longer than AckWait (300 ms here), and every request is answered.
+class OcrOffloadOnePayloadTest : public OcrOffloadTest {
+ protected:
+  void AdjustWorker(WorkerOptions& wo) override {
+    wo.blob.max_fetched_bytes = 1;
+    wo.consumer.ack_wait_ms = 300;
+  }
+};
+
+TEST_F(OcrOffloadOnePayloadTest, PulledWorkWaitsForRoomBeforeItsPayloadIsFetched) {
+  std::vector<std::future<Result<ItemResult>>> answers;
+  for (int i = 0; i < 8; ++i) answers.push_back(SubmitImage());
+  for (auto& f : answers) {
+    ASSERT_EQ(f.wait_for(60s), std::future_status::ready);
+    auto r = f.get();
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_EQ(r->items.size(), 1u);
+    EXPECT_NE(r->items[0].find("quick"), std::string::npos) << r->items[0];
+  }
+  EXPECT_GT(WorkerCounter("shoal_worker_blob_payload_waits_total"), 0);
+  EXPECT_EQ(WorkerCounter("shoal_worker_redelivered_total"), 0);
+  // Every payload's share given back once its work was answered.
+  EXPECT_TRUE(shoal::testing::Eventually([&] {
+    return metrics_.GetGauge("shoal_worker_blob_fetched_bytes", "")->Value() == 0;
+  }));
 }
 
 TEST_F(OcrOffloadTest, TamperedPayloadIsBlobCorrupt) {

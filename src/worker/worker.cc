@@ -261,6 +261,10 @@ Result<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, Nat
     BlobOffloadOptions bo = options.blob;
     bo.sweep_interval_ms = 0;  // gateways sweep
     ASSIGN_OR_RETURN(w->blob_, BlobOffload::Create(bo, client, metrics, clock));
+    w->fetched_payloads_ = std::make_unique<ByteBudget>(
+        bo.max_fetched_bytes,
+        metrics->GetGauge("shoal_worker_blob_fetched_bytes",
+                          "Offloaded payload bytes this worker holds, fetched from the blob store and not yet answered."));
   }
   ASSIGN_OR_RETURN(w->models_kv_, KvBucket::Open(*client, wire::kModelsBucket, 0));
   ASSIGN_OR_RETURN(w->placement_kv_, KvBucket::Open(*client, wire::kPlacementBucket, options.claim_ttl_ms));
@@ -595,6 +599,7 @@ Result<std::unique_ptr<LoadedModel>> Worker::LoadModel(const ModelConfig& config
   deps.scheduler = scheduler_.get();
   deps.slots_are_cores = slots_are_cores_;
   deps.blob = blob_.get();
+  deps.fetched_payloads = fetched_payloads_.get();
   const std::string name = c.name;
   // The manager itself, not manager_: Stop() resets manager_ (null) while
   // the manager's destructor still stops this server.

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "blob/blob_offload.h"
+#include "common/byte_budget.h"
 #include "common/clock.h"
 #include "common/metrics.h"
 #include "common/model_config.h"
@@ -311,6 +312,7 @@ class Worker {
   std::unique_ptr<KvBucket> placement_kv_;
   // Before the manager: the model servers using it stop first.
   std::unique_ptr<BlobOffload> blob_;
+  std::unique_ptr<ByteBudget> fetched_payloads_;  // with blob_: --blob-max-fetched
   // Used by the model servers: declared before manager_, so they outlive it.
   std::atomic<int64_t> busy_us_{0};           // see busy_seconds()
   std::unique_ptr<HeldRows> held_rows_;       // rows in batchers or running
