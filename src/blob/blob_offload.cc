@@ -182,6 +182,14 @@ Result<BlobRef> BlobOffload::Put(const std::vector<std::string>& pieces, const s
   return ref;
 }
 
+Status BlobOffload::PutFailure(const Status& put, const std::string& what) {
+  if (put.code() == StatusCode::kResourceExhausted)
+    return ResourceExhausted("cannot store " + what + ": " + put.message(),
+                             put.reason().empty() ? std::string(kBlobStoreFull) : put.reason());
+  return Unavailable("cannot store " + what + ": " + put.message(),
+                     put.reason() == "blob_store_busy" ? put.reason() : "blob_store_unavailable");
+}
+
 Result<std::string> BlobOffload::Fetch(std::string_view ref_text) {
   auto ref = ParseBlobRef(ref_text);
   if (!ref.ok()) return Status(StatusCode::kBadGateway, "payload reference: " + ref.status().message(), ref.status().reason());

@@ -82,6 +82,11 @@ class BlobOffload {
   // told from a reference (see IsKind).
   Result<BlobRef> Put(std::string_view data, const std::string& kind);
   Result<BlobRef> Put(const std::vector<std::string>& pieces, const std::string& kind);
+  // What a caller hears when a put of its payload (`what`: "the request
+  // payload", "the result") failed: 429 blob_store_full when the store is
+  // full, 503 blob_store_busy when too much waits to be stored, else 503
+  // blob_store_unavailable (the next try may get through).
+  static Status PutFailure(const Status& put, const std::string& what);
   // Fetches and verifies the payload of a reference's text. Errors keep the
   // store's reason (blob_not_found, blob_corrupt, blob_ref_invalid,
   // blob_store_mismatch) with code BadGateway: a missing or tampered payload

@@ -342,11 +342,7 @@ void Dispatcher::Submit(const std::string& model, int64_t deadline_unix_ms, std:
                          [this, id, c, count, model, worker = p->chunk_worker[c], deadline,
                           estimate](Result<BlobRef> ref) {
                            if (!ref.ok()) {
-                             const Status& st = ref.status();
-                             Complete(id, Status(st.code() == StatusCode::kResourceExhausted ? st.code()
-                                                                                              : StatusCode::kUnavailable,
-                                                 "cannot store the request payload: " + st.message(),
-                                                 st.reason().empty() ? "blob_store_unavailable" : st.reason()));
+                             Complete(id, BlobOffload::PutFailure(ref.status(), "the request payload"));
                              return;
                            }
                            std::string text = ref->ToString();

@@ -293,15 +293,7 @@ Status ModelServer::Reply(const wire::WorkReply& reply, const std::string& reply
 Status ModelServer::ReplyByRef(const std::string& encoded, const wire::WorkReply& reply,
                                const std::string& reply_to) {
   auto ref = d_.blob->Put(encoded, "reply");
-  if (!ref.ok()) {
-    wire::WorkReply error;
-    error.request_id = reply.request_id;
-    error.chunk_index = reply.chunk_index;
-    error.worker_id = reply.worker_id;
-    error.status = Status(StatusCode::kBadGateway, "cannot store the result: " + ref.status().message(),
-                          ref.status().reason());
-    return d_.client->Publish(reply_to, wire::EncodeWorkReply(error));
-  }
+  if (!ref.ok()) return BlobOffload::PutFailure(ref.status(), "the result");
   natsMsg* raw = nullptr;
   if (natsMsg_Create(&raw, reply_to.c_str(), nullptr, nullptr, 0) != NATS_OK) return Internal("cannot build reply");
   NatsMsgPtr msg(raw);
@@ -1068,16 +1060,30 @@ void ModelServer::FinishOne(PendingWork& work, const wire::WorkReply& reply, con
   if (work.items.empty()) tokens_total_->Inc(work.tokens);
   // Reply first, then ack: a crash in between redelivers, never loses.
   if (Status sent = Reply(reply, work.headers.reply_to); !sent.ok()) {
+    if (sent.reason() == "blob_store_unavailable" && !work.delivery.is_core() &&
+        static_cast<int64_t>(work.delivery.NumDelivered()) < d_.max_deliver) {
+      // The result could not be stored for now: run again on a later
+      // delivery (as a payload the store did not hand over is), rather
+      // than fail a request the store may serve in a moment.
+      LOG_WARN("worker", d_.config.name << ": " << sent.ToString() << "; handing the message back");
+      work.progress.Finish();
+      (void)work.delivery.Nak(kRedeliverDelayMs);
+      handed_back_->Inc();
+      return;
+    }
     // The answer did not go out (e.g. over the server's max payload): say
     // so rather than ack work whose caller would never hear of it.
-    Fail(work.delivery, work.headers,
-         sent.code() == StatusCode::kPayloadTooLarge
-             ? Status(StatusCode::kPayloadTooLarge,
-                      "the result is larger than a NATS message may be and this worker has no blob store "
-                      "(--blob-store); send fewer inputs per request: " +
-                          sent.message(),
-                      "result_too_large")
-             : Internal("the reply could not be sent: " + sent.message(), "reply_failed"));
+    Status failure = Internal("the reply could not be sent: " + sent.message(), "reply_failed");
+    if (sent.code() == StatusCode::kPayloadTooLarge) {
+      failure = Status(StatusCode::kPayloadTooLarge,
+                       "the result is larger than a NATS message may be and this worker has no blob store "
+                       "(--blob-store); send fewer inputs per request: " +
+                           sent.message(),
+                       "result_too_large");
+    } else if (sent.reason() == "blob_store_unavailable" || sent.reason() == kBlobStoreFull) {
+      failure = sent;  // 503 / 429: the caller may try again
+    }
+    Fail(work.delivery, work.headers, failure);
     return;
   }
   (void)work.delivery.Ack();

@@ -99,7 +99,10 @@ class OcrOffloadTest : public ::testing::Test {
 
   // Publishes a work message for ocr-eng whose body is only `ref` and
   // returns the worker's reply.
-  wire::WorkReply SendRef(const std::string& ref) {
+  wire::WorkReply SendRef(const std::string& ref) { return SendWork(ref, ""); }
+  // The same for a message carrying reference `ref` (none when empty) and
+  // body `body`. The reply must come in the message (not by reference).
+  wire::WorkReply SendWork(const std::string& ref, const std::string& body) {
     inboxes_.push_back(std::make_unique<Inbox>());
     Inbox& inbox = *inboxes_.back();
     const std::string subject = client_->NewInbox();
@@ -114,14 +117,16 @@ class OcrOffloadTest : public ::testing::Test {
         &inbox);
     EXPECT_TRUE(sub.ok());
     natsMsg* raw = nullptr;
-    EXPECT_EQ(natsMsg_Create(&raw, wire::WorkSubject("ocr-eng").c_str(), nullptr, nullptr, 0), NATS_OK);
+    EXPECT_EQ(natsMsg_Create(&raw, wire::WorkSubject("ocr-eng").c_str(), nullptr, body.data(),
+                             static_cast<int>(body.size())),
+              NATS_OK);
     NatsMsgPtr msg(raw);
     const std::string deadline = std::to_string(SystemClock::Get()->NowUnixMs() + 60000);
     natsMsgHeader_Set(raw, wire::kHdrRequestId, "by-hand");
     natsMsgHeader_Set(raw, wire::kHdrChunk, "0/1");
     natsMsgHeader_Set(raw, wire::kHdrDeadline, deadline.c_str());
     natsMsgHeader_Set(raw, wire::kHdrReplyTo, subject.c_str());
-    natsMsgHeader_Set(raw, wire::kHdrPayloadRef, ref.c_str());
+    if (!ref.empty()) natsMsgHeader_Set(raw, wire::kHdrPayloadRef, ref.c_str());
     EXPECT_TRUE(client_->PublishMsg(raw).ok());
     auto f = inbox.got.get_future();
     if (f.wait_for(60s) != std::future_status::ready) {
@@ -133,12 +138,15 @@ class OcrOffloadTest : public ::testing::Test {
     return reply.ok() ? *reply : wire::WorkReply{};
   }
 
-  std::string StoredWork() {
+  static std::string EncodedWork() {
     wire::WorkBody body;
     body.task = "ocr";
     body.model = "ocr-eng";
     body.items = {Slurp(shoal::testing::SourceDir() + "/testdata/ocr/eng.png")};
-    auto ref = offload_->Put(wire::EncodeWorkBody(body), "request");
+    return wire::EncodeWorkBody(body);
+  }
+  std::string StoredWork() {
+    auto ref = offload_->Put(EncodedWork(), "request");
     EXPECT_TRUE(ref.ok());
     return ref.ok() ? ref->ToString() : "";
   }
@@ -204,6 +212,36 @@ TEST_F(OcrOffloadOnePayloadTest, PulledWorkWaitsForRoomBeforeItsPayloadIsFetched
   EXPECT_TRUE(shoal::testing::Eventually([&] {
     return metrics_.GetGauge("shoal_worker_blob_fetched_bytes", "")->Value() == 0;
   }));
+}
+
+// A result the store cannot take for now (here: the store's directory is a
+// file) is not an error at once: the work is handed back and runs again on
+// a later delivery; on its last one the caller gets 503
+// blob_store_unavailable (the store may take it later), not a final 502.
+class OcrOffloadEveryReplyByRefTest : public OcrOffloadTest {
+ protected:
+  void AdjustWorker(WorkerOptions& wo) override {
+    wo.blob.threshold_bytes = 0;  // every reply goes through the store
+    wo.consumer.max_deliver = 2;
+  }
+};
+
+TEST_F(OcrOffloadEveryReplyByRefTest, AResultTheStoreCannotTakeRunsAgainThen503) {
+  const std::string dir = blobs_.path() + "/blobs";
+  std::filesystem::remove_all(dir);
+  std::ofstream(dir) << "not a directory";
+  const double handed_back = WorkerCounter("shoal_worker_handed_back_total");
+  auto reply = SendWork("", EncodedWork());
+  EXPECT_EQ(reply.status.code(), StatusCode::kUnavailable) << reply.status.ToString();
+  EXPECT_EQ(reply.status.reason(), "blob_store_unavailable");
+  EXPECT_NE(reply.status.message().find("cannot store the result"), std::string::npos) << reply.status.message();
+  EXPECT_EQ(WorkerCounter("shoal_worker_handed_back_total"), handed_back + 1);  // ran on both deliveries
+  // The store back: results go by reference again.
+  std::filesystem::remove(dir);
+  std::filesystem::create_directories(dir);
+  auto r = SubmitImage().get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_NE(r->items[0].find("quick"), std::string::npos);
 }
 
 TEST_F(OcrOffloadTest, TamperedPayloadIsBlobCorrupt) {
