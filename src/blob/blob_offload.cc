@@ -49,8 +49,27 @@ void BlobOffload::Loop() {
     std::function<void()> task;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
-      if (tasks_.empty()) return;  // stopping, and nothing left to do
+      while (tasks_.empty() && !stop_) {
+        if (delete_retries_.empty()) {
+          cv_.wait(lock);
+          continue;
+        }
+        const auto due = delete_retries_.begin();
+        if (due->first > std::chrono::steady_clock::now()) {
+          cv_.wait_until(lock, due->first);
+          continue;
+        }
+        auto [ref_text, attempt] = std::move(due->second);
+        delete_retries_.erase(due);
+        tasks_.push_back([this, ref_text = std::move(ref_text), attempt = attempt] { RunDelete(ref_text, attempt); });
+      }
+      if (tasks_.empty()) {  // stopping, and nothing left to do
+        if (!delete_retries_.empty()) {
+          LOG_WARN("blob", delete_retries_.size() << " failed delete(s) not tried again; the sweep removes them");
+          delete_retries_.clear();
+        }
+        return;
+      }
       task = std::move(tasks_.front());
       tasks_.pop_front();
     }
@@ -132,9 +151,27 @@ void BlobOffload::Post(std::function<void()> task) {
 void BlobOffload::DeleteAsync(std::string ref_text) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    tasks_.push_back([this, ref_text = std::move(ref_text)] {
-      if (Status st = Delete(ref_text); !st.ok()) LOG_WARN("blob", "delete of " << ref_text << " failed: " << st.ToString());
-    });
+    tasks_.push_back([this, ref_text = std::move(ref_text)] { RunDelete(ref_text, 1); });
+  }
+  cv_.notify_one();
+}
+
+void BlobOffload::RunDelete(const std::string& ref_text, int attempt) {
+  constexpr int kTries = 5;
+  Status st = Delete(ref_text);
+  if (st.ok()) return;
+  // A reference that cannot name a blob here will not on the next try.
+  if (attempt >= kTries || st.code() == StatusCode::kInvalidArgument) {
+    LOG_WARN("blob", "delete of " << ref_text << " failed (try " << attempt << "): " << st.ToString()
+                                  << "; left for the sweep");
+    return;
+  }
+  const auto delay = std::chrono::seconds(int64_t{1} << (attempt - 1));
+  LOG_WARN("blob", "delete of " << ref_text << " failed: " << st.ToString() << "; trying again in " << delay.count()
+                                << " s");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    delete_retries_.emplace(std::chrono::steady_clock::now() + delay, std::make_pair(ref_text, attempt + 1));
   }
   cv_.notify_one();
 }

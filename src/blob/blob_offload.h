@@ -12,11 +12,13 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "blob/blob_store.h"
@@ -74,7 +76,9 @@ class BlobOffload {
   // Runs `task` on an offload thread (blocking store calls of a caller that
   // must not block, e.g. fetching a reply on a NATS callback thread).
   void Post(std::function<void()> task);
-  // Deletes the blob on an offload thread; errors are logged.
+  // Deletes the blob on an offload thread. A delete that fails (the store
+  // not answering) is tried again after 1, 2, 4 and 8 s, then left to the
+  // sweep; so are retries still due when the offload is destroyed.
   void DeleteAsync(std::string ref_text);
 
   // Blocking forms for callers on their own threads (the worker). A blob's
@@ -110,6 +114,8 @@ class BlobOffload {
   static std::string NewName(const std::string& kind);
   void Loop();
   void SweepLoop();
+  // Deletes `ref_text`, the `attempt`-th try; schedules the next on failure.
+  void RunDelete(const std::string& ref_text, int attempt);
   void CountPut(const std::string& kind, size_t bytes);
 
   BlobOffloadOptions options_;
@@ -122,6 +128,8 @@ class BlobOffload {
   // (it would go back to sleep and the task would wait for the next one).
   std::condition_variable sweep_cv_;
   std::deque<std::function<void()>> tasks_;
+  // Deletes to try again (guarded by mu_): when, the reference, which try.
+  std::multimap<std::chrono::steady_clock::time_point, std::pair<std::string, int>> delete_retries_;
   int64_t queued_bytes_ = 0;  // guarded by mu_: see max_queued_bytes
   bool stop_ = false;
   std::vector<std::thread> threads_;

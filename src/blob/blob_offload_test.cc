@@ -240,6 +240,21 @@ TEST_F(BlobOffloadTest, PutsWaitingForTheStoreAreBounded) {
   EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
 }
 
+// A delete the store fails (here: its directory is briefly not one) is
+// tried again a second later, not left for the sweep.
+TEST_F(BlobOffloadTest, AFailedDeleteIsTriedAgain) {
+  BlobRef ref = PutAsync("to be deleted once the store answers again");
+  const std::filesystem::path moved = dir_.string() + ".away";
+  std::filesystem::rename(dir_, moved);
+  { std::ofstream(dir_) << "not a directory"; }
+  offload_->DeleteAsync(ref.ToString());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the first try has failed
+  std::filesystem::remove(dir_);
+  std::filesystem::rename(moved, dir_);
+  ASSERT_EQ(Files(), 1u);
+  EXPECT_TRUE(shoal::testing::Eventually([&] { return Files() == 0; }, std::chrono::seconds(5)));
+}
+
 TEST_F(BlobOffloadTest, DeleteAsyncRunsBeforeDestruction) {
   BlobRef ref = PutAsync("to be deleted soon, please");
   offload_->DeleteAsync(ref.ToString());

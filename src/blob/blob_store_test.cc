@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <optional>
 #include <random>
@@ -676,6 +677,81 @@ TEST_F(NatsObjectStoreTest, AFullBucketSaysSo) {
   auto ref = store->Put(RandomBytes(1 << 20));
   EXPECT_STATUS(ref.status(), StatusCode::kResourceExhausted, kBlobStoreFull);
   EXPECT_TRUE(store->Put("small enough").ok());
+}
+
+// Deleting is how a full bucket gets room back, and it refuses even a
+// tombstone: the blob goes without one. (The blob deleted has a long name,
+// so its tombstone is larger than what the small fillers leave free.)
+TEST_F(NatsObjectStoreTest, ADeleteFreesRoomInAFullBucket) {
+  NatsObjectStoreOptions o;
+  o.bucket = "FULL";
+  o.max_bytes = 64 * 1024;
+  auto store = Open(o);
+  ASSERT_TRUE(store);
+  const std::string big(200, 'b');
+  ASSERT_TRUE(store->Put(RandomBytes(32 * 1024), big).ok());
+  int fillers = 0;
+  for (; fillers < 10000; ++fillers) {
+    auto r = store->Put("", "f" + std::to_string(fillers));
+    if (!r.ok()) {
+      ASSERT_EQ(r.status().reason(), kBlobStoreFull) << r.status().ToString();
+      break;
+    }
+  }
+  ASSERT_LT(fillers, 10000) << "never full";
+  Status deleted = store->Delete(big);
+  ASSERT_TRUE(deleted.ok()) << deleted.ToString();
+  EXPECT_EQ(store->Stat(big).status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(store->Put(RandomBytes(16 * 1024)).ok());  // the room came back
+}
+
+// A bucket another client made with settings that would break the store in
+// use (not at once) is refused at start, saying which; a small
+// max_msg_size only makes chunks smaller.
+TEST_F(NatsObjectStoreTest, RefusesABucketThatWouldFailInUse) {
+  const auto make = [&](const std::string& bucket, const std::function<void(jsStreamConfig&)>& set) {
+    const std::string chunks = "$O." + bucket + ".C.>", metas = "$O." + bucket + ".M.>", name = "OBJ_" + bucket;
+    const char* subjects[] = {chunks.c_str(), metas.c_str()};
+    jsStreamConfig cfg;
+    jsStreamConfig_Init(&cfg);
+    cfg.Name = name.c_str();
+    cfg.Subjects = subjects;
+    cfg.SubjectsLen = 2;
+    cfg.AllowRollup = true;
+    cfg.AllowDirect = true;
+    cfg.Discard = js_DiscardNew;
+    set(cfg);
+    jsStreamInfo* si = nullptr;
+    jsErrCode jerr = static_cast<jsErrCode>(0);
+    ASSERT_EQ(js_AddStream(&si, client_->js(), &cfg, nullptr, &jerr), NATS_OK) << bucket << " " << jerr;
+    jsStreamInfo_Destroy(si);
+  };
+  const auto refused = [&](const std::string& bucket, const std::string& why) {
+    NatsObjectStoreOptions o;
+    o.bucket = bucket;
+    auto r = NatsObjectStore::Open(*client_, o);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bucket;
+    EXPECT_NE(r.status().message().find(why), std::string::npos) << r.status().message();
+  };
+  // (deny_purge cannot be: the server refuses it beside allow_rollup_hdrs.)
+  make("DISCARDOLD", [](jsStreamConfig& c) {
+    c.Discard = js_DiscardOld;
+    c.MaxBytes = 1 << 20;
+  });
+  refused("DISCARDOLD", "discards old messages");
+  make("TINYMSGS", [](jsStreamConfig& c) { c.MaxMsgSize = 1024; });
+  refused("TINYMSGS", "at most 1024 bytes");
+  make("SMALLMSGS", [](jsStreamConfig& c) { c.MaxMsgSize = 16 * 1024; });
+  NatsObjectStoreOptions o;
+  o.bucket = "SMALLMSGS";
+  auto store = Open(o);
+  ASSERT_TRUE(store);
+  const std::string data = RandomBytes(200 * 1024);
+  auto ref = store->Put(data);
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  auto got = store->Get(*ref);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(*got, data);
 }
 
 TEST(LocalDirBlobStore, SweepsLeftoverTempFilesAndIgnoresForeignFiles) {

@@ -50,12 +50,46 @@ void OnPublishError(jsCtx*, jsPubAckErr* pae, void* closure) {
 }
 
 Status PublishFailure(const std::string& what, natsStatus s, int js_err, const std::string& text) {
-  // A bucket at its max_bytes (discard new) refuses more: "maximum bytes exceeded".
-  if (text.find("maximum") != std::string::npos || text.find("insufficient resources") != std::string::npos) {
+  // A bucket at its limits (discard new) refuses more: "maximum bytes
+  // exceeded", "maximum messages exceeded", "maximum messages per subject
+  // exceeded"; a server out of storage, "insufficient resources". Not
+  // "message size exceeds maximum allowed" (the stream's max_msg_size),
+  // which no waiting cures.
+  if (text.find("maximum bytes") != std::string::npos || text.find("maximum messages") != std::string::npos ||
+      text.find("insufficient resources") != std::string::npos) {
     return ResourceExhausted(what + ": " + text, kBlobStoreFull);
   }
   Status st = FromNats(s == NATS_OK ? NATS_ERR : s, what, js_err);
   return Status(st.code(), st.message() + (text.empty() ? "" : " (" + text + ")"), st.reason());
+}
+
+// An existing bucket's stream, made by whichever client: one whose
+// settings would break the store in use (rather than at once) is refused
+// at start, saying what to change. Caps options->chunk_bytes at the
+// stream's max_msg_size.
+Status CheckObjectStream(const jsStreamConfig& c, const std::string& stream, NatsObjectStoreOptions* options) {
+  const std::string bucket = "stream " + stream + " (bucket " + options->bucket + ")";
+  if (!c.AllowRollup || !c.AllowDirect)
+    return InvalidArgument(bucket + " is not an object store (needs allow_rollup_hdrs and allow_direct)");
+  const std::string chunks = "$O." + options->bucket + ".C.>", metas = "$O." + options->bucket + ".M.>";
+  bool has_chunks = false, has_metas = false;
+  for (int i = 0; i < c.SubjectsLen; ++i) {
+    has_chunks |= c.Subjects[i] != nullptr && chunks == c.Subjects[i];
+    has_metas |= c.Subjects[i] != nullptr && metas == c.Subjects[i];
+  }
+  if (!has_chunks || !has_metas)
+    return InvalidArgument(bucket + " does not take the object store's subjects " + chunks + " and " + metas);
+  if (c.Sealed) return InvalidArgument(bucket + " is sealed: it takes no new blobs");
+  if (c.Discard == js_DiscardOld && (c.MaxBytes > 0 || c.MaxMsgs > 0))
+    return InvalidArgument(bucket + " discards old messages at its limits: the server would drop chunks of blobs "
+                                    "still in use (object stores discard new; delete the stream to let it be made "
+                                    "again)");
+  constexpr int32_t kMinMsgSize = 4096;  // a meta message must fit
+  if (c.MaxMsgSize > 0 && c.MaxMsgSize < kMinMsgSize)
+    return InvalidArgument(bucket + " takes messages of at most " + std::to_string(c.MaxMsgSize) +
+                           " bytes; an object store needs " + std::to_string(kMinMsgSize) + " at least");
+  if (c.MaxMsgSize > 0 && options->chunk_bytes > c.MaxMsgSize) options->chunk_bytes = c.MaxMsgSize;
+  return Status::Ok();
 }
 
 struct JsCtxDeleter {
@@ -173,13 +207,11 @@ Result<std::unique_ptr<NatsObjectStore>> NatsObjectStore::Open(NatsClient& clien
     }
   }
   if (s != NATS_OK) return FromNats(s, "object store stream " + store->stream_, jerr);
-  const bool rollup = si->Config->AllowRollup, direct = si->Config->AllowDirect;
-  jsStreamInfo_Destroy(si);
-  if (!rollup || !direct) {
-    return InvalidArgument("stream " + store->stream_ + " is not an object store (needs allow_rollup_hdrs and allow_direct)");
-  }
+  std::unique_ptr<jsStreamInfo, void (*)(jsStreamInfo*)> info(si, jsStreamInfo_Destroy);
+  RETURN_IF_ERROR(CheckObjectStream(*info->Config, store->stream_, &store->options_));
   return store;
 }
+
 
 Result<NatsObjectStore::StoredMsg> NatsObjectStore::GetMsg(const std::string& subject, uint64_t seq,
                                                            bool next) {
@@ -544,7 +576,14 @@ Status NatsObjectStore::Delete(const std::string& name) {
     meta.json["size"] = 0;
     meta.json["chunks"] = 0;
     meta.json["digest"] = "";
-    RETURN_IF_ERROR(PublishMeta(meta));
+    if (Status st = PublishMeta(meta); !st.ok()) {
+      if (st.reason() != kBlobStoreFull) return st;
+      // A full bucket refuses even the tombstone, and deleting is how room
+      // comes back: the chunks go, then the meta read (as Sweep removes an
+      // orphan), leaving no tombstone.
+      if (!meta.nuid.empty()) RETURN_IF_ERROR(PurgeSubject(ChunkSubject(meta.nuid)));
+      return PurgeSubject(MetaSubject(name), seq + 1);
+    }
   }
   if (!meta.nuid.empty()) RETURN_IF_ERROR(PurgeSubject(ChunkSubject(meta.nuid)));
   return Status::Ok();
