@@ -739,6 +739,8 @@ TEST_F(NatsObjectStoreTest, RefusesABucketThatWouldFailInUse) {
     c.MaxBytes = 1 << 20;
   });
   refused("DISCARDOLD", "discards old messages");
+  make("PERSUBJECT", [](jsStreamConfig& c) { c.MaxMsgsPerSubject = 8; });
+  refused("PERSUBJECT", "messages per subject");
   make("TINYMSGS", [](jsStreamConfig& c) { c.MaxMsgSize = 1024; });
   refused("TINYMSGS", "at most 1024 bytes");
   make("SMALLMSGS", [](jsStreamConfig& c) { c.MaxMsgSize = 16 * 1024; });

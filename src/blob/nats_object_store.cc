@@ -84,6 +84,10 @@ Status CheckObjectStream(const jsStreamConfig& c, const std::string& stream, Nat
     return InvalidArgument(bucket + " discards old messages at its limits: the server would drop chunks of blobs "
                                     "still in use (object stores discard new; delete the stream to let it be made "
                                     "again)");
+  if (c.MaxMsgsPerSubject > 0)
+    return InvalidArgument(bucket + " keeps at most " + std::to_string(c.MaxMsgsPerSubject) +
+                           " messages per subject: a blob's chunks share one subject, so a larger blob would lose "
+                           "its first chunks");
   constexpr int32_t kMinMsgSize = 4096;  // a meta message must fit
   if (c.MaxMsgSize > 0 && c.MaxMsgSize < kMinMsgSize)
     return InvalidArgument(bucket + " takes messages of at most " + std::to_string(c.MaxMsgSize) +

@@ -1,13 +1,16 @@
 // ByteBudget: bytes held in memory by several threads at once, under one
 // limit (a worker's offloaded payloads fetched from the blob store, all
 // models together). Bytes are taken before they are held and given back by
-// a Hold when the holder is done with them.
+// a Hold when the holder is done with them. Takes that find no room queue,
+// first come first served (a Ticket keeps the place): a large take is not
+// starved by smaller ones that keep fitting beside what is held.
 #pragma once
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <set>
 
 #include "common/metrics.h"
 
@@ -57,19 +60,75 @@ class ByteBudget {
     int64_t bytes_ = 0;
   };
 
+  // A place in the queue of takes waiting for room; leaves it when
+  // destroyed (the taker gave up). Movable.
+  class Ticket {
+   public:
+    Ticket() = default;
+    Ticket(Ticket&& o) noexcept : budget_(o.budget_), id_(o.id_) { o.budget_ = nullptr; }
+    Ticket& operator=(Ticket&& o) noexcept {
+      if (this != &o) {
+        Leave();
+        budget_ = o.budget_;
+        id_ = o.id_;
+        o.budget_ = nullptr;
+      }
+      return *this;
+    }
+    Ticket(const Ticket&) = delete;
+    Ticket& operator=(const Ticket&) = delete;
+    ~Ticket() { Leave(); }
+    bool waiting() const { return budget_ != nullptr; }
+
+   private:
+    friend class ByteBudget;
+    void Leave() {
+      if (budget_ != nullptr) budget_->Leave(id_);
+      budget_ = nullptr;
+    }
+    ByteBudget* budget_ = nullptr;
+    uint64_t id_ = 0;
+  };
+
   // Takes `bytes` when they fit beside what is held, or when nothing is
-  // held (one payload larger than the limit still goes, alone), waiting up
-  // to `wait_ms` for room. An empty Hold when there is none yet.
-  Hold Take(int64_t bytes, int64_t wait_ms = 0) {
+  // held (one payload larger than the limit still goes, alone), and no
+  // earlier take waits; waits up to `wait_ms` for that. An empty Hold when
+  // not yet: `ticket` (may be null: then none is kept) then holds this
+  // take's place in the queue for the next try with it.
+  Hold Take(int64_t bytes, int64_t wait_ms = 0, Ticket* ticket = nullptr) {
     std::unique_lock<std::mutex> lock(mu_);
-    const auto fits = [&] { return limit_ <= 0 || held_ == 0 || held_ + bytes <= limit_; };
-    if (!cv_.wait_for(lock, std::chrono::milliseconds(wait_ms), fits)) return Hold();
+    const auto ours = [&] { return ticket != nullptr && ticket->budget_ == this ? ticket->id_ : uint64_t{0}; };
+    const auto fits = [&] {
+      const bool first = waiting_.empty() || *waiting_.begin() == ours();
+      return first && (limit_ <= 0 || held_ == 0 || held_ + bytes <= limit_);
+    };
+    if (!fits()) {
+      if (ticket != nullptr && ours() == 0) {
+        ticket->Leave();
+        ticket->budget_ = this;
+        ticket->id_ = next_ticket_++;
+        waiting_.insert(ticket->id_);
+      }
+      if (!cv_.wait_for(lock, std::chrono::milliseconds(wait_ms), fits)) return Hold();
+    }
+    if (const uint64_t id = ours(); id != 0) {
+      waiting_.erase(id);
+      ticket->budget_ = nullptr;
+      cv_.notify_all();  // the next in line may fit too
+    }
     held_ += bytes;
     if (gauge_ != nullptr) gauge_->Set(static_cast<double>(held_));
     return Hold(this, bytes);
   }
 
  private:
+  void Leave(uint64_t id) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      waiting_.erase(id);
+    }
+    cv_.notify_all();
+  }
   void Give(int64_t bytes) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -84,6 +143,8 @@ class ByteBudget {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   int64_t held_ = 0;  // guarded by mu_
+  uint64_t next_ticket_ = 1;     // guarded by mu_
+  std::set<uint64_t> waiting_;   // guarded by mu_: tickets of waiting takes, oldest first
 };
 
 }  // namespace shoal

@@ -41,6 +41,31 @@ TEST(ByteBudget, ATakeWaitsForBytesGivenBack) {
   EXPECT_EQ(budget.held(), 0);  // the waiter's hold was a temporary
 }
 
+// First come, first served: a large take that found no room keeps its place
+// (its ticket), and smaller takes that would fit do not go ahead of it.
+TEST(ByteBudget, AWaitingTakeIsNotOvertaken) {
+  ByteBudget budget(100);
+  ByteBudget::Hold first = budget.Take(40);
+  ByteBudget::Ticket big_ticket;
+  EXPECT_FALSE(budget.Take(90, 0, &big_ticket).held());  // 130 > 100: waits, in line
+  EXPECT_TRUE(big_ticket.waiting());
+  ByteBudget::Ticket small_ticket;
+  EXPECT_FALSE(budget.Take(10, 0, &small_ticket).held());  // would fit, but the big one came first
+  first.Reset();
+  EXPECT_FALSE(budget.Take(10, 0, &small_ticket).held());  // still behind it
+  ByteBudget::Hold big = budget.Take(90, 0, &big_ticket);
+  ASSERT_TRUE(big.held());
+  EXPECT_FALSE(big_ticket.waiting());
+  EXPECT_TRUE(budget.Take(10, 0, &small_ticket).held());  // now first in line, and fits
+  // A waiter that gives up (its ticket destroyed) holds no one back.
+  {
+    ByteBudget::Ticket gone;
+    EXPECT_FALSE(budget.Take(50, 0, &gone).held());
+  }
+  big.Reset();
+  EXPECT_TRUE(budget.Take(60).held());
+}
+
 TEST(ByteBudget, UnboundedTakesEverything) {
   ByteBudget budget(0);
   ByteBudget::Hold a = budget.Take(int64_t{1} << 40);

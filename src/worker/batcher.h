@@ -46,6 +46,7 @@ struct PendingWork {
   // Its payload's share of the worker's bound on payloads fetched from the
   // blob store (empty for a payload that came in the message).
   ByteBudget::Hold payload_hold;
+  bool streamed = false;  // partial output went to its caller
 
   int64_t row_count() const { return static_cast<int64_t>(items.empty() ? rows.size() : items.size()); }
 };

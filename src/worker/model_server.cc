@@ -505,16 +505,19 @@ void ModelServer::FetchLoop() {
       free_tokens = batcher_.FreeTokens();
       free_rows = batcher_.FreeRows();
     }
-    if (!deferred_.empty()) {
-      // Pulled already: in before anything new is pulled.
-      TakeIn(std::exchange(deferred_, {}), /*counted=*/true);
-      continue;
-    }
     if (!d_.runtime->Available()) {
       // The runtime is restarting: leave the work in the queue (for other
       // workers, or for us once it is back) rather than burn deliveries.
+      // Work pulled already waits too, out of the line for payload room
+      // (other models' payloads need not wait for this runtime).
+      for (PulledWork& p : deferred_) p.payload_ticket = ByteBudget::Ticket();
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
       ForgetRoomWait();
+      continue;
+    }
+    if (!deferred_.empty()) {
+      // Pulled already: in before anything new is pulled.
+      TakeIn(std::exchange(deferred_, {}), /*counted=*/true);
       continue;
     }
     int want = static_cast<int>(std::clamp<int64_t>(
@@ -629,7 +632,10 @@ void ModelServer::TakeIn(std::vector<PulledWork> pulled, bool counted) {
     if (!headers->payload_ref.empty() && d_.fetched_payloads != nullptr) {
       // Unparsable: PrepareDelivery answers it (blob_ref_invalid).
       if (auto ref = ParseBlobRef(headers->payload_ref); ref.ok()) {
-        payload_hold = d_.fetched_payloads->Take(static_cast<int64_t>(ref->size), kPayloadRoomWaitMs);
+        // The size a reference claims, bounded (it is checked only as the
+        // payload is read).
+        const auto bytes = static_cast<int64_t>(std::min<uint64_t>(ref->size, uint64_t{1} << 50));
+        payload_hold = d_.fetched_payloads->Take(bytes, kPayloadRoomWaitMs, &p.payload_ticket);
         if (!payload_hold.held()) {
           // The worker holds all the fetched payloads its bound allows:
           // this message and those after it wait, pulled (their progress
@@ -1060,11 +1066,13 @@ void ModelServer::FinishOne(PendingWork& work, const wire::WorkReply& reply, con
   if (work.items.empty()) tokens_total_->Inc(work.tokens);
   // Reply first, then ack: a crash in between redelivers, never loses.
   if (Status sent = Reply(reply, work.headers.reply_to); !sent.ok()) {
-    if (sent.reason() == "blob_store_unavailable" && !work.delivery.is_core() &&
+    if (sent.reason() == "blob_store_unavailable" && !work.delivery.is_core() && !work.streamed &&
         static_cast<int64_t>(work.delivery.NumDelivered()) < d_.max_deliver) {
       // The result could not be stored for now: run again on a later
       // delivery (as a payload the store did not hand over is), rather
-      // than fail a request the store may serve in a moment.
+      // than fail a request the store may serve in a moment. Not once its
+      // caller has had part of the output: a run again would stream it
+      // from the start.
       LOG_WARN("worker", d_.config.name << ": " << sent.ToString() << "; handing the message back");
       work.progress.Finish();
       (void)work.delivery.Nak(kRedeliverDelayMs);
@@ -1149,6 +1157,7 @@ Status ModelServer::RunItems(const std::vector<std::unique_ptr<PendingWork>>& wo
     r.seq = seq[i]++;
     r.item = static_cast<int>(k);
     r.items.emplace_back(chunk);
+    work[i]->streamed = true;
     (void)Reply(r, work[i]->headers.reply_to);
   };
   // Results handed over early, per input, and how many inputs of each

@@ -172,6 +172,7 @@ class ModelServer final : public ModelAttachment {
     Delivery::Info info;
     ProgressKeeper::Watch progress;  // from its pull
     bool waited = false;             // it has waited for room for its payload
+    ByteBudget::Ticket payload_ticket;  // its place among takes waiting for room
   };
   // Prepares pulled messages (fetching offloaded payloads) into the
   // batcher, or answers them; those from the first whose payload finds no

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <new>
 
 namespace shoal::runtime_protocol {
 namespace {
@@ -74,14 +75,20 @@ Result<std::string> ReadFrame(int fd, int64_t max_bytes, int64_t deadline_mono_u
                   "runtime sent a frame of " + std::to_string(n) + " bytes; the limit is " + std::to_string(max_bytes),
                   "frame_too_large");
   }
-  // Grown as bytes arrive (doubling from 1 MiB), not committed up front: a
-  // header that claims far more than follows costs no more memory than
-  // what was sent.
-  constexpr size_t kFirstStep = size_t{1} << 20;
+  // Reserved (address space only) and written as bytes arrive, a MiB at a
+  // time: a header that claims far more than follows costs no more memory
+  // than what was sent, and a real frame is never copied.
+  constexpr size_t kStep = size_t{1} << 20;
   std::string out;
+  try {
+    out.reserve(n);
+  } catch (const std::bad_alloc&) {
+    return Status(StatusCode::kResourceExhausted, "no memory for a runtime frame of " + std::to_string(n) + " bytes",
+                  "frame_too_large");
+  }
   while (out.size() < n) {
     const size_t at = out.size();
-    const size_t take = std::min<size_t>(n - at, std::max(kFirstStep, at));
+    const size_t take = std::min<size_t>(n - at, kStep);
     out.resize(at + take);
     RETURN_IF_ERROR(read_exact(out.data() + at, take));
   }

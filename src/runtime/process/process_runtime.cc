@@ -189,15 +189,16 @@ Result<pid_t> Spawn(const std::vector<std::string>& argv, const std::vector<std:
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     UnblockAllSignalsInChild();
     if (::getppid() != parent) ::_exit(127);
-    // No terminal input: in a background group, a read of the worker's
-    // terminal (a debugger, a library's prompt) would stop the runtime
-    // (SIGTTIN) and look like a hang. stdout and stderr stay the worker's.
-    const int devnull = ::open("/dev/null", O_RDONLY);
-    if (devnull < 0 || ::dup2(devnull, 0) < 0) ::_exit(126);
-    if (devnull != 0) ::close(devnull);
     if (::syscall(SYS_close_range, 3U, ~0U, 0U) != 0) {
       for (int fd = 3; fd < 65536; ++fd) ::close(fd);
     }
+    // No terminal input: in a background group, a read of the worker's
+    // terminal (a debugger, a library's prompt) would stop the runtime
+    // (SIGTTIN) and look like a hang. stdout and stderr stay the worker's.
+    // (After the close: a worker at its descriptor limit has room now.)
+    const int devnull = ::open("/dev/null", O_RDONLY);
+    if (devnull < 0 || ::dup2(devnull, 0) < 0) ::_exit(126);
+    if (devnull != 0) ::close(devnull);
     if (::chdir(cwd.c_str()) != 0) ::_exit(126);
     ::execvpe(program.c_str(), args.data(), envp.data());
     ::_exit(127);
