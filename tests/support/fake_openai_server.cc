@@ -151,6 +151,7 @@ class FakeOpenAiServer::Impl {
       while (!ec) sock.read_some(asio::buffer(&byte, 1), ec);  // until the client (or ~Impl) closes it
       return false;
     }
+    if (!ec && reply.break_after_events) return false;  // closed, unended
     if (!ec) asio::write(sock, http::make_chunk_last(), ec);
     return !ec;
   }

@@ -40,6 +40,9 @@ class FakeOpenAiServer {
     // After the events, keep the response open (no last chunk) until the
     // client closes the connection.
     bool stall_after_events = false;
+    // After the events, close the connection without ending the response
+    // (no last chunk): a stream that broke.
+    bool break_after_events = false;
   };
   using Handler = std::function<Reply(const Request&)>;
 

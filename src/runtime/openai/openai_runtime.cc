@@ -114,7 +114,16 @@ Status OpenAiRuntime::Load(const ModelConfig& config) {
     const char* key = std::getenv(openai_.api_key_env.c_str());
     if (key == nullptr || *key == '\0')
       return InvalidArgument("openai.api_key_env names '" + openai_.api_key_env + "', which is not set");
-    o.api_key = key;
+    std::string_view k(key);
+    // A key read from a file (a mounted secret) often ends in a newline.
+    while (!k.empty() && (k.back() == '\n' || k.back() == '\r' || k.back() == ' ' || k.back() == '\t'))
+      k.remove_suffix(1);
+    constexpr size_t kMaxKeyBytes = 8192;
+    if (k.size() > kMaxKeyBytes ||
+        std::any_of(k.begin(), k.end(), [](char ch) { return static_cast<unsigned char>(ch) <= 0x20 || ch == 0x7f; }))
+      return InvalidArgument("the value of " + openai_.api_key_env +
+                             " is not usable as an API key (spaces or control characters inside, or over 8 KiB)");
+    o.api_key = std::string(k);
   }
   ASSIGN_OR_RETURN(client_, UpstreamClient::Create(o));
   config_ = config;
@@ -152,6 +161,13 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsAsReady(const std::vecto
   };
   // Whether item i's caller has gone (asked per stream event).
   auto gone = [&](size_t i) { return static_cast<bool>(calls.cancelled) && calls.cancelled(i); };
+  // Whether item i's upstream request should stop: its caller went away,
+  // or had its 504 at the deadline (the upstream would generate for no one).
+  auto stop = [&](size_t i) { return gone(i) || expired(i); };
+  // What an item stopped that way gets.
+  auto stopped = [&](size_t i) {
+    return gone(i) ? Cancelled() : DeadlineExceeded("the request's deadline passed while the upstream generated");
+  };
   // Why item i is not sent upstream now (OK: it is).
   auto not_sent = [&](size_t i) {
     if (expired(i)) return DeadlineExceeded("the request's deadline passed before it was sent upstream");
@@ -162,8 +178,8 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsAsReady(const std::vecto
   if (items.size() == 1) {
     if (Status skip = not_sent(0); !skip.ok()) return std::vector<std::string>{ItemError(skip)};
     auto out = Generate(
-        items[0], [&](std::string chunk) { if (partial) partial(0, chunk); }, [&] { return gone(0); });
-    if (!out.ok() && gone(0)) return std::vector<std::string>{ItemError(Cancelled())};
+        items[0], [&](std::string chunk) { if (partial) partial(0, chunk); }, [&] { return stop(0); });
+    if (!out.ok() && stop(0)) return std::vector<std::string>{ItemError(stopped(0))};
     if (!out.ok()) return out.status();
     return std::vector<std::string>{std::move(*out)};
   }
@@ -193,7 +209,8 @@ Result<std::vector<std::string>> OpenAiRuntime::RunItemsAsReady(const std::vecto
               events.push_back({i, std::move(chunk), false});
               cv.notify_one();
             },
-            [&, i] { return gone(i); });
+            [&, i] { return stop(i); });
+        if (!results[i].ok() && stop(i)) results[i] = stopped(i);
       }
       std::lock_guard<std::mutex> lock(mu);
       if (done) events.push_back({i, results[i].ok() ? *results[i] : ItemError(results[i].status()), true});
@@ -359,6 +376,8 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item, const std::
                    cancelled));
   if (reply.status / 100 != 2) return UpstreamError(reply.status, reply.body);
   if (!bad.ok()) return bad;
+  // The connection broke: complete only if the events said so.
+  if (!reply.broken.ok() && !done && !finished) return reply.broken;
   if (reply.content_type.find("text/event-stream") == std::string::npos) {
     // The upstream does not stream: its whole answer is the result.
     ASSIGN_OR_RETURN(json doc, ParseAnswer(reply.body, "/" + endpoint));

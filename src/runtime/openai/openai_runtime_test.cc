@@ -18,6 +18,7 @@
 #include "common/clock.h"
 #include "runtime/openai/sse_parser.h"
 #include "support/fake_openai_server.h"
+#include "support/test_env.h"
 
 namespace shoal {
 namespace {
@@ -395,6 +396,45 @@ TEST(OpenAiRuntime, ARequestWhoseCallerWentAwayWhileItWaitedIsClosed) {
   }
 }
 
+// A request whose deadline passes while the upstream streams is closed then
+// (its caller had its 504): the upstream does not generate for no one.
+TEST(OpenAiRuntime, AStreamPastItsDeadlineIsClosed) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request&) {
+    FakeOpenAiServer::Reply reply;
+    reply.events = ChatEvents("t", 40);
+    reply.event_delay_ms = 50;
+    return reply;
+  });
+  auto rt = Loaded(Config("generate", server.url() + "/v1"));
+  std::atomic<int> events{0};
+  ItemCalls calls;
+  calls.partial = [&](size_t, std::string_view) { ++events; };
+  const int64_t deadline = SystemClock::Get()->NowUnixMs() + 400;
+  auto out = rt->RunItemsAsReady({ChatRequest(true)}, {deadline}, calls);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(ParseItemError((*out)[0]).code(), StatusCode::kDeadlineExceeded) << ParseItemError((*out)[0]).ToString();
+  EXPECT_LT(events.load(), 40);
+  EXPECT_TRUE(shoal::testing::Eventually([&] { return server.cut() == 1; }));
+}
+
+// An API key read from a file keeps no trailing newline; one with spaces or
+// control characters inside, and a base_url with them, would break the
+// request line or a header: refused at load.
+TEST(OpenAiRuntime, KeysAndUrlsThatWouldBreakARequestAreRefused) {
+  FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) { return FakeOpenAiServer::Embeddings(r.body); });
+  ::setenv("SHOAL_TEST_KEY_NL", "sk-from-a-file\n", 1);
+  auto rt = Loaded(Config("embed", server.url() + "/v1", R"(,"api_key_env":"SHOAL_TEST_KEY_NL")"));
+  ASSERT_TRUE(rt->RunItems({"hello"}, {}).ok());
+  ASSERT_EQ(server.requests().size(), 1u);
+  EXPECT_EQ(server.requests()[0].authorization, "Bearer sk-from-a-file");
+  ::setenv("SHOAL_TEST_KEY_SP", "sk-one\r\nX-Injected: 1", 1);
+  EXPECT_EQ(OpenAiRuntime().Load(Config("embed", server.url() + "/v1", R"(,"api_key_env":"SHOAL_TEST_KEY_SP")")).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(OpenAiRuntime().Load(Config("embed", server.url() + "/v1 HTTP/1.1")).code(), StatusCode::kInvalidArgument);
+  ::unsetenv("SHOAL_TEST_KEY_NL");
+  ::unsetenv("SHOAL_TEST_KEY_SP");
+}
+
 // How a stream ends: [DONE] (what follows it is ignored) or a finish_reason
 // without [DONE] complete it; a stream that just stops (the connection
 // closed mid-generation) is an upstream error, not a complete answer.
@@ -424,6 +464,30 @@ TEST(OpenAiRuntime, AStreamIsCompleteOnlyWithDoneOrAFinishReason) {
   EXPECT_EQ(cut.code(), StatusCode::kBadGateway) << cut.ToString();
   EXPECT_EQ(cut.reason(), "upstream_error");
   EXPECT_NE(cut.message().find("without [DONE]"), std::string::npos) << cut.ToString();
+}
+
+// The same when the connection breaks (the response never ends): complete
+// if a finish_reason came, else the broken stream is the error.
+TEST(OpenAiRuntime, AStreamThatBreaksAfterAFinishReasonIsComplete) {
+  std::vector<std::string> events;
+  FakeOpenAiServer server([&](const FakeOpenAiServer::Request&) {
+    FakeOpenAiServer::Reply reply;
+    reply.events = events;
+    reply.break_after_events = true;
+    return reply;
+  });
+  auto rt = Loaded(Config("generate", server.url() + "/v1"));
+  const std::string chunk = ChatEvents("a", 1)[0];
+  const std::string last =
+      json{{"choices", json::array({{{"index", 0}, {"delta", json::object()}, {"finish_reason", "stop"}}})}}.dump();
+  events = {chunk, last};
+  auto out = rt->RunItems({ChatRequest(true)}, [](size_t, std::string_view) {});
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(FromMsgpack((*out)[0])["object"], "shoal.stream.end") << FromMsgpack((*out)[0]).dump();
+  events = {chunk, chunk};
+  const Status cut = OnlyError(rt->RunItems({ChatRequest(true)}, [](size_t, std::string_view) {}));
+  EXPECT_EQ(cut.code(), StatusCode::kBadGateway) << cut.ToString();
+  EXPECT_NE(cut.message().find("the stream broke"), std::string::npos) << cut.ToString();
 }
 
 // An upstream that sends [DONE] but keeps the response open: the answer is

@@ -1,5 +1,6 @@
 #include "runtime/openai/upstream_client.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <optional>
 #include <thread>
@@ -32,9 +33,10 @@ struct UpstreamClient::Connection {
 
 // Name resolution (getaddrinfo) cannot be cancelled or bounded, so it runs
 // on a thread of its own, one at a time per client; callers wait for it only
-// until their deadline. An answer is kept for kTtl; an older one is used
-// while a fresh resolution fails or is late, so a DNS outage does not take
-// a reachable upstream away.
+// until their deadline. An answer is kept for kTtl; after that it is still
+// used at once while a fresh resolution runs in the background (and while
+// one fails), so a DNS outage or a slow resolver does not take a reachable
+// upstream away, nor hold up connects.
 struct UpstreamClient::Resolver {
   static constexpr std::chrono::seconds kTtl{30};
   struct Lookup {  // one resolution; outlives its thread's callers
@@ -50,6 +52,7 @@ struct UpstreamClient::Resolver {
     std::shared_ptr<Lookup> lookup;
     {
       std::lock_guard<std::mutex> lock(mu);
+      HarvestLocked();
       if (!last.empty() && Clock::now() - last_at < kTtl) return last;
       if (!in_flight) {
         in_flight = std::make_shared<Lookup>();
@@ -66,6 +69,7 @@ struct UpstreamClient::Resolver {
         }).detach();
       }
       lookup = in_flight;
+      if (!last.empty()) return last;  // old but known: used now, refreshed for later callers
     }
     std::unique_lock<std::mutex> wait(lookup->mu);
     const bool done = lookup->cv.wait_until(wait, deadline, [&] { return lookup->done; });
@@ -82,6 +86,19 @@ struct UpstreamClient::Resolver {
     if (!last.empty()) return last;  // stale, but the best known
     if (!done) return DeadlineExceeded("cannot resolve " + host + " in time", "upstream_timeout");
     return Status(StatusCode::kBadGateway, "cannot resolve " + host + ": " + ec.message(), "upstream_error");
+  }
+
+  // Keeps the answer of a resolution that has ended since it was started
+  // (nobody waited for it). Requires mu.
+  void HarvestLocked() {
+    if (!in_flight) return;
+    std::lock_guard<std::mutex> l(in_flight->mu);
+    if (!in_flight->done) return;
+    if (!in_flight->ec && !in_flight->results.empty()) {
+      last = in_flight->results;
+      last_at = Clock::now();
+    }
+    in_flight.reset();
   }
 
   std::mutex mu;
@@ -159,6 +176,9 @@ Result<std::unique_ptr<UpstreamClient>> UpstreamClient::Create(const UpstreamOpt
     return InvalidArgument("openai.base_url must start with http:// (https is not supported): '" +
                            options.base_url + "'");
   rest = rest.substr(scheme.size());
+  // Goes into the request line and Host header as it is.
+  if (std::any_of(rest.begin(), rest.end(), [](char ch) { return static_cast<unsigned char>(ch) <= 0x20 || ch == 0x7f; }))
+    return InvalidArgument("openai.base_url has spaces or control characters: '" + options.base_url + "'");
   const size_t slash = rest.find('/');
   std::string authority = rest.substr(0, slash);
   c->prefix_ = slash == std::string::npos ? "" : rest.substr(slash);
@@ -261,7 +281,8 @@ Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& 
   c.used = true;
 
   http::request<http::string_body> req{http::verb::post, target, 11};
-  req.set(http::field::host, host_ + ":" + port_);
+  // An IPv6 address in brackets (RFC 7230).
+  req.set(http::field::host, (host_.find(':') != std::string::npos ? "[" + host_ + "]" : host_) + ":" + port_);
   req.set(http::field::user_agent, "shoal");
   req.set(http::field::content_type, "application/json");
   req.set(http::field::accept, on_data ? "text/event-stream, application/json" : "application/json");
@@ -307,7 +328,12 @@ Result<UpstreamReply> UpstreamClient::Attempt(Connection& c, const std::string& 
     while (!parser.is_done()) {
       ec = run([&](auto handler) { http::async_read_some(c.stream, c.buffer, parser, std::move(handler)); });
       if (ec && ended) return reply;  // complete, but the connection is not reusable
-      if (ec) return fail(ec, "the stream broke");
+      if (ec) {
+        Status broke = fail(ec, "the stream broke");
+        if (gave_up || broke.code() == StatusCode::kDeadlineExceeded) return broke;
+        reply.broken = std::move(broke);  // a finish_reason may have come (see UpstreamReply)
+        return reply;
+      }
       std::string& got = parser.get().body();
       if (!got.empty() && !ended) {
         const StreamStep step = on_data(got);

@@ -33,6 +33,9 @@ struct UpstreamReply {
   int status = 0;
   std::string content_type;
   std::string body;  // empty when the body went to a stream callback
+  // Not OK: a streamed body whose connection broke before its end (the
+  // callback's events say whether what came was complete).
+  Status broken;
 };
 
 // What a stream callback wants next.
