@@ -77,8 +77,13 @@ Result<std::unique_ptr<Dispatcher>> Dispatcher::Create(const DispatcherOptions& 
   // JetStream still deduplicates (Nats-Msg-Id, 2 minutes) or still holds,
   // and its callers would get 504s or an earlier caller's answer.
   d->request_prefix_ = options.gateway_id.empty() ? d->id_ + "-" : d->id_ + "-" + RandomId().substr(0, 8) + "-";
-  d->reply_subject_ = "_SHOAL.gw." + d->id_ + ".r";
-  d->ack_prefix_ = "_SHOAL.gw." + d->id_ + ".a.";
+  // The subjects too: two processes given the same --gateway-id (a rolling
+  // restart that overlaps) would otherwise each take the other's replies,
+  // and drop them as duplicates (deleting their blobs).
+  d->subject_prefix_ = "_SHOAL.gw." + d->id_ + ".";
+  if (!options.gateway_id.empty()) d->subject_prefix_.append(RandomId().substr(0, 8)).append(".");
+  d->reply_subject_ = d->subject_prefix_ + "r";
+  d->ack_prefix_ = d->subject_prefix_ + "a.";
   d->published_ = metrics->GetCounter("shoal_gateway_chunks_published_total", "Work messages published.");
   d->duplicates_ = metrics->GetCounter("shoal_gateway_duplicate_replies_total",
                                        "Replies dropped as duplicates (redelivered work).");
@@ -96,8 +101,8 @@ Result<std::unique_ptr<Dispatcher>> Dispatcher::Create(const DispatcherOptions& 
   d->worker_lost_ = metrics->GetCounter("shoal_gateway_push_worker_lost_total",
                                         "Push dispatch: workers dropped (no subscriber or no load report).");
   d->push_ = options.dispatch == "push";
-  d->push_nr_prefix_ = "_SHOAL.gw." + d->id_ + ".n.";
-  ASSIGN_OR_RETURN(d->sub_, client->Subscribe("_SHOAL.gw." + d->id_ + ".>", &Dispatcher::OnMessage, d.get()));
+  d->push_nr_prefix_ = d->subject_prefix_ + "n.";
+  ASSIGN_OR_RETURN(d->sub_, client->Subscribe(d->subject_prefix_ + ">", &Dispatcher::OnMessage, d.get()));
   if (d->push_) {
     ASSIGN_OR_RETURN(d->load_sub_, client->Subscribe(std::string(wire::kLoadSubjectPrefix) + ">",
                                                      &Dispatcher::OnMessage, d.get()));
@@ -686,20 +691,20 @@ void Dispatcher::HandleDecodedReply(wire::WorkReply reply) {
   Complete(id, std::move(p->parts));
 }
 
-void Dispatcher::AnnounceCancel(const std::string& id, Pending& p) {
+void Dispatcher::AnnounceCancel(const std::string& id, Pending& p, bool client_gone) {
   if (p.cancel_sent.exchange(true)) return;
-  cancels_->Inc();
+  if (client_gone) cancels_->Inc();
   if (Status s = client_->Publish(wire::kCancelSubject, id); !s.ok())
     LOG_WARN("gateway", "could not announce the cancel of " << id << ": " << s.ToString());
 }
 
-void Dispatcher::Complete(const std::string& id, Parts result) {
+bool Dispatcher::Complete(const std::string& id, Parts result) {
   std::shared_ptr<Pending> p;
   std::vector<std::string> blob_refs;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_.find(id);
-    if (it == pending_.end()) return;  // already completed
+    if (it == pending_.end()) return false;  // already completed
     p = std::move(it->second);
     pending_.erase(it);
     blob_refs.swap(p->blob_refs);
@@ -711,6 +716,13 @@ void Dispatcher::Complete(const std::string& id, Parts result) {
       }
   }
   if (p->client) p->client->OnGone(nullptr);
+  // A request that failed (its deadline, a chunk's error, a full queue, an
+  // interrupted stream) leaves its other chunks nothing to answer: the
+  // workers are told to drop them, as for a caller that went away. Not at
+  // shutdown: work queued then stays queued.
+  if (!result.ok() && result.status().reason() != "shutting_down" &&
+      std::any_of(p->have.begin(), p->have.end(), [](bool answered) { return !answered; }))
+    AnnounceCancel(id, *p, /*client_gone=*/false);
   // Push: chunks never answered stop counting against their workers.
   for (int c = 0; c < p->chunk_count; ++c)
     if (!p->have[c] && !p->chunk_worker[c].empty()) ReleaseRows(p->chunk_worker[c], p->chunk_rows[c]);
@@ -727,6 +739,7 @@ void Dispatcher::Complete(const std::string& id, Parts result) {
   }
   // The request is answered: its offloaded payloads can go.
   for (auto& ref : blob_refs) offload_->DeleteAsync(std::move(ref));
+  return true;
 }
 
 std::string Dispatcher::PickWorker(const std::string& model, int64_t rows) {
@@ -871,8 +884,9 @@ void Dispatcher::TimerLoop() {
     }
     std::string id = deadlines_.begin()->second;
     lock.unlock();
-    timeouts_->Inc();
-    Complete(id, DeadlineExceeded("the request did not complete before its deadline", "deadline_exceeded"));
+    // Counted only when it was the answer (a reply may have come meanwhile).
+    if (Complete(id, DeadlineExceeded("the request did not complete before its deadline", "deadline_exceeded")))
+      timeouts_->Inc();
     lock.lock();
   }
 }

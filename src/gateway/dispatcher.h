@@ -183,9 +183,10 @@ class Dispatcher final : public WorkSubmitter {
               std::string item_name = {}, std::shared_ptr<ClientPresence> client = {});
   // Whether request `id` still waits for its answer.
   bool IsPending(const std::string& id) const;
-  // The caller of request `id` is gone: tells the workers, once
-  // (wire::kCancelSubject), so they stop what they can of its work.
-  void AnnounceCancel(const std::string& id, Pending& p);
+  // The caller of request `id` is gone (or the request failed: not
+  // `client_gone`): tells the workers, once (wire::kCancelSubject), so they
+  // stop what they can of its work.
+  void AnnounceCancel(const std::string& id, Pending& p, bool client_gone = true);
   // Publishes chunk `c` (its body `data`, or empty with `payload_ref` set);
   // on failure completes the request with the error and returns false.
   // `worker` non-empty: pushed straight to that worker instead of the queue.
@@ -216,7 +217,9 @@ class Dispatcher final : public WorkSubmitter {
   void FetchReply(const std::string& ref, const std::string& request_id, int chunk);
   void HandlePubAck(std::string_view subject_tail, natsMsg* msg);
   // Removes the request and completes it with `result`, once.
-  void Complete(const std::string& id, Parts result);
+  // Answers request `id` with `result`, unless it is answered already
+  // (false).
+  bool Complete(const std::string& id, Parts result);
   void TimerLoop();
   // Push: the worker to send `rows` of `model` to (counted as sent), or
   // empty when no live worker reports it loaded.
@@ -238,6 +241,7 @@ class Dispatcher final : public WorkSubmitter {
   BlobOffload* offload_ = nullptr;
   const Clock* clock_ = nullptr;
   std::string id_;
+  std::string subject_prefix_;  // _SHOAL.gw.<id>. (with a random part under a fixed --gateway-id)
   std::string reply_subject_;   // _SHOAL.gw.<id>.r
   std::string ack_prefix_;      // _SHOAL.gw.<id>.a.
   SubscriptionPtr sub_;

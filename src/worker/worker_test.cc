@@ -13,6 +13,7 @@
 #include <cmath>
 #include <fstream>
 #include <future>
+#include <mutex>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -391,6 +392,72 @@ TEST_F(WorkerTest, AGatewayRestartedUnderAFixedIdIsNotDeduplicatedAway) {
   }
 }
 
+// Two gateway processes given the same --gateway-id (a rolling restart that
+// overlaps) each get their own replies: neither takes the other's for a
+// duplicate of a request it does not know.
+TEST_F(WorkerTest, TwoGatewaysUnderOneIdTakeOnlyTheirOwnReplies) {
+  DispatcherOptions dopt;
+  dopt.gateway_id = "twin-gw";
+  MetricsRegistry ma, mb;
+  auto a = Dispatcher::Create(dopt, client_.get(), &ma);
+  auto b = Dispatcher::Create(dopt, client_.get(), &mb);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE((*a)->reply_subject(), (*b)->reply_subject());
+  for (Dispatcher* d : {a->get(), b->get()}) {
+    EmbedJob job;
+    job.model = "tiny-bert";
+    job.texts = {"one of twins"};
+    job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 10000;
+    std::promise<Result<EmbedResult>> p;
+    d->SubmitEmbed(job, [&p](Result<EmbedResult> r) { p.set_value(std::move(r)); });
+    auto r = p.get_future().get();
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // a stray reply would have come by now
+  for (MetricsRegistry* m : {&ma, &mb})
+    EXPECT_EQ(m->GetCounter("shoal_gateway_duplicate_replies_total", "")->Value(), 0);
+  (*a)->Stop();
+  (*b)->Stop();
+}
+
+// A request that fails (here: at its deadline, nobody serving) tells the
+// workers to drop what is left of its work, as a caller that went away
+// does; counted as a deadline, not as a client gone.
+TEST_F(WorkerTest, AFailedRequestAnnouncesTheCancelOfItsWork) {
+  worker_->Stop();  // no one answers
+  struct FirstCancel {
+    std::promise<std::string> id;
+    std::once_flag once;
+  } cancelled;
+  auto sub = client_->Subscribe(
+      wire::kCancelSubject,
+      [](natsConnection*, natsSubscription*, natsMsg* m, void* c) {
+        auto* first = static_cast<FirstCancel*>(c);
+        std::string id(natsMsg_GetData(m), natsMsg_GetDataLength(m));
+        natsMsg_Destroy(m);
+        std::call_once(first->once, [&] { first->id.set_value(std::move(id)); });
+      },
+      &cancelled);
+  ASSERT_TRUE(sub.ok());
+  ASSERT_TRUE(client_->Flush(2000).ok());
+  MetricsRegistry m;
+  auto d = Dispatcher::Create(DispatcherOptions{}, client_.get(), &m);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  std::promise<Result<EmbedResult>> done;
+  EmbedJob job;
+  job.model = "tiny-bert";
+  job.texts = {"anyone?"};
+  job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 300;
+  (*d)->SubmitEmbed(std::move(job), [&done](Result<EmbedResult> r) { done.set_value(std::move(r)); });
+  EXPECT_EQ(done.get_future().get().status().code(), StatusCode::kDeadlineExceeded);
+  auto f = cancelled.id.get_future();
+  ASSERT_EQ(f.wait_for(std::chrono::seconds(5)), std::future_status::ready) << "no cancel announced";
+  EXPECT_FALSE(f.get().empty());
+  EXPECT_EQ(m.GetCounter("shoal_gateway_cancels_total", "")->Value(), 0);
+  EXPECT_EQ(m.GetCounter("shoal_gateway_deadline_exceeded_total", "")->Value(), 1);
+  (*d)->Stop();
+}
+
 // The gateway's deadline timer runs on the steady clock: a request whose
 // time is up is answered 504 even when the wall clock has just been set an
 // hour back (it used to wait for the wall clock to catch up).
@@ -427,7 +494,7 @@ TEST_F(WorkerTest, AStoppedDispatcherTakesNoMoreReplies) {
   Counter* dropped = m.GetCounter("shoal_gateway_duplicate_replies_total", "");
   wire::WorkReply stray;
   stray.request_id = "stopping-gw-nobody-0";
-  const std::string subject = "_SHOAL.gw.stopping-gw.r";
+  const std::string subject = (*d)->reply_subject();
   ASSERT_TRUE(client_->Publish(subject, wire::EncodeWorkReply(stray)).ok());
   ASSERT_TRUE(client_->Flush(2000).ok());
   for (int i = 0; i < 200 && dropped->Value() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
