@@ -216,6 +216,16 @@ std::vector<std::string> ChatEvents(const std::string& tag, int n) {
   return ev;
 }
 
+// An upstream that streams `n` chat events 50 ms apart to every request.
+FakeOpenAiServer::Handler SlowChatStream(int n) {
+  return [n](const FakeOpenAiServer::Request&) {
+    FakeOpenAiServer::Reply reply;
+    reply.events = ChatEvents("t", n);
+    reply.event_delay_ms = 50;
+    return reply;
+  };
+}
+
 TEST(OpenAiRuntime, StreamsChatEventsToThePartialSink) {
   FakeOpenAiServer server([](const FakeOpenAiServer::Request& r) {
     FakeOpenAiServer::Reply reply;
@@ -326,12 +336,7 @@ TEST(OpenAiRuntime, EachResultIsHandedOverWhenItsRequestEnds) {
 // result is Cancelled(); one not sent yet is not sent. The others of the
 // batch go on.
 TEST(OpenAiRuntime, AStreamWhoseCallerWentAwayIsClosed) {
-  FakeOpenAiServer server([](const FakeOpenAiServer::Request&) {
-    FakeOpenAiServer::Reply reply;
-    reply.events = ChatEvents("t", 20);
-    reply.event_delay_ms = 50;
-    return reply;
-  });
+  FakeOpenAiServer server(SlowChatStream(20));
   auto rt = Loaded(Config("generate", server.url() + "/v1"));
   std::mutex mu;
   std::vector<int> events(2, 0);  // per item
@@ -399,12 +404,7 @@ TEST(OpenAiRuntime, ARequestWhoseCallerWentAwayWhileItWaitedIsClosed) {
 // A request whose deadline passes while the upstream streams is closed then
 // (its caller had its 504): the upstream does not generate for no one.
 TEST(OpenAiRuntime, AStreamPastItsDeadlineIsClosed) {
-  FakeOpenAiServer server([](const FakeOpenAiServer::Request&) {
-    FakeOpenAiServer::Reply reply;
-    reply.events = ChatEvents("t", 40);
-    reply.event_delay_ms = 50;
-    return reply;
-  });
+  FakeOpenAiServer server(SlowChatStream(40));
   auto rt = Loaded(Config("generate", server.url() + "/v1"));
   std::atomic<int> events{0};
   ItemCalls calls;
