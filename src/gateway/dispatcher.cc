@@ -26,6 +26,7 @@ struct Dispatcher::Pending {
   std::vector<int> next_seq;  // per chunk: the number of the partial reply it expects next
   std::shared_ptr<ClientPresence> client;  // see ItemJob::client
   std::atomic<bool> cancel_sent{false};    // the caller went away and the workers were told
+  std::atomic<int> sent{0};  // chunks published (and not refused by the stream): work that may run
   std::vector<wire::WorkReply> parts;
   std::vector<std::string> blob_refs;  // offloaded chunks, deleted on completion; guarded by mu_
   // Push: per chunk, the worker it went to (empty: the queue) and its rows.
@@ -403,7 +404,13 @@ bool Dispatcher::PublishChunk(const std::string& id, int c, int count, const std
     return false;
   }
   (worker.empty() ? published_ : pushed_)->Inc();
+  AddSent(id, 1);
   return true;
+}
+
+void Dispatcher::AddSent(const std::string& id, int n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = pending_.find(id); it != pending_.end()) it->second->sent += n;
 }
 
 void Dispatcher::RequestLoad(const std::string& model) {
@@ -573,6 +580,7 @@ void Dispatcher::HandlePubAck(std::string_view tail, natsMsg* msg) {
   }
   std::string_view data(natsMsg_GetData(msg), static_cast<size_t>(natsMsg_GetDataLength(msg)));
   if (data.find("\"error\"") == std::string_view::npos) return;  // stored
+  AddSent(id, -1);  // refused: not in the queue
   if (data.find("maximum messages") != std::string_view::npos ||
       data.find("maximum bytes") != std::string_view::npos ||
       data.find("resource limits") != std::string_view::npos ||
@@ -657,6 +665,7 @@ void Dispatcher::HandleDecodedReply(wire::WorkReply reply) {
       }
     } else if (!reply.status.ok()) {
       error = reply.status;
+      p->have[c] = true;  // answered (with the error): nothing of it is left to run
       // An input the worker found bad (its reason names the kind of input,
       // as invalid_image does): say which one (a chunk of an item job holds
       // one input). Other errors, such as a model that does not do the
@@ -717,11 +726,12 @@ bool Dispatcher::Complete(const std::string& id, Parts result) {
   }
   if (p->client) p->client->OnGone(nullptr);
   // A request that failed (its deadline, a chunk's error, a full queue, an
-  // interrupted stream) leaves its other chunks nothing to answer: the
-  // workers are told to drop them, as for a caller that went away. Not at
-  // shutdown: work queued then stays queued.
-  if (!result.ok() && result.status().reason() != "shutting_down" &&
-      std::any_of(p->have.begin(), p->have.end(), [](bool answered) { return !answered; }))
+  // interrupted stream, the gateway stopping) leaves the work it sent that
+  // is not answered yet nothing to answer: the workers are told to drop
+  // it, as for a caller that went away. Nothing is announced when none of
+  // its work is out (refused before it was queued, or its one chunk failed).
+  if (!result.ok() &&
+      p->sent.load() > static_cast<int>(std::count(p->have.begin(), p->have.end(), true)))
     AnnounceCancel(id, *p, /*client_gone=*/false);
   // Push: chunks never answered stop counting against their workers.
   for (int c = 0; c < p->chunk_count; ++c)

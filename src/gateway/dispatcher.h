@@ -193,6 +193,8 @@ class Dispatcher final : public WorkSubmitter {
   bool PublishChunk(const std::string& id, int c, int count, const std::string& model, const std::string& worker,
                     const std::string& deadline, int64_t estimate, std::string_view data,
                     const std::string& payload_ref);
+  // Counts `n` more chunks of request `id` as sent (see Pending::sent).
+  void AddSent(const std::string& id, int n);
   static void OnMessage(natsConnection*, natsSubscription*, natsMsg*, void* closure);
   // A reply that came inline: handled now, or queued behind a reply by
   // reference of the same request still being fetched.

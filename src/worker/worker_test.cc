@@ -458,6 +458,39 @@ TEST_F(WorkerTest, AFailedRequestAnnouncesTheCancelOfItsWork) {
   (*d)->Stop();
 }
 
+// A request whose one chunk was answered with an error has no work left:
+// no cancel is announced for it (under overload, needless ones would crowd
+// real ones out of the workers' memory of cancels).
+TEST_F(WorkerTest, ARequestWithNoWorkLeftAnnouncesNoCancel) {
+  std::atomic<int> cancels{0};
+  auto sub = client_->Subscribe(
+      wire::kCancelSubject,
+      [](natsConnection*, natsSubscription*, natsMsg* m, void* c) {
+        natsMsg_Destroy(m);
+        ++*static_cast<std::atomic<int>*>(c);
+      },
+      &cancels);
+  ASSERT_TRUE(sub.ok());
+  ASSERT_TRUE(client_->Flush(2000).ok());
+  MetricsRegistry m;
+  auto d = Dispatcher::Create(DispatcherOptions{}, client_.get(), &m);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  ItemJob job;
+  job.task = "ocr";  // tiny-bert embeds text: the worker answers with an error
+  job.model = "tiny-bert";
+  job.items = {"not an image"};
+  job.deadline_unix_ms = SystemClock::Get()->NowUnixMs() + 10000;
+  std::promise<Result<ItemResult>> done;
+  (*d)->SubmitItems(std::move(job), [&done](Result<ItemResult> r) { done.set_value(std::move(r)); });
+  auto r = done.get_future().get();
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().ToString();
+  ASSERT_TRUE(client_->Flush(2000).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(cancels.load(), 0);
+  (*d)->Stop();
+}
+
 // The gateway's deadline timer runs on the steady clock: a request whose
 // time is up is answered 504 even when the wall clock has just been set an
 // hour back (it used to wait for the wall clock to catch up).
