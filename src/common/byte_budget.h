@@ -96,6 +96,9 @@ class ByteBudget {
   // not yet: `ticket` (may be null: then none is kept) then holds this
   // take's place in the queue for the next try with it.
   Hold Take(int64_t bytes, int64_t wait_ms = 0, Ticket* ticket = nullptr) {
+    // A place in another budget's line is given up first (not under this
+    // budget's lock: the other's is taken).
+    if (ticket != nullptr && ticket->budget_ != nullptr && ticket->budget_ != this) ticket->Leave();
     std::unique_lock<std::mutex> lock(mu_);
     const auto ours = [&] { return ticket != nullptr && ticket->budget_ == this ? ticket->id_ : uint64_t{0}; };
     const auto fits = [&] {
@@ -104,7 +107,6 @@ class ByteBudget {
     };
     if (!fits()) {
       if (ticket != nullptr && ours() == 0) {
-        ticket->Leave();
         ticket->budget_ = this;
         ticket->id_ = next_ticket_++;
         waiting_.insert(ticket->id_);

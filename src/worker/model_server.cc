@@ -234,17 +234,7 @@ void ModelServer::Stop() {
     MaybeReleaseClaimLocked();
   }
   // Pulled and still waiting for room for their payloads: back as well.
-  for (PulledWork& p : deferred_) {
-    p.progress.Finish();
-    if (static_cast<int64_t>(p.info.num_delivered) >= d_.max_deliver) {
-      Fail(p.delivery, p.headers, stopping);
-    } else {
-      (void)p.delivery.Nak(hand_back_after_ms);
-      handed_back_->Inc();
-    }
-  }
-  in_hand_ -= deferred_.size();
-  deferred_.clear();
+  HandBackDeferred(hand_back_after_ms, stopping);
   Release(std::move(left), stopping, hand_back_after_ms);
 }
 
@@ -495,6 +485,18 @@ void ModelServer::FetchLoop() {
     // The worker is stopping (its device turns are over): what would be
     // pulled now could never run, only wait to be handed back.
     if (d_.scheduler != nullptr && d_.scheduler->shut_down()) break;
+    if (!deferred_.empty()) {
+      // Pulled already: taken in before anything new is pulled, whether
+      // the batcher has room or not (a message keeping its place in the
+      // line for payload room must not wait on anything else meanwhile).
+      if (!d_.runtime->Available()) {
+        HoldDeferredWhileRuntimeDown();
+        continue;
+      }
+      deferred_down_since_us_ = 0;
+      TakeIn(std::exchange(deferred_, {}), /*counted=*/true);
+      continue;
+    }
     int64_t free_tokens = 0, free_rows = 0;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -508,16 +510,8 @@ void ModelServer::FetchLoop() {
     if (!d_.runtime->Available()) {
       // The runtime is restarting: leave the work in the queue (for other
       // workers, or for us once it is back) rather than burn deliveries.
-      // Work pulled already waits too, out of the line for payload room
-      // (other models' payloads need not wait for this runtime).
-      for (PulledWork& p : deferred_) p.payload_ticket = ByteBudget::Ticket();
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
       ForgetRoomWait();
-      continue;
-    }
-    if (!deferred_.empty()) {
-      // Pulled already: in before anything new is pulled.
-      TakeIn(std::exchange(deferred_, {}), /*counted=*/true);
       continue;
     }
     int want = static_cast<int>(std::clamp<int64_t>(
@@ -615,6 +609,48 @@ void ModelServer::FetchLoop() {
     }
     TakeIn(std::move(pulled), /*counted=*/false);
   }
+}
+
+void ModelServer::HoldDeferredWhileRuntimeDown() {
+  // Out of the line for payload room: other models' payloads need not wait
+  // for this runtime. Work whose caller stopped waiting is answered now.
+  const int64_t now_ms = d_.clock->NowUnixMs();
+  std::vector<PulledWork> keep;
+  for (PulledWork& p : deferred_) {
+    p.payload_ticket = ByteBudget::Ticket();
+    if (FailIfExpiredOrCancelled(p.delivery, p.headers, now_ms)) {
+      --in_hand_;
+      continue;
+    }
+    keep.push_back(std::move(p));
+  }
+  deferred_ = std::move(keep);
+  const int64_t now_us = d_.clock->NowMonoUs();
+  if (deferred_down_since_us_ == 0) {
+    deferred_down_since_us_ = now_us;
+  } else if (now_us - deferred_down_since_us_ >= kRuntimeBackWaitMs * 1000) {
+    // Down for longer than a restart takes: back to the queue, for a worker
+    // whose runtime is up (as a batch that waited for it would be).
+    HandBackDeferred(kRedeliverDelayMs,
+                     Unavailable("model '" + d_.config.name + "' runtime was unavailable on every delivery of this work",
+                                 "runtime_unavailable"));
+    deferred_down_since_us_ = 0;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+}
+
+void ModelServer::HandBackDeferred(int64_t delay_ms, const Status& last_chance) {
+  for (PulledWork& p : deferred_) {
+    p.progress.Finish();  // before the message is settled or handed back
+    if (static_cast<int64_t>(p.info.num_delivered) >= d_.max_deliver) {
+      Fail(p.delivery, p.headers, last_chance);
+    } else {
+      (void)p.delivery.Nak(delay_ms);
+      handed_back_->Inc();
+    }
+  }
+  in_hand_ -= deferred_.size();
+  deferred_.clear();
 }
 
 void ModelServer::TakeIn(std::vector<PulledWork> pulled, bool counted) {

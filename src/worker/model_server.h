@@ -179,6 +179,13 @@ class ModelServer final : public ModelAttachment {
   // room under fetched_payloads on wait in deferred_. `counted`: they count
   // in in_hand_ already (they come from deferred_).
   void TakeIn(std::vector<PulledWork> pulled, bool counted);
+  // While the runtime is down: deferred_ leaves the line for payload room
+  // and is answered where its caller stopped waiting; past
+  // kRuntimeBackWaitMs of it, handed back. Sleeps a little.
+  void HoldDeferredWhileRuntimeDown();
+  // Hands deferred_ back to the queue (after `delay_ms`), failing with
+  // `last_chance` what is on its last delivery.
+  void HandBackDeferred(int64_t delay_ms, const Status& last_chance);
   // Gives this server's PullGate claim back once no work of it waits for
   // the device. Requires mu_.
   void MaybeReleaseClaimLocked();
@@ -270,6 +277,7 @@ class ModelServer final : public ModelAttachment {
   // Fetcher thread only (Stop, once it has joined): pulled messages waiting
   // for room for their payloads, in order; counted in in_hand_.
   std::vector<PulledWork> deferred_;
+  int64_t deferred_down_since_us_ = 0;  // fetcher thread: since when deferred_ waits for the runtime
   // Executor thread only: slots held by the current turn (1 without a
   // scheduler); the pass's threads when slots_are_cores, and the weight of
   // its run time in busy_us.

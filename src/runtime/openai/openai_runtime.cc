@@ -1,6 +1,7 @@
 #include "runtime/openai/openai_runtime.h"
 
 #include <algorithm>
+#include <set>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -119,6 +120,8 @@ Status OpenAiRuntime::Load(const ModelConfig& config) {
     while (!k.empty() && (k.back() == '\n' || k.back() == '\r' || k.back() == ' ' || k.back() == '\t'))
       k.remove_suffix(1);
     constexpr size_t kMaxKeyBytes = 8192;
+    if (k.empty())
+      return InvalidArgument("openai.api_key_env names '" + openai_.api_key_env + "', which holds only whitespace");
     if (k.size() > kMaxKeyBytes ||
         std::any_of(k.begin(), k.end(), [](char ch) { return static_cast<unsigned char>(ch) <= 0x20 || ch == 0x7f; }))
       return InvalidArgument("the value of " + openai_.api_key_env +
@@ -333,7 +336,9 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item, const std::
   }
   int64_t events = 0;
   bool done = false;
-  bool finished = false;  // an event gave a finish_reason
+  // Choices seen, and those a finish_reason ended: the stream is complete
+  // once every choice seen has ended (n > 1 streams several).
+  std::set<int64_t> choices_seen, choices_ended;
   Status bad;
   SseParser sse([&](std::string_view data) {
     if (done) return true;  // what follows [DONE] in the same piece is ignored
@@ -348,9 +353,17 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item, const std::
     }
     json& ev = *parsed;
     if (auto c = ev.find("choices"); c != ev.end() && c->is_array())
-      for (const json& choice : *c)
-        if (choice.is_object() && choice.contains("finish_reason") && !choice["finish_reason"].is_null())
-          finished = true;
+      for (const json& choice : *c) {
+        if (!choice.is_object()) continue;
+        const int64_t index = choice.contains("index") && choice["index"].is_number_integer()
+                                  ? choice["index"].get<int64_t>()
+                                  : 0;
+        constexpr size_t kMaxChoices = 4096;  // bounded against a hostile upstream
+        if (choices_seen.size() < kMaxChoices) choices_seen.insert(index);
+        if (choice.contains("finish_reason") && !choice["finish_reason"].is_null() &&
+            choices_ended.size() < kMaxChoices)
+          choices_ended.insert(index);
+      }
     if (ev.contains("error") && !ev.contains("choices")) {
       // vLLM and others report a failure mid-stream as an error event.
       const json& e = ev["error"];
@@ -377,7 +390,11 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item, const std::
   if (reply.status / 100 != 2) return UpstreamError(reply.status, reply.body);
   if (!bad.ok()) return bad;
   // The connection broke: complete only if the events said so.
-  if (!reply.broken.ok() && !done && !finished) return reply.broken;
+  const auto finished = [&] {
+    return !choices_seen.empty() &&
+           std::includes(choices_ended.begin(), choices_ended.end(), choices_seen.begin(), choices_seen.end());
+  };
+  if (!reply.broken.ok() && !done && !finished()) return reply.broken;
   if (reply.content_type.find("text/event-stream") == std::string::npos) {
     // The upstream does not stream: its whole answer is the result.
     ASSIGN_OR_RETURN(json doc, ParseAnswer(reply.body, "/" + endpoint));
@@ -389,7 +406,7 @@ Result<std::string> OpenAiRuntime::Generate(const std::string& item, const std::
   }
   // A stream cut off by a closed connection looks like one that ended: only
   // [DONE] or a finish_reason says the generation is complete.
-  if (!done && !finished)
+  if (!done && !finished())
     return BadUpstream("an event stream that ended after " + std::to_string(events) +
                        " events without [DONE] or a finish_reason (cut off?)");
   return ToMsgpack(json{{"object", "shoal.stream.end"}, {"events", events}});

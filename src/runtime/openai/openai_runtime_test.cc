@@ -431,6 +431,9 @@ TEST(OpenAiRuntime, KeysAndUrlsThatWouldBreakARequestAreRefused) {
   EXPECT_EQ(OpenAiRuntime().Load(Config("embed", server.url() + "/v1", R"(,"api_key_env":"SHOAL_TEST_KEY_SP")")).code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(OpenAiRuntime().Load(Config("embed", server.url() + "/v1 HTTP/1.1")).code(), StatusCode::kInvalidArgument);
+  ::setenv("SHOAL_TEST_KEY_SP", "\n", 1);  // an empty secret: not a key
+  EXPECT_EQ(OpenAiRuntime().Load(Config("embed", server.url() + "/v1", R"(,"api_key_env":"SHOAL_TEST_KEY_SP")")).code(),
+            StatusCode::kInvalidArgument);
   ::unsetenv("SHOAL_TEST_KEY_NL");
   ::unsetenv("SHOAL_TEST_KEY_SP");
 }
@@ -488,6 +491,19 @@ TEST(OpenAiRuntime, AStreamThatBreaksAfterAFinishReasonIsComplete) {
   const Status cut = OnlyError(rt->RunItems({ChatRequest(true)}, [](size_t, std::string_view) {}));
   EXPECT_EQ(cut.code(), StatusCode::kBadGateway) << cut.ToString();
   EXPECT_NE(cut.message().find("the stream broke"), std::string::npos) << cut.ToString();
+  // Several choices (n > 1): complete only once every one has ended.
+  const auto choice = [](int index, bool last) {
+    json c = {{"index", index}, {"delta", {{"content", "x"}}}};
+    c["finish_reason"] = last ? json("stop") : json(nullptr);
+    return json{{"choices", json::array({c})}}.dump();
+  };
+  events = {choice(0, false), choice(1, false), choice(0, true)};
+  const Status half = OnlyError(rt->RunItems({ChatRequest(true)}, [](size_t, std::string_view) {}));
+  EXPECT_NE(half.message().find("the stream broke"), std::string::npos) << half.ToString();
+  events = {choice(0, false), choice(1, false), choice(0, true), choice(1, true)};
+  out = rt->RunItems({ChatRequest(true)}, [](size_t, std::string_view) {});
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(FromMsgpack((*out)[0])["object"], "shoal.stream.end") << FromMsgpack((*out)[0]).dump();
 }
 
 // An upstream that sends [DONE] but keeps the response open: the answer is
