@@ -288,6 +288,11 @@ class Stack {
     ASSIGN_OR_RETURN(s->worker_, Worker::Create(wo, s->client_.get(), &s->metrics_));
     GatewayOptions go;
     go.http.port = 0;
+    // The open loop keeps a connection per outstanding request (up to
+    // LoadOptions::max_connections, 8192): requests waiting seconds for a
+    // load would otherwise meet the gateway's default cap (4096, 503
+    // server_busy), and the run would measure the cap, not serving.
+    go.http.max_connections = 16384;
     ASSIGN_OR_RETURN(s->gateway_, Gateway::Create(go, s->client_.get(), &s->metrics_));
     return s;
   }
