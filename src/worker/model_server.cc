@@ -257,16 +257,19 @@ std::optional<wire::WorkHeaders> WorkHeadersOrSettle(Delivery& delivery, NatsCli
 
 void ModelServer::Release(std::vector<std::unique_ptr<PendingWork>> work, const Status& last_chance,
                           int64_t delay_ms) {
-  for (auto& w : work) {
-    // Pushed work has no queue to go back to: its caller hears now.
-    if (w->delivery.is_core() || static_cast<int64_t>(w->delivery.NumDelivered()) >= d_.max_deliver) {
-      Fail(w->delivery, w->headers, last_chance);
-    } else {
-      w->progress.Finish();
-      (void)w->delivery.Nak(delay_ms);
-      handed_back_->Inc();
-    }
+  for (auto& w : work) HandBackOrFail(w->delivery, w->headers, w->progress, last_chance, delay_ms);
+}
+
+void ModelServer::HandBackOrFail(Delivery& delivery, const wire::WorkHeaders& headers,
+                                 ProgressKeeper::Watch& progress, const Status& last_chance, int64_t delay_ms) {
+  progress.Finish();  // before the message is settled or handed back
+  // Pushed work has no queue to go back to: its caller hears now.
+  if (delivery.is_core() || static_cast<int64_t>(delivery.NumDelivered()) >= d_.max_deliver) {
+    Fail(delivery, headers, last_chance);
+    return;
   }
+  (void)delivery.Nak(delay_ms);
+  handed_back_->Inc();
 }
 
 Status ModelServer::Reply(const wire::WorkReply& reply, const std::string& reply_to) {
@@ -640,15 +643,7 @@ void ModelServer::HoldDeferredWhileRuntimeDown() {
 }
 
 void ModelServer::HandBackDeferred(int64_t delay_ms, const Status& last_chance) {
-  for (PulledWork& p : deferred_) {
-    p.progress.Finish();  // before the message is settled or handed back
-    if (static_cast<int64_t>(p.info.num_delivered) >= d_.max_deliver) {
-      Fail(p.delivery, p.headers, last_chance);
-    } else {
-      (void)p.delivery.Nak(delay_ms);
-      handed_back_->Inc();
-    }
-  }
+  for (PulledWork& p : deferred_) HandBackOrFail(p.delivery, p.headers, p.progress, last_chance, delay_ms);
   in_hand_ -= deferred_.size();
   deferred_.clear();
 }
@@ -688,16 +683,14 @@ void ModelServer::TakeIn(std::vector<PulledWork> pulled, bool counted) {
     }
     auto work = PrepareDelivery(delivery, *headers);
     if (!work.ok()) {
-      p.progress.Finish();  // before the message is settled or handed back
-      if (work.status().code() == StatusCode::kUnavailable &&
-          static_cast<int64_t>(info.num_delivered) < d_.max_deliver) {
+      if (work.status().code() == StatusCode::kUnavailable) {
         // The blob store did not hand over the payload in time: a later
-        // delivery may find it answering.
+        // delivery may find it answering (its last one answers with this).
         LOG_WARN("worker", d_.config.name << ": " << work.status().ToString() << "; handing the message back");
-        (void)delivery.Nak(kRedeliverDelayMs);
-        handed_back_->Inc();
+        HandBackOrFail(delivery, *headers, p.progress, work.status(), kRedeliverDelayMs);
         continue;
       }
+      p.progress.Finish();  // before the message is settled
       Fail(delivery, *headers, work.status());
       continue;
     }
@@ -1102,17 +1095,14 @@ void ModelServer::FinishOne(PendingWork& work, const wire::WorkReply& reply, con
   if (work.items.empty()) tokens_total_->Inc(work.tokens);
   // Reply first, then ack: a crash in between redelivers, never loses.
   if (Status sent = Reply(reply, work.headers.reply_to); !sent.ok()) {
-    if (sent.reason() == "blob_store_unavailable" && !work.delivery.is_core() && !work.streamed &&
-        static_cast<int64_t>(work.delivery.NumDelivered()) < d_.max_deliver) {
+    if (sent.reason() == "blob_store_unavailable" && !work.streamed) {
       // The result could not be stored for now: run again on a later
       // delivery (as a payload the store did not hand over is), rather
-      // than fail a request the store may serve in a moment. Not once its
-      // caller has had part of the output: a run again would stream it
-      // from the start.
+      // than fail a request the store may serve in a moment; the last one
+      // answers with this. Not once its caller has had part of the output:
+      // a run again would stream it from the start.
       LOG_WARN("worker", d_.config.name << ": " << sent.ToString() << "; handing the message back");
-      work.progress.Finish();
-      (void)work.delivery.Nak(kRedeliverDelayMs);
-      handed_back_->Inc();
+      HandBackOrFail(work.delivery, work.headers, work.progress, sent, kRedeliverDelayMs);
       return;
     }
     // The answer did not go out (e.g. over the server's max payload): say

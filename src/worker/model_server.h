@@ -236,6 +236,11 @@ class ModelServer final : public ModelAttachment {
   // work on its last allowed delivery: its caller gets `last_chance` (a
   // message past MaxDeliver would sit in the queue unanswered).
   void Release(std::vector<std::unique_ptr<PendingWork>> work, const Status& last_chance, int64_t delay_ms = 0);
+  // Release for one message: its progress notes stop, then it goes back to
+  // the queue (after `delay_ms`), or is answered `last_chance` when it
+  // cannot (pushed, or on its last allowed delivery).
+  void HandBackOrFail(Delivery& delivery, const wire::WorkHeaders& headers, ProgressKeeper::Watch& progress,
+                      const Status& last_chance, int64_t delay_ms);
   // Publishes an error reply (when the caller can be reached) and terms.
   void Fail(Delivery& delivery, const wire::WorkHeaders& headers, const Status& status);
   // Work whose deadline passed by `now_unix_ms` is answered as expired
